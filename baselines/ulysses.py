@@ -1,0 +1,64 @@
+"""DeepSpeed-Ulysses-style attention (Jacobs et al., arXiv 2309.14509), written on upipe's pieces.
+
+All heads at once: project Q, K, V for the local shard, RoPE at global positions, one
+sequence->head all-to-all per tensor (rank r gets heads [r*H/C, (r+1)*H/C) over the full
+sequence), attention, one all-to-all back, output projection. Plain autograd: the all-to-alls'
+backward is the opposite all-to-all, and the kernel saves its Q/K/V/out/LSE, so every head's
+buffers are alive at once -- the memory UPipe reduces. KV heads fewer than ranks are replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed import ProcessGroup
+
+from upipe.comm import group_size, head_to_seq_autograd, seq_to_head_autograd
+from upipe.kernels import attention
+from upipe.module import ContextParallelAttention, check_ulysses_heads
+from upipe.registry import register_method
+from upipe.rope import apply_rope
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: ProcessGroup | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Ulysses core on projected, rotated, sequence-sharded tensors (differentiable).
+
+    Args:
+        q: (B, L, H, D); k, v: (B, L, Hkv, D), this rank's contiguous shard.
+    Returns:
+        (B, L, H, D), heads in model order.
+    """
+    cp = group_size(group)
+    check_ulysses_heads(q.shape[2], k.shape[2], cp)
+    if k.shape[2] < cp:  # replicate so each rank owns one KV head; autograd sums the grads back
+        rep = cp // k.shape[2]
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    qh, kh, vh = (seq_to_head_autograd(t, group) for t in (q, k, v))
+    oh = attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel)
+    return head_to_seq_autograd(oh, group)
+
+
+@register_method("ulysses")
+class UlyssesAttention(ContextParallelAttention):
+    """Ulysses attention module; forward(x_local (B, L, dim)) -> (B, L, dim)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.check_input(x)
+        b, l, _ = x.shape
+        d = self.head_dim
+        cos, sin = self.rope(l, x)
+        q = apply_rope(self.wq(x).view(b, l, self.n_heads, d), cos, sin)
+        k = apply_rope(self.wk(x).view(b, l, self.n_kv_heads, d), cos, sin)
+        v = self.wv(x).view(b, l, self.n_kv_heads, d)
+        o = ulysses_attention(
+            q, k, v, group=self.group, causal=self.causal, kernel=self.kernel
+        )
+        return self.wo(o.reshape(b, l, self.n_heads * d))

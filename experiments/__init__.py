@@ -1,0 +1,1 @@
+"""The benchmark harness: measurement (memory tracker, collective counter) and benchmarks."""

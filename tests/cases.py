@@ -1,0 +1,87 @@
+"""Per-rank bodies of the distributed tests (module-level so they pickle to spawned ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from upipe import LlamaAttention, build_method
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One correctness case: a method against the single-device reference."""
+
+    method: str
+    n_heads: int
+    n_kv_heads: int
+    seq: int
+    causal: bool = True
+    dtype: str = "fp32"
+    head_dim: int = 16
+    batch: int = 2
+    options: dict = field(default_factory=dict)
+
+    @property
+    def dim(self) -> int:
+        return 48  # deliberately not n_heads * head_dim: projections are rectangular
+
+    def __hash__(self):
+        return hash((self.method, self.n_heads, self.n_kv_heads, self.seq, self.causal,
+                     self.dtype, tuple(sorted(self.options.items()))))
+
+
+def _reference_grads(ref, x, dy):
+    x = x.detach().requires_grad_(True)
+    y = ref(x)
+    y.backward(dy)
+    return y.detach(), x.grad, {n: p.grad for n, p in ref.named_parameters()}
+
+
+def compare_with_reference(case: Case) -> dict[str, float]:
+    """Run ``case`` on this rank; return {quantity: max abs error, ``ref_*``: reference error}.
+
+    Recipe (STYLE.md item 7): same seed everywhere, full inputs and output gradient on every
+    rank, an fp64 single-device ground truth, the reference in the case's dtype (its own
+    rounding error sets the tolerance), the method on its own shard via its layout helper, and
+    the weight gradients summed over ranks (CP ranks each see only their tokens).
+    """
+    torch.manual_seed(1234)
+    dtype = DTYPES[case.dtype]
+    ref = LlamaAttention(case.dim, case.n_heads, case.n_kv_heads, case.head_dim,
+                         causal=case.causal).double()
+    x = torch.randn(case.batch, case.seq, case.dim, dtype=torch.float64)
+    dy = torch.randn_like(x)
+    y64, dx64, dw64 = _reference_grads(ref, x, dy)
+
+    ref_lp = LlamaAttention(case.dim, case.n_heads, case.n_kv_heads, case.head_dim,
+                            causal=case.causal).to(dtype)
+    ref_lp.load_state_dict(ref.state_dict())
+    y_lp, dx_lp, dw_lp = _reference_grads(ref_lp, x.to(dtype), dy.to(dtype))
+
+    m = build_method(case.method, case.dim, case.n_heads, case.n_kv_heads, case.head_dim,
+                     group=dist.group.WORLD, causal=case.causal, **case.options).to(dtype)
+    m.load_state_dict(ref.state_dict())
+    x_loc = m.shard(x.to(dtype)).detach().requires_grad_(True)
+    y_loc = m(x_loc)
+    y_loc.backward(m.shard(dy.to(dtype)))
+    # fp32 reduction, as FSDP reduce-scatters gradients (bf16 partial sums would add rounding)
+    dw = {n: p.grad.float() for n, p in m.named_parameters()}
+    for g in dw.values():
+        dist.all_reduce(g)
+
+    err = lambda a, b: (a.double() - b.double()).abs().max().item()  # noqa: E731
+    out = {
+        "y": err(y_loc, m.shard(y64)), "ref_y": err(y_lp, y64),
+        "dx": err(x_loc.grad, m.shard(dx64)), "ref_dx": err(dx_lp, dx64),
+        "scale_y": y64.abs().max().item(), "scale_dx": dx64.abs().max().item(),
+    }
+    for n in dw64:
+        out[n] = err(dw[n], dw64[n])
+        out["ref_" + n] = err(dw_lp[n], dw64[n])
+        out["scale_" + n] = dw64[n].abs().max().item()
+    return out

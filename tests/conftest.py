@@ -1,0 +1,39 @@
+import pytest
+import torch
+
+from dist_pool import DistPool
+
+_POOLS: dict[tuple[int, bool], DistPool] = {}
+
+
+@pytest.fixture(scope="session")
+def dist_pool():
+    """``dist_pool(W)`` -> a DistPool of W gloo ranks, shared by the whole session.
+
+    ``dist_pool(P, fake=True)`` -> one process on the fake process group playing rank 0 of P.
+    """
+
+    def get(world: int, fake: bool = False) -> DistPool:
+        key = (world, fake)
+        if key not in _POOLS:
+            _POOLS[key] = DistPool(world, fake_world=world if fake else None)
+        return _POOLS[key]
+
+    yield get
+    for pool in _POOLS.values():
+        pool.close()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests skip with a reason when no CUDA device is present."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none present)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,67 @@
+"""Every CP method against the single-device reference (STYLE.md item 7), on 1, 2 and 4 ranks.
+
+Tolerance (Flash-Attention's rule, tests/test_flash_attn.py there): against an fp64 ground truth,
+a method's error may be at most twice the error of the plain-PyTorch reference computed in the
+same dtype, plus a floor of a few ulps of the quantity's magnitude for the case where the
+reference happens to be (near-)exact. Quantities: output, dx and all four weight gradients
+(summed over ranks in fp32, as FSDP reduces them), max over every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cases import Case, compare_with_reference
+
+METHODS = ("upipe", "ulysses", "ds-ulysses")
+QUANTITIES = ("y", "dx", "wq.weight", "wk.weight", "wv.weight", "wo.weight")
+# ulps-of-magnitude floor: 2^-23 (fp32) and 2^-8 (bf16) mantissa steps, times a small factor
+FLOOR = {"fp32": 8 * 2.0**-23, "bf16": 2 * 2.0**-8}
+
+# (world, n_heads, n_kv_heads, seq): MHA, GQA, KV heads fewer than ranks, odd lengths
+# (15 and 11 tokens per rank), 12 heads (not a power of two).
+HEADS = [
+    (1, 8, 8, 37), (1, 8, 2, 37), (1, 12, 4, 37),
+    (2, 8, 8, 30), (2, 8, 2, 30), (2, 16, 4, 30), (2, 12, 4, 30), (2, 4, 1, 30),
+    (4, 8, 8, 44), (4, 8, 2, 44), (4, 16, 4, 44),
+]
+
+
+def _stage_options(world: int, n_heads: int) -> list[dict]:
+    """UPipe's U values for a head count: C (default), 2C and H when valid and distinct."""
+    us = sorted({u for u in (world, 2 * world, n_heads) if n_heads % u == 0})
+    return [{"heads_per_stage": u} for u in us]
+
+
+def _cases() -> list:
+    out = []
+    for world, h, hkv, seq in HEADS:
+        for method in METHODS:
+            opts = _stage_options(world, h) if method == "upipe" else [{}]
+            for o in opts:
+                for causal in (True, False):
+                    for dtype in ("fp32", "bf16"):
+                        case = Case(method, h, hkv, seq, causal=causal, dtype=dtype, options=o)
+                        u = f"-U{o['heads_per_stage']}" if o else ""
+                        cid = f"{method}{u}-w{world}-h{h}kv{hkv}-s{seq}-" + (
+                            "causal" if causal else "full") + f"-{dtype}"
+                        out.append(pytest.param(world, case, id=cid))
+    return out
+
+
+def assert_close_to_reference(results: list[dict], case: Case) -> None:
+    failures = []
+    for q in QUANTITIES:
+        err = max(r[q] for r in results)
+        ref = max(r["ref_" + q] for r in results)
+        tol = 2 * ref + FLOOR[case.dtype] * max(r["scale_" + q] for r in results)
+        if not err <= tol:
+            failures.append(f"{q}: error {err:.3e} > tol {tol:.3e} (reference's own {ref:.3e})")
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.parametrize("world,case", _cases())
+def test_matches_reference(dist_pool, world, case):
+    results = dist_pool(world).run(compare_with_reference, case)
+    assert len(results) == world
+    assert_close_to_reference(results, case)

@@ -1,0 +1,98 @@
+"""Kernel dispatch: SDPA vs the math reference vs fp64, forward (out, lse) and backward, GQA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from upipe.kernels import attention, attention_backward, attention_forward, flash_attn_available
+
+
+def _inputs(s, hq, hkv, d, dtype, device="cpu"):
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, s, h, d, dtype=torch.float64) for h in (hq, hkv, hkv))
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v)], (q, k, v)
+
+
+def _dense_fp64(q, k, v, causal):
+    """Autograd fp64 attention with K/V repeated: independent of the kernels under test."""
+    g = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) / q.shape[-1] ** 0.5
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    lse = s.logsumexp(-1)
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vv), lse
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "math"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (4, 1)])
+def test_forward_backward_against_fp64(kernel, causal, hq, hkv):
+    (q, k, v), ref_in = _inputs(29, hq, hkv, 8, torch.float32)
+    out, lse = attention_forward(q, k, v, causal=causal, kernel=kernel)
+    ref_in = [t.requires_grad_(True) for t in ref_in]
+    ref_out, ref_lse = _dense_fp64(*ref_in, causal)
+    dout = torch.randn_like(ref_out)
+    ref_grads = torch.autograd.grad(ref_out, ref_in, dout)
+    grads = attention_backward(dout.float(), q, k, v, out, lse, causal=causal, kernel=kernel)
+    # fp32 kernels against fp64: a few fp32 ulps of O(1) values
+    tol = dict(atol=2e-5, rtol=2e-5)
+    assert lse.dtype == torch.float32 and lse.shape == (2, hq, 29)
+    torch.testing.assert_close(out.double(), ref_out.detach(), **tol)
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), **tol)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert g.shape == r.shape
+        torch.testing.assert_close(g.double(), r, **tol)
+
+
+def test_autograd_wrapper_matches_explicit_backward():
+    (q, k, v), _ = _inputs(16, 4, 2, 8, torch.float32)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    out = attention(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    o, lse = attention_forward(q, k, v, causal=True)
+    expect = attention_backward(dout, q, k, v, o, lse, causal=True)
+    for got, exp in zip((q.grad, k.grad, v.grad), expect, strict=True):
+        assert torch.equal(got, exp)
+
+
+def test_unknown_kernel_is_a_value_error():
+    (q, k, v), _ = _inputs(4, 2, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        attention_forward(q, k, v, causal=True, kernel="cudnn")
+
+
+@pytest.mark.skipif(flash_attn_available(), reason="flash-attn is installed")
+def test_flash_attn_missing_gives_clear_error():
+    (q, k, v), _ = _inputs(4, 2, 2, 8, torch.float32)
+    with pytest.raises(RuntimeError, match=r"needs the optional flash-attn package"):
+        attention_forward(q, k, v, causal=True, kernel="flash-attn")
+
+
+@pytest.mark.gpu
+class TestCUDAKernels:
+    @pytest.mark.parametrize("kernel", ["sdpa", "math"])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_cuda_matches_fp64(self, kernel, dtype):
+        (q, k, v), ref_in = _inputs(64, 8, 2, 64, dtype, "cuda")
+        out, lse = attention_forward(q, k, v, causal=True, kernel=kernel)
+        ref_in = [t.requires_grad_(True) for t in ref_in]
+        ref_out, _ = _dense_fp64(*ref_in, True)
+        dout = torch.randn_like(ref_out)
+        ref_grads = torch.autograd.grad(ref_out, ref_in, dout)
+        grads = attention_backward(dout.to("cuda", dtype), q, k, v, out, lse, causal=True,
+                                   kernel=kernel)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4  # bf16: 2^-8 relative on O(1) values
+        torch.testing.assert_close(out.double().cpu(), ref_out.detach(), atol=tol, rtol=tol)
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g.double().cpu(), r, atol=tol * 4, rtol=tol * 4)
+
+    @pytest.mark.skipif(not flash_attn_available(), reason="flash-attn not installed")
+    def test_flash_attn_matches_sdpa(self):
+        (q, k, v), _ = _inputs(128, 8, 2, 64, torch.bfloat16, "cuda")
+        o1, l1 = attention_forward(q, k, v, causal=True, kernel="flash-attn")
+        o2, l2 = attention_forward(q, k, v, causal=True, kernel="sdpa")
+        torch.testing.assert_close(o1, o2, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(l1, l2, atol=1e-3, rtol=1e-3)

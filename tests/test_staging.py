@@ -1,0 +1,58 @@
+"""UPipe's head schedule: coverage, GQA consistency per rank, K/V reuse, bit-exact reordering."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from upipe.staging import make_stage_plan
+
+CONFIGS = [  # (n_heads, n_kv_heads, cp, heads_per_stage)
+    (32, 8, 4, 4), (32, 8, 4, 8), (32, 8, 8, 8), (64, 8, 8, 8), (64, 8, 8, 16), (64, 8, 8, 64),
+    (8, 8, 2, 2), (8, 2, 2, 4), (12, 4, 2, 6), (12, 4, 2, 2), (4, 1, 2, 2), (8, 2, 4, 4),
+    (16, 4, 4, 8), (24, 8, 4, 12), (6, 3, 3, 3), (32, 1, 8, 8),
+]
+
+
+@pytest.mark.parametrize("h,hkv,c,u", CONFIGS)
+def test_plan_invariants(h, hkv, c, u):
+    plan = make_stage_plan(h, hkv, c, u)
+    g = h // hkv
+    q_heads = [q for b in plan.blocks for s in b.stages for q in s]
+    assert sorted(q_heads) == list(range(h)), "every query head exactly once"
+    assert plan.n_stages == h // u
+    u_kv = len(plan.blocks[0].kv_heads)
+    assert u_kv % c == 0, "each rank gets the same number of KV heads"
+    for block in plan.blocks:
+        a = u // len(block.kv_heads)  # query heads per KV slot in a stage
+        for stage in block.stages:
+            assert len(stage) == u
+            for pos, q in enumerate(stage):
+                # local query head pos in the rank's chunk uses the rank's KV slot pos // a,
+                # which must hold this query head's own KV head (model order GQA mapping)
+                assert block.kv_heads[pos // a] == q // g
+    # K/V of a block are sent once and reused by all its stages: blocks cover KV heads once
+    # (or each replica once when n_kv_heads < cp).
+    kv_slots = [kv for b in plan.blocks for kv in b.kv_heads]
+    assert sorted(kv_slots) == sorted(list(range(hkv)) * max(1, c // hkv))
+
+
+def test_paper_default_one_query_head_per_kv_group():
+    """U = C <= H_kv: every stage takes one query head from each of U different KV groups."""
+    plan = make_stage_plan(32, 8, 8, 8)
+    assert plan.n_blocks == 1 and plan.n_stages == 4  # K/V sent once, reused for g = 4 stages
+    for stage in plan.blocks[0].stages:
+        assert sorted(q // 4 for q in stage) == list(range(8))
+
+
+@pytest.mark.parametrize("h,hkv,c,u", CONFIGS)
+def test_reordering_round_trip_is_bit_exact(h, hkv, c, u):
+    """Gathering each stage's heads and writing them back at their indices is the identity."""
+    plan = make_stage_plan(h, hkv, c, u)
+    x = torch.randn(2, 5, h, 3)
+    out = torch.full_like(x, float("nan"))
+    for block in plan.blocks:
+        for stage in block.stages:
+            idx = torch.tensor(stage)
+            out.index_copy_(2, idx, x.index_select(2, idx))
+    assert torch.equal(out, x)

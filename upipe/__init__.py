@@ -1,0 +1,34 @@
+"""upipe: UPipe (Untied Ulysses) context-parallel attention and the shared CP building blocks."""
+
+from upipe.comm import head_to_seq, head_to_seq_autograd, seq_to_head, seq_to_head_autograd
+from upipe.kernels import KERNELS, attention, attention_backward, attention_forward
+from upipe.module import ContextParallelAttention
+from upipe.reference import LlamaAttention
+from upipe.registry import available_methods, build_method, get_method, register_method
+from upipe.rope import apply_rope, apply_rope_inverse, rope_tables
+from upipe.staging import StagePlan, make_stage_plan
+from upipe.untied import UPipeAttention, upipe_attention
+
+__all__ = [
+    "KERNELS",
+    "ContextParallelAttention",
+    "LlamaAttention",
+    "StagePlan",
+    "UPipeAttention",
+    "apply_rope",
+    "apply_rope_inverse",
+    "attention",
+    "attention_backward",
+    "attention_forward",
+    "available_methods",
+    "build_method",
+    "get_method",
+    "head_to_seq",
+    "head_to_seq_autograd",
+    "make_stage_plan",
+    "register_method",
+    "rope_tables",
+    "seq_to_head",
+    "seq_to_head_autograd",
+    "upipe_attention",
+]

@@ -1,0 +1,292 @@
+"""Attention kernel dispatch: forward returning (out, logsumexp) and the matching backward.
+
+Every method calls attention through these two functions so that the kernel is a config axis.
+Tensors use the (batch, seq, heads, head_dim) layout ("BSHD", flash-attn's); GQA is expressed by
+``k``/``v`` having fewer heads than ``q`` (query head h uses KV head h // (Hq/Hkv)).
+
+Kernels (selected by name):
+
+* ``"sdpa"`` -- PyTorch's SDPA kernels called through their private aten ops, because the public
+  ``F.scaled_dot_product_attention`` does not return the log-sum-exp that UPipe and the ring
+  methods need. CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (+ backward; native GQA).
+  CUDA: ``_scaled_dot_product_flash_attention`` for fp16/bf16, ``_efficient_attention`` for fp32
+  (K/V expanded to the query heads for GQA, their gradients summed back).
+* ``"math"`` -- plain PyTorch, fp32 (fp64 for fp64 inputs) softmax; materialises (S, S) scores.
+  The readable reference every other kernel is tested against. GQA via a reshape, no repeat.
+* ``"flash-attn"`` -- Dao-AILab flash-attn 2 (CUDA only), behind an import check.
+* ``"auto"`` -- ``"sdpa"`` (the project's default on CPU and CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+KERNELS = ("auto", "sdpa", "math", "flash-attn")
+
+
+def check_kernel(name: str) -> str:
+    """Validate a kernel name and resolve ``"auto"``; raises ``ValueError`` naming the field."""
+    if name not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
+    return "sdpa" if name == "auto" else name
+
+
+def flash_attn_available() -> bool:
+    """True when the optional flash-attn package imports (it needs CUDA)."""
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _default_scale(q: torch.Tensor, scale: float | None) -> float:
+    return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    kernel: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every query over every key (full-sequence, S_q == S_k when causal).
+
+    Args:
+        q: (B, S_q, Hq, D); k, v: (B, S_k, Hkv, D) with Hq % Hkv == 0.
+        causal: mask key j > query i (top-left aligned).
+        scale: softmax scale, default 1/sqrt(D).
+        kernel: a name from :data:`KERNELS`.
+
+    Returns:
+        out (B, S_q, Hq, D) in q's dtype, lse (B, Hq, S_q) fp32 (natural log of the softmax
+        denominator of the scaled scores).
+    """
+    kernel = check_kernel(kernel)
+    scale = _default_scale(q, scale)
+    if kernel == "math":
+        return _math_forward(q, k, v, causal, scale)
+    if kernel == "flash-attn":
+        return _flash_attn_forward(q, k, v, causal, scale)
+    if q.device.type == "cuda":
+        return _sdpa_cuda_forward(q, k, v, causal, scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
+    )
+    return out.transpose(1, 2), lse
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    kernel: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`attention_forward` from its saved ``out`` and ``lse``.
+
+    Shapes as in :func:`attention_forward`; ``dout`` like ``out``. Returns (dq, dk, dv) with the
+    shapes of (q, k, v): for GQA, dk/dv are already summed over each KV head's query heads.
+    """
+    kernel = check_kernel(kernel)
+    scale = _default_scale(q, scale)
+    if kernel == "math":
+        return _math_backward(dout, q, k, v, out, lse, causal, scale)
+    if kernel == "flash-attn":
+        return _flash_attn_backward(dout, q, k, v, out, lse, causal, scale)
+    if q.device.type == "cuda":
+        return _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731  BSHD <-> BHSD views
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        t(dout), t(q), t(k), t(v), t(out), lse, 0.0, causal, scale=scale
+    )
+    return t(dq), t(dk), t(dv)
+
+
+# ---------------------------------------------------------------------------------------------
+# math reference
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _grouped(q: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """(B, S, Hq, D) -> (B, Hkv, g, S, D) view-compatible grouping of query heads per KV head."""
+    b, s, hq, d = q.shape
+    return q.reshape(b, s, n_kv, hq // n_kv, d).permute(0, 2, 3, 1, 4)
+
+
+def _math_probs(q, k, causal, scale):
+    """Scaled scores (B, Hkv, g, Sq, Sk) in the work dtype, masked when causal."""
+    wd = _work_dtype(q)
+    qg = _grouped(q.to(wd), k.shape[2])
+    kt = k.to(wd).permute(0, 2, 3, 1)[:, :, None]  # (B, Hkv, 1, D, Sk)
+    scores = (qg @ kt) * scale
+    if causal:
+        sq, sk = scores.shape[-2:]
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return scores
+
+
+def _math_forward(q, k, v, causal, scale):
+    b, sq, hq, d = q.shape
+    scores = _math_probs(q, k, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)  # (B, Hkv, g, Sq)
+    probs = torch.exp(scores - lse[..., None])
+    vg = v.to(scores.dtype).permute(0, 2, 1, 3)[:, :, None]  # (B, Hkv, 1, Sk, D)
+    out = (probs @ vg).permute(0, 3, 1, 2, 4).reshape(b, sq, hq, d)
+    return out.to(q.dtype), lse.reshape(b, hq, sq).float()
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, scale):
+    b, sq, hq, d = q.shape
+    n_kv = k.shape[2]
+    wd = _work_dtype(q)
+    scores = _math_probs(q, k, causal, scale)
+    probs = torch.exp(scores - lse.to(wd).reshape(b, n_kv, hq // n_kv, sq)[..., None])
+    dog = _grouped(dout.to(wd), n_kv)  # (B, Hkv, g, Sq, D)
+    og = _grouped(out.to(wd), n_kv)
+    vg = v.to(wd).permute(0, 2, 1, 3)[:, :, None]  # (B, Hkv, 1, Sk, D)
+    kg = k.to(wd).permute(0, 2, 1, 3)[:, :, None]
+    dv = (probs.transpose(-1, -2) @ dog).sum(2)  # (B, Hkv, Sk, D)
+    dp = dog @ vg.transpose(-1, -2)
+    delta = (dog * og).sum(-1, keepdim=True)  # rowsum(dO * O), FlashAttention-2 Alg. 2
+    ds = probs * (dp - delta) * scale
+    dq = ds @ kg  # (B, Hkv, g, Sq, D)
+    dk = (ds.transpose(-1, -2) @ _grouped(q.to(wd), n_kv)).sum(2)
+    dq = dq.permute(0, 3, 1, 2, 4).reshape(b, sq, hq, d)
+    return dq.to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA SDPA (not exercised on CPU CI; the CPU op above is)
+
+
+def _expand_kv(x: torch.Tensor, n_q: int) -> torch.Tensor:
+    """(B, S, Hkv, D) -> (B, H, S, D) with each KV head repeated for its query heads."""
+    return x.repeat_interleave(n_q // x.shape[2], dim=2).transpose(1, 2)
+
+
+def _sum_kv(dx: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """(B, H, S, D) gradient of expanded K/V -> (B, S, Hkv, D)."""
+    b, h, s, d = dx.shape
+    return dx.reshape(b, n_kv, h // n_kv, s, d).sum(2).transpose(1, 2)
+
+
+def _sdpa_cuda_forward(q, k, v, causal, scale):
+    hq, s = q.shape[2], q.shape[1]
+    qh, kh, vh = q.transpose(1, 2), _expand_kv(k, hq), _expand_kv(v, hq)
+    if q.dtype in (torch.float16, torch.bfloat16):
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            qh, kh, vh, 0.0, causal, False, scale=scale
+        )
+    else:
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(
+            qh, kh, vh, None, True, 0.0, causal, scale=scale
+        )
+    out, lse = res[0], res[1]
+    return out.transpose(1, 2), lse[..., :s].contiguous()  # efficient pads lse to 32
+
+
+def _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale):
+    hq, s, n_kv = q.shape[2], q.shape[1], k.shape[2]
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    kh, vh = _expand_kv(k, hq), _expand_kv(v, hq)
+    no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout is 0: unused
+    if q.dtype in (torch.float16, torch.bfloat16):
+        empty = torch.empty(0, dtype=torch.int32, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            t(dout), t(q), kh, vh, t(out), lse, empty, empty, s, s, 0.0, causal, no_rng, no_rng,
+            scale=scale,
+        )
+    else:
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            t(dout), t(q), kh, vh, None, t(out), lse, no_rng, no_rng, 0.0,
+            [True, True, True, False], causal, scale=scale,
+        )
+    return t(dq), _sum_kv(dk, n_kv), _sum_kv(dv, n_kv)
+
+
+# ---------------------------------------------------------------------------------------------
+# flash-attn (optional extra, CUDA only)
+
+
+def _require_flash_attn():
+    if not flash_attn_available():
+        raise RuntimeError(
+            "kernel='flash-attn' needs the optional flash-attn package (pip install "
+            "'upipe[flash]', CUDA only); use kernel='sdpa' otherwise"
+        )
+    from flash_attn import flash_attn_interface
+
+    return flash_attn_interface
+
+
+def _flash_attn_forward(q, k, v, causal, scale):
+    fa = _require_flash_attn()
+    # flash-attn >= 2.6 keyword names; its private API is the only one returning the LSE.
+    out, lse, *_ = fa._flash_attn_forward(
+        q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal,
+        window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+        return_softmax=False,
+    )
+    return out, lse
+
+
+def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
+    fa = _require_flash_attn()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    fa._flash_attn_backward(
+        dout, q, k, v, out, lse, dq, dk, dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
+        window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+        deterministic=False, rng_state=None,
+    )
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# differentiable wrapper (used by methods that rely on autograd, e.g. Ulysses)
+
+
+class _Attention(torch.autograd.Function):
+    """Autograd over the dispatch: saves q, k, v, out and lse, as every fused kernel does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, kernel):
+        out, lse = attention_forward(q, k, v, causal=causal, scale=scale, kernel=kernel)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.kernel = causal, scale, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(
+            dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale, kernel=ctx.kernel
+        )
+        return dq, dk, dv, None, None, None
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Differentiable attention, (B, S, Hq, D) x (B, S, Hkv, D) -> (B, S, Hq, D)."""
+    return _Attention.apply(q, k, v, causal, scale, check_kernel(kernel))

@@ -1,0 +1,57 @@
+"""Rotary position embedding, Llama 3 / Hugging Face "rotate-half" convention.
+
+A head vector x of size d is split into halves (x1, x2); position p rotates pair (x1[i], x2[i])
+by angle p * theta**(-2i/d). With cos/sin tables duplicated over both halves this is
+``x * cos + rotate_half(x) * sin`` (the form used by Hugging Face's ``apply_rotary_pos_emb``).
+
+The rotation is orthogonal, so its inverse (used in the backward pass of UPipe, which undoes RoPE
+on dQ/dK without autograd) is the rotation by the negative angle: ``x * cos - rotate_half(x) * sin``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_tables(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for the given global token positions.
+
+    Args:
+        positions: (seq,) integer global token indices.
+        head_dim: d, must be even.
+        theta: RoPE base (500000 for Llama 3).
+        dtype: dtype of the returned tables (that of the activations they multiply).
+
+    Returns:
+        (cos, sin), each (seq, head_dim), computed in fp32 (fp64 if ``dtype`` is fp64) and cast,
+        as Hugging Face does.
+    """
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=work) / head_dim)
+    )
+    freqs = positions.to(work)[:, None] * inv_freq[None, :]  # (seq, d/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (seq, d)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x of shape (batch, seq, heads, d) by tables of shape (seq, d)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+def apply_rope_inverse(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Inverse (= transpose) of :func:`apply_rope`; maps d(rotated) to d(unrotated)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos - rotate_half(x) * sin

@@ -1,0 +1,80 @@
+"""UPipe's head schedule: which query and KV heads each stage processes, in all-to-all order.
+
+Notation (DESIGN.md §5): H query heads, Hkv KV heads, C the CP degree, U heads per stage.
+
+* KV replication: with Hkv < C every KV head is replicated ``rep = C / Hkv`` times so each rank
+  owns one; effective KV heads Hkv' = max(Hkv, C), each serving g' = H / Hkv' query heads.
+  Effective KV head e holds original head e // rep and serves query heads [e*g', (e+1)*g').
+* KV blocks: Hkv' is cut into blocks of Ukv = gcd(U, Hkv') effective heads. A block's K/V are
+  projected and all-to-all'd once and reused by all its stages (g'*Ukv/U of them). With the
+  paper's default U = C <= Hkv', Ukv = U: "one query head from each of U KV groups per stage".
+* Stage order: a stage lists its U query heads slot by slot (a = U/Ukv heads per KV slot), so
+  after the sequence->head all-to-all rank r holds query heads whose KV heads are exactly the
+  ones rank r holds, in contiguous GQA order (local query m uses local KV head m // a).
+
+Everything here is pure Python on head indices: output heads are written back to their own index,
+so UPipe computes attention in the model's own head order (a pretrained checkpoint stays valid).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVBlock:
+    """One group of stages sharing K/V.
+
+    kv_heads: original KV head index of each of the block's Ukv slots, in all-to-all order.
+    stages: per stage, the U query head indices in all-to-all order.
+    """
+
+    kv_heads: tuple[int, ...]
+    stages: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """The whole schedule for (n_heads, n_kv_heads, cp, heads_per_stage)."""
+
+    n_heads: int
+    n_kv_heads: int
+    cp: int
+    heads_per_stage: int
+    blocks: tuple[KVBlock, ...]
+
+    @property
+    def n_stages(self) -> int:
+        return sum(len(b.stages) for b in self.blocks)
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks)
+
+
+def check_heads_per_stage(n_heads: int, cp: int, heads_per_stage: int) -> None:
+    """U must be a positive multiple of the CP degree that divides the head count."""
+    u = heads_per_stage
+    if u <= 0 or u % cp:
+        raise ValueError(f"heads_per_stage ({u}) must be a positive multiple of the CP degree ({cp})")
+    if n_heads % u:
+        raise ValueError(f"heads_per_stage ({u}) must divide n_heads ({n_heads})")
+
+
+def make_stage_plan(n_heads: int, n_kv_heads: int, cp: int, heads_per_stage: int) -> StagePlan:
+    """Build the schedule; head-count rules are checked by the caller (``check_ulysses_heads``)."""
+    check_heads_per_stage(n_heads, cp, heads_per_stage)
+    rep = cp // n_kv_heads if n_kv_heads < cp else 1
+    n_eff = n_kv_heads * rep  # Hkv'
+    g_eff = n_heads // n_eff  # query heads per effective KV head
+    u_kv = math.gcd(heads_per_stage, n_eff)
+    a = heads_per_stage // u_kv  # query heads per KV slot in one stage
+    blocks = []
+    for start in range(0, n_eff, u_kv):
+        slots = range(start, start + u_kv)
+        stages = tuple(
+            tuple(e * g_eff + s * a + t for e in slots for t in range(a)) for s in range(g_eff // a)
+        )
+        blocks.append(KVBlock(kv_heads=tuple(e // rep for e in slots), stages=stages))
+    return StagePlan(n_heads, n_kv_heads, cp, heads_per_stage, tuple(blocks))

@@ -1,0 +1,191 @@
+"""UPipe ("Untied Ulysses", arXiv 2602.21196): Ulysses attention run head-stage by head-stage.
+
+Forward, per KV block (upipe.staging): project + RoPE + all-to-all the block's K/V once; then per
+stage project + RoPE the stage's U query heads from the layer input, all-to-all them to head
+layout (U/C heads per rank over the full sequence), run the attention kernel (keeping its LSE),
+all-to-all back and write the U heads into one persistent (B, L, H, D) output buffer at their own
+head indices. Only the buffer, the layer input and the per-stage LSEs are saved for backward.
+
+Backward walks the same schedule: recompute K/V and Q from the saved input, all-to-all the stage's
+output and output-gradient heads, run the kernel backward with the saved LSE, accumulate dK/dV
+over the block's stages, all-to-all dQ (and, at the end of a block, dK/dV) back, undo RoPE, and
+accumulate dx and the weight-row gradients. Peak attention memory covers U heads, not H.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed import ProcessGroup
+
+from upipe.comm import head_to_seq, seq_to_head
+from upipe.kernels import attention_backward, attention_forward, check_kernel
+from upipe.module import ContextParallelAttention, check_ulysses_heads
+from upipe.registry import register_method
+from upipe.rope import apply_rope, apply_rope_inverse
+from upipe.staging import StagePlan, check_heads_per_stage, make_stage_plan
+
+
+def _rows(w: torch.Tensor, heads: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The projection rows of ``heads`` from w (n*head_dim, dim) -> (len(heads)*head_dim, dim)."""
+    return w.view(-1, head_dim, w.shape[-1]).index_select(0, heads).flatten(0, 1)
+
+
+def _project(x, w_rows, head_dim, cos, sin, rope: bool) -> torch.Tensor:
+    """x (B, L, dim) @ rows^T -> (B, L, n, head_dim), rotated when ``rope``."""
+    y = (x @ w_rows.t()).unflatten(-1, (-1, head_dim))
+    return apply_rope(y, cos, sin) if rope else y
+
+
+def _accumulate(dy, x2, w_rows, heads, dw, dx2, head_dim):
+    """Gradients of y = x @ rows^T for a head subset: dw[heads] += dy^T x; dx += dy @ rows.
+
+    dy (B, L, n, D) unrotated; x2 (B*L, dim); dw (H*D, dim) and dx2 (B*L, dim) accumulators.
+    """
+    dy2 = dy.reshape(x2.shape[0], -1)
+    dw.view(-1, head_dim, dw.shape[-1]).index_add_(
+        0, heads, (dy2.t() @ x2).view(-1, head_dim, x2.shape[-1]).to(dw.dtype)
+    )
+    dx2.add_(dy2 @ w_rows)
+
+
+class _UPipeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, wq, wk, wv, cos, sin, plan, group, causal, scale, kernel):
+        b, l, _ = x.shape
+        d = wq.shape[0] // plan.n_heads
+        out = x.new_empty(b, l, plan.n_heads, d)
+        lses = []
+        for block in plan.blocks:
+            kv_idx = torch.tensor(block.kv_heads, device=x.device)
+            k = seq_to_head(_project(x, _rows(wk, kv_idx, d), d, cos, sin, True), group)
+            v = seq_to_head(_project(x, _rows(wv, kv_idx, d), d, cos, sin, False), group)
+            for stage in block.stages:
+                q_idx = torch.tensor(stage, device=x.device)
+                q = seq_to_head(_project(x, _rows(wq, q_idx, d), d, cos, sin, True), group)
+                o, lse = attention_forward(q, k, v, causal=causal, scale=scale, kernel=kernel)
+                del q  # free before the all-to-all back allocates
+                out.index_copy_(2, q_idx, head_to_seq(o, group))
+                lses.append(lse)
+                del o
+            del k, v
+        ctx.save_for_backward(x, wq, wk, wv, cos, sin, out, *lses)
+        ctx.plan, ctx.group, ctx.causal, ctx.scale, ctx.kernel = plan, group, causal, scale, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, wq, wk, wv, cos, sin, out, *lses = ctx.saved_tensors
+        plan, group = ctx.plan, ctx.group
+        kw = dict(causal=ctx.causal, scale=ctx.scale, kernel=ctx.kernel)
+        d = wq.shape[0] // plan.n_heads
+        # fp32 accumulators for low-precision inputs ("bf16 with fp32 reductions"): dx and dK/dV
+        # sum over stages, the weight gradients over KV replicas.
+        acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        dx2 = torch.zeros(x2.shape, dtype=acc, device=x.device)
+        dwq, dwk, dwv = (torch.zeros(w.shape, dtype=acc, device=w.device) for w in (wq, wk, wv))
+        lse_it = iter(lses)
+        for block in plan.blocks:
+            kv_idx = torch.tensor(block.kv_heads, device=x.device)
+            wk_rows, wv_rows = _rows(wk, kv_idx, d), _rows(wv, kv_idx, d)
+            k = seq_to_head(_project(x, wk_rows, d, cos, sin, True), group)
+            v = seq_to_head(_project(x, wv_rows, d, cos, sin, False), group)
+            dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+            dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+            for stage in block.stages:
+                q_idx = torch.tensor(stage, device=x.device)
+                wq_rows = _rows(wq, q_idx, d)
+                q = seq_to_head(_project(x, wq_rows, d, cos, sin, True), group)
+                o = seq_to_head(out.index_select(2, q_idx), group)
+                do = seq_to_head(dout.index_select(2, q_idx), group)
+                dq, dk_s, dv_s = attention_backward(do, q, k, v, o, next(lse_it), **kw)
+                del q, o, do
+                dk.add_(dk_s)
+                dv.add_(dv_s)
+                del dk_s, dv_s
+                dq = apply_rope_inverse(head_to_seq(dq, group), cos, sin)
+                _accumulate(dq, x2, wq_rows, q_idx, dwq, dx2, d)
+                del dq
+            del k, v
+            dk = apply_rope_inverse(head_to_seq(dk.to(x.dtype), group), cos, sin)
+            _accumulate(dk, x2, wk_rows, kv_idx, dwk, dx2, d)
+            del dk
+            dv = head_to_seq(dv.to(x.dtype), group)
+            _accumulate(dv, x2, wv_rows, kv_idx, dwv, dx2, d)
+            del dv
+        dx = dx2.view(x.shape).to(x.dtype)
+        grads = (dx, dwq.to(wq.dtype), dwk.to(wk.dtype), dwv.to(wv.dtype))
+        return *grads, None, None, None, None, None, None, None
+
+
+def upipe_attention(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    wv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    group: ProcessGroup | None = None,
+    heads_per_stage: int | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """UPipe attention for callers that keep their own projection weights and output projection.
+
+    Args:
+        x: (B, L, dim) this rank's contiguous sequence shard (tokens [rank*L, (rank+1)*L)).
+        wq: (n_heads*D, dim); wk, wv: (n_kv_heads*D, dim) -- nn.Linear weights, head-major rows.
+        cos, sin: (L, D) RoPE tables of this rank's global positions (``upipe.rope.rope_tables``).
+        n_heads, n_kv_heads: head counts; group: CP process group (size C).
+        heads_per_stage: U, a multiple of C dividing n_heads; default C.
+
+    Returns:
+        (B, L, n_heads, D) attention output before the output projection, heads in model order.
+    """
+    from upipe.comm import group_size
+
+    cp = group_size(group)
+    check_ulysses_heads(n_heads, n_kv_heads, cp)
+    plan = make_stage_plan(n_heads, n_kv_heads, cp, heads_per_stage or cp)
+    return _UPipeFunction.apply(
+        x, wq, wk, wv, cos, sin, plan, group, causal, scale, check_kernel(kernel)
+    )
+
+
+@register_method("upipe")
+class UPipeAttention(ContextParallelAttention):
+    """UPipe attention module, a drop-in for the reference Llama attention under CP.
+
+    Extra option: ``heads_per_stage`` (U), default the CP degree; it must be a multiple of the CP
+    degree and divide ``n_heads``. forward(x_local (B, L, dim)) -> (B, L, dim).
+    """
+
+    def __init__(self, *args, heads_per_stage: int | None = None, **kwargs):
+        self.heads_per_stage = heads_per_stage
+        super().__init__(*args, **kwargs)
+
+    def validate_heads(self) -> None:
+        super().validate_heads()
+        if self.heads_per_stage is None:
+            self.heads_per_stage = self.cp
+        check_heads_per_stage(self.n_heads, self.cp, self.heads_per_stage)
+        self.plan: StagePlan = make_stage_plan(
+            self.n_heads, self.n_kv_heads, self.cp, self.heads_per_stage
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.check_input(x)
+        b, l, _ = x.shape
+        cos, sin = self.rope(l, x)
+        out = _UPipeFunction.apply(
+            x, self.wq.weight, self.wk.weight, self.wv.weight, cos, sin, self.plan, self.group,
+            self.causal, None, self.kernel,
+        )
+        return self.wo(out.view(b, l, -1))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", heads_per_stage={self.heads_per_stage}"

@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from dist_pool import DistPool
 
 _POOLS: dict[tuple[int, bool], DistPool] = {}

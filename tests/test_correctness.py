@@ -10,7 +10,6 @@ reference happens to be (near-)exact. Quantities: output, dx and all four weight
 from __future__ import annotations
 
 import pytest
-
 from cases import Case, compare_with_reference
 
 METHODS = ("upipe", "ulysses", "ds-ulysses")

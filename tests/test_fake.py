@@ -39,6 +39,7 @@ def _fake_step(method, seq_local, options):
         ("upipe", {"heads_per_stage": 8}, 6 * 1 + 6 * 4),  # 1 KV block, 4 stages
         ("upipe", {"heads_per_stage": 16}, 6 * 1 + 6 * 2),
         ("ulysses", {}, 8),
+        ("ds-ulysses", {}, 8),
     ],
 )
 def test_runs_under_fake_tensors_at_paper_scale(dist_pool, method, options, n_a2a):

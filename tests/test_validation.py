@@ -31,7 +31,8 @@ RULES = [
      "kernel must be one of"),
     (dict(dim=30, n_heads=8, n_kv_heads=2), METHODS,
      "dim (30) must be divisible by n_heads (8)"),
-    (dict(dim=32, n_heads=8, n_kv_heads=2, head_dim=7), METHODS, "head_dim must be positive and even"),
+    (dict(dim=32, n_heads=8, n_kv_heads=2, head_dim=7), METHODS,
+     "head_dim must be positive and even"),
 ]
 
 

@@ -4,8 +4,8 @@ A head vector x of size d is split into halves (x1, x2); position p rotates pair
 by angle p * theta**(-2i/d). With cos/sin tables duplicated over both halves this is
 ``x * cos + rotate_half(x) * sin`` (the form used by Hugging Face's ``apply_rotary_pos_emb``).
 
-The rotation is orthogonal, so its inverse (used in the backward pass of UPipe, which undoes RoPE
-on dQ/dK without autograd) is the rotation by the negative angle: ``x * cos - rotate_half(x) * sin``.
+The rotation is orthogonal, so its inverse (used in UPipe's backward, which undoes RoPE on dQ/dK
+without autograd) is the rotation by the negative angle: ``x * cos - rotate_half(x) * sin``.
 """
 
 from __future__ import annotations

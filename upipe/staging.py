@@ -57,7 +57,9 @@ def check_heads_per_stage(n_heads: int, cp: int, heads_per_stage: int) -> None:
     """U must be a positive multiple of the CP degree that divides the head count."""
     u = heads_per_stage
     if u <= 0 or u % cp:
-        raise ValueError(f"heads_per_stage ({u}) must be a positive multiple of the CP degree ({cp})")
+        raise ValueError(
+            f"heads_per_stage ({u}) must be a positive multiple of the CP degree ({cp})"
+        )
     if n_heads % u:
         raise ValueError(f"heads_per_stage ({u}) must divide n_heads ({n_heads})")
 

@@ -1,0 +1,134 @@
+"""``ds-ulysses``: DeepSpeed's legacy Ulysses (``deepspeed.sequence.layer.DistributedAttention``).
+
+An adapter, not a re-implementation: the library users actually run does the four all-to-alls
+(q, k, v forward, out back; mirrored in backward) around a local attention callable, and this
+module supplies what DeepSpeed leaves to its caller -- the projections, RoPE at global positions
+before the all-to-all (as ``baselines/ulysses.py``), KV-head replication when there are fewer KV
+heads than ranks, and the output projection.
+
+DeepSpeed is imported when the module is built, so ``import baselines`` stays cheap. Its comm
+layer (``deepspeed.comm``) is a process-global singleton; when torch.distributed is initialised
+the constructor attaches it to the existing process group (no new world, no collective). The
+first attach JIT-builds DeepSpeed's small shared-memory comm op (C++, needs ninja; about a minute
+once, cached in ~/.cache/torch_extensions after). Without torch.distributed the CP degree is 1,
+every all-to-all is the identity, and the local attention runs directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from upipe.kernels import attention
+from upipe.module import ContextParallelAttention
+from upipe.registry import register_method
+from upipe.rope import apply_rope
+
+# Batch-first [b, s/p, h, d]: DeepSpeed scatters dim ``scatter_idx`` (heads) and gathers dim
+# ``gather_idx`` (sequence) on the way in, the reverse on the way out (sequence/layer.py,
+# ``_generate_layout_params`` with batch_dim_idx=0). gather_idx is only read on DeepSpeed's
+# uneven-heads path, which the KV replication below keeps us off.
+BATCH_DIM, SCATTER_IDX, GATHER_IDX = 0, 2, 1
+
+
+def _import_distributed_attention() -> type:
+    try:
+        from deepspeed.sequence.layer import DistributedAttention
+    except ImportError as e:
+        raise ImportError("method 'ds-ulysses' needs DeepSpeed: pip install deepspeed") from e
+    return DistributedAttention
+
+
+def _attach_deepspeed_comm() -> None:
+    """Point ``deepspeed.comm`` at the already-initialised torch.distributed world.
+
+    With torch.distributed initialised and no DeepSpeed backend yet, ``init_distributed`` wraps
+    the existing world in a ``TorchBackend`` and returns (comm.py: "The user initialized
+    torch.dist themselves"); later calls see the backend and return at once. MPI discovery is
+    off so that no code path can try to form a world of its own.
+    """
+    import deepspeed.comm as ds_comm
+
+    if not ds_comm.is_initialized():
+        ds_comm.init_distributed(
+            dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False
+        )
+
+
+class _LocalAttention(nn.Module):
+    """DeepSpeed's ``local_attention``: (B, S, H/C, D) head-sharded full-sequence q, k, v."""
+
+    def __init__(self, causal: bool, kernel: str):
+        super().__init__()
+        self.causal, self.kernel = causal, kernel
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention(q, k, v, causal=self.causal, kernel=self.kernel)
+
+
+@register_method("ds-ulysses")
+class DSUlyssesAttention(ContextParallelAttention):
+    """DeepSpeed Ulysses behind the common interface; forward(x_local (B, L, dim)) -> (B, L, dim).
+
+    ``group`` (default: the world) becomes DeepSpeed's ``sequence_process_group``. Head rules are
+    the base class's (ValueError before any collective); DeepSpeed itself would need
+    ``n_kv_heads >= C``, which the replication below guarantees.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int | None = None,
+        *,
+        group: ProcessGroup | None = None,
+        causal: bool = True,
+        rope_theta: float = 500000.0,
+        kernel: str = "auto",
+    ):
+        super().__init__(
+            dim,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            group=group,
+            causal=causal,
+            rope_theta=rope_theta,
+            kernel=kernel,
+        )
+        distributed_attention = _import_distributed_attention()
+        self.local_attn = _LocalAttention(self.causal, self.kernel)
+        self.dist_attn = None  # stays None only without torch.distributed (C == 1)
+        if dist.is_available() and dist.is_initialized():
+            _attach_deepspeed_comm()
+            group = self.group if self.group is not None else dist.group.WORLD
+            # num_kv_heads is left to DeepSpeed, which reads it off the key tensor: after the
+            # replication below it is a multiple of C, so DeepSpeed takes its even-split path.
+            self.dist_attn = distributed_attention(
+                self.local_attn, group, scatter_idx=SCATTER_IDX, gather_idx=GATHER_IDX
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.check_input(x)
+        b, s_loc, _ = x.shape
+        d = self.head_dim
+        # RoPE here, at this rank's global positions, rather than DeepSpeed's post-all-to-all
+        # rotary_pos_emb, whose tables are laid out sequence-first.
+        cos, sin = self.rope(s_loc, x)
+        q = apply_rope(self.wq(x).view(b, s_loc, self.n_heads, d), cos, sin)
+        k = apply_rope(self.wk(x).view(b, s_loc, self.n_kv_heads, d), cos, sin)
+        v = self.wv(x).view(b, s_loc, self.n_kv_heads, d)
+        if self.n_kv_heads < self.cp:
+            # DeepSpeed splits KV heads over ranks and asserts Hkv >= C. Replicating each KV head
+            # C/Hkv times gives rank r a copy of KV head r // (C/Hkv), the one its query heads
+            # h // (H/Hkv) use; autograd sums the copies' gradients back.
+            rep = self.cp // self.n_kv_heads
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        if self.dist_attn is None:
+            o = self.local_attn(q, k, v)
+        else:
+            o = self.dist_attn(q, k, v, BATCH_DIM)
+        return self.wo(o.reshape(b, s_loc, self.n_heads * d))

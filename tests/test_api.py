@@ -1,0 +1,55 @@
+"""Public API: the registry, state_dict compatibility, the function form, no-distributed use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import upipe
+from upipe import LlamaAttention, UPipeAttention, build_method, rope_tables, upipe_attention
+
+
+def test_registry_lists_the_methods_of_this_issue():
+    names = upipe.available_methods()
+    assert {"upipe", "ulysses", "ds-ulysses"} <= set(names)
+    assert upipe.get_method("upipe") is UPipeAttention
+    assert upipe.get_method("ulysses").registry_name == "ulysses"
+
+
+@pytest.mark.parametrize("method", ["upipe", "ulysses"])
+def test_same_parameter_names_as_the_reference(method):
+    ref = LlamaAttention(32, 4, 2, 8)
+    m = build_method(method, 32, 4, 2, 8)
+    assert list(m.state_dict()) == list(ref.state_dict()) == [
+        "wq.weight", "wk.weight", "wv.weight", "wo.weight"
+    ]
+    for k, v in ref.state_dict().items():
+        assert m.state_dict()[k].shape == v.shape
+
+
+@pytest.mark.parametrize("method", ["upipe", "ulysses"])
+def test_single_process_without_torch_distributed(method):
+    """World size 1 without an initialised process group: exactly the reference (fp64)."""
+    assert not torch.distributed.is_initialized()
+    ref = LlamaAttention(40, 6, 2, 8, causal=True).double()
+    m = build_method(method, 40, 6, 2, 8).double()
+    m.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 23, 40, dtype=torch.float64)
+    torch.testing.assert_close(m(x), ref(x), atol=1e-12, rtol=1e-12)
+
+
+def test_function_form_with_own_projections():
+    """upipe_attention + the caller's own output projection == the module."""
+    m = UPipeAttention(48, 8, 2, 16, heads_per_stage=1).double()
+    x = torch.randn(1, 19, 48, dtype=torch.float64, requires_grad=True)
+    cos, sin = rope_tables(torch.arange(19), 16, m.rope_theta, x.dtype)
+    attn = upipe_attention(
+        x, m.wq.weight, m.wk.weight, m.wv.weight, cos, sin, n_heads=8, n_kv_heads=2,
+        heads_per_stage=1,
+    )
+    assert attn.shape == (1, 19, 8, 16)
+    y = m.wo(attn.flatten(2))
+    torch.testing.assert_close(y, m(x), atol=0, rtol=0)
+    (gx,) = torch.autograd.grad(y.sum(), x)
+    (gx_ref,) = torch.autograd.grad(m(x).sum(), x)
+    torch.testing.assert_close(gx, gx_ref, atol=0, rtol=0)

@@ -1,0 +1,335 @@
+"""MemoryTracker unit tests, fake-vs-real equality, and the attention-memory accounting (§5).
+
+The accounting tests measure ONE attention layer's forward+backward with the tracker and compare
+the peak activation bytes with an analytical list of the tensors alive at the peak moment, read
+off the code (upipe/untied.py, baselines/ulysses.py, upipe/comm.py, upipe/rope.py). Every term is
+a named line; the terms the DESIGN.md §5 formula has are marked "design", the rest are what the
+implementation also holds there (see the comments; some are avoidable and were reported).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from experiments.memory import MemoryTracker
+from upipe import build_method
+
+# ---------------------------------------------------------------------------------------------
+# tracker unit tests
+
+
+def test_storage_object_is_preserved():
+    """The tracker keys on storage objects: one Python object per storage, shared by views."""
+    t = torch.empty(8)
+    assert t.untyped_storage() is t.untyped_storage()
+    assert t[2:].view(2, 3).untyped_storage() is t.untyped_storage()
+    with FakeTensorMode():
+        f = torch.empty(8)
+        assert f.untyped_storage() is f.untyped_storage()
+        assert f.untyped_storage().nbytes() == 32
+
+
+def test_exact_bytes_frees_views_and_peak():
+    with MemoryTracker() as mt:
+        a = torch.empty(1000)  # fp32: 4000 B
+        b = torch.zeros(10, 10, dtype=torch.bfloat16)  # 200 B
+        assert mt.current_bytes == 4200
+        v = a.view(10, 100).t()[::2]  # views add nothing
+        a.add_(1.0)  # in-place adds nothing
+        b.mul_(2)
+        assert mt.current_bytes == 4200
+        c = a * 2  # 4000 B
+        assert mt.current_bytes == mt.peak_bytes == 8200
+        del c
+        assert mt.current_bytes == 4200
+        del a  # the view still holds the storage
+        assert mt.current_bytes == 4200
+        del v
+        assert mt.current_bytes == 200
+        assert mt.peak_bytes == 8200
+        mt.reset_peak()
+        assert mt.peak_bytes == 200
+        d = torch.empty(3, dtype=torch.int64)  # 24 B
+        assert mt.peak_bytes == 224
+        del b, d
+    assert mt.current_bytes == 0
+
+
+def test_untracked_inputs_and_track():
+    x = torch.randn(100)  # made outside: unknown until tracked
+    lin = torch.nn.Linear(10, 10, bias=False)  # 400 B weight
+    with MemoryTracker() as mt:
+        x.mul_(2)  # in-place on an untracked tensor is not an allocation
+        x.view(10, 10)
+        assert mt.current_bytes == 0
+        mt.track(lin, x, category="model")
+        mt.track(x)  # counted once
+        assert mt.current_bytes == 800
+        assert mt.current_by_category["model"] == 800
+        y = x + 1
+        assert mt.current_by_category == {"model": 800, "other": 400}
+        assert mt.tracks(y) and mt.tracks(lin.weight)
+        del y
+
+
+def test_out_variant_resize_is_counted():
+    with MemoryTracker() as mt:
+        out = torch.empty(0)
+        torch.add(torch.ones(4), 1, out=out)  # out= resizes the existing storage to 16 B
+        assert mt.current_bytes == 16
+        del out
+
+
+def test_host_device_split_and_categories():
+    with MemoryTracker() as mt:
+        a = torch.empty(100)  # device 400
+        with mt.host():
+            h = torch.empty(50)  # host 200
+        with mt.category("attention"):
+            t = torch.empty(25)  # device 100, attention
+            with mt.category("inner"):
+                u = torch.empty(25)
+        assert (mt.current_device_bytes, mt.current_host_bytes) == (600, 200)
+        assert mt.current_bytes == 800
+        assert mt.current_by_category["attention"] == 100
+        assert mt.current_by_category["inner"] == 100
+        del t, u
+        assert mt.peak_by_category["attention"] == 100
+        assert mt.breakdown_at_peak == {"other": 400, "attention": 100, "inner": 100}
+        del a, h
+        assert (mt.peak_device_bytes, mt.peak_host_bytes, mt.peak_bytes) == (600, 200, 800)
+
+
+def test_backward_runs_in_calling_thread_and_is_seen():
+    """On CPU the autograd engine runs backward in the caller's thread, under the mode."""
+
+    class ThreadLog(MemoryTracker):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.threads.add(threading.get_ident())
+            self.ops.append(func.__name__)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(32, 64)
+    with ThreadLog() as mt:
+        mt.threads, mt.ops = set(), []
+        mt.track(w, x)
+        loss = (x @ w).sum()
+        n_forward = len(mt.ops)
+        loss.backward()
+        assert mt.threads == {threading.get_ident()}
+        assert "mm.default" in mt.ops[n_forward:]  # dL/dw = x^T @ dL/dy
+        assert mt.tracks(w.grad)
+        assert mt.current_bytes >= 2 * w.numel() * 4 + x.numel() * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# one attention layer, measured
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One layer's shapes. dim < H*D on purpose: keeps weights small so activations dominate."""
+
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    cp: int = 4
+    heads_per_stage: int = 4
+    head_dim: int = 64
+    dim: int = 256
+    seq_local: int = 512
+    dtype: torch.dtype = torch.float32
+
+
+def _build(method: str, s: Shape, group):
+    opts = {"heads_per_stage": s.heads_per_stage} if method == "upipe" else {}
+    # construct in the target dtype: Module.to() cannot swap fake parameters
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(s.dtype)
+    try:
+        return build_method(method, s.dim, s.n_heads, s.n_kv_heads, s.head_dim, group=group,
+                            causal=True, **opts)
+    finally:
+        torch.set_default_dtype(old)
+
+
+def measure_layer(method: str, s: Shape) -> dict[str, int]:
+    """Peaks of one layer's forward and forward+backward; runs on a real or fake group.
+
+    baseline = parameters + input x + output gradient dy, tracked before the step; the reported
+    peaks are absolute, ``*_act`` are above the baseline.
+    """
+    group = dist.group.WORLD
+    m = _build(method, s, group)
+    torch.manual_seed(0)
+    x = torch.randn(1, s.seq_local, s.dim, dtype=s.dtype, requires_grad=True)
+    dy = torch.randn(1, s.seq_local, s.dim, dtype=s.dtype)
+    with MemoryTracker() as mt:
+        mt.track(m, x, dy)
+        base = mt.current_bytes
+        y = m(x)
+        fwd = mt.peak_bytes
+        y.backward(dy)
+        peak = mt.peak_bytes
+    return {"baseline": base, "fwd_peak": fwd, "peak": peak,
+            "fwd_act": fwd - base, "act": peak - base}
+
+
+@contextlib.contextmanager
+def fake_world(world: int):
+    """This process as rank 0 of a ``world``-rank job: fake process group + FakeTensorMode."""
+    assert not dist.is_initialized(), "a default process group already exists in this process"
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        with FakeTensorMode():
+            yield
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_fake(method: str, s: Shape) -> dict[str, int]:
+    with fake_world(s.cp):
+        return measure_layer(method, s)
+
+
+def test_fake_equals_real_gloo(dist_pool):
+    """Emulation predicts the real CPU run to the byte (DESIGN.md §8), for both methods."""
+    s = Shape()
+    for method in ("ulysses", "upipe"):
+        real = dist_pool(s.cp).run(measure_layer, method, s)
+        assert all(r == real[0] for r in real), (method, real)  # every rank is symmetric
+        assert measure_fake(method, s) == real[0], method
+
+
+# ---------------------------------------------------------------------------------------------
+# analytical accounting (bytes on one rank, batch 1)
+
+
+def _units(s: Shape):
+    b = s.dtype.itemsize
+    acc = 4 if s.dtype in (torch.float16, torch.bfloat16) else b  # UPipe's accumulator dtype
+    # one head over the L local tokens; a head-layout tensor (n/C heads x C*L tokens) is n*hb too
+    hb = s.seq_local * s.head_dim * b
+    return b, acc, hb
+
+
+def ulysses_terms(s: Shape) -> tuple[dict[str, int], dict[str, int]]:
+    """(forward peak terms, forward+backward peak terms) of baselines/ulysses.py."""
+    H, Hkv, L, D, dim = s.n_heads, s.n_kv_heads, s.seq_local, s.head_dim, s.dim
+    b, _, hb = _units(s)
+    assert Hkv >= s.cp  # no KV replication in these shapes
+    common = {
+        "qkv_heads (design)": (H + 2 * Hkv) * hb,  # Q/K/V after the all-to-all, saved by kernel
+        "attn_out (design)": H * hb,  # kernel output, head layout, saved by the kernel
+        "lse": H * L * 4,  # kernel LSE (1, H/C, C*L) fp32, saved
+        "rope_tables": 2 * L * D * b,  # cos, sin: saved by RoPE's mul nodes
+    }
+    # Forward peak: head_to_seq(o) copying its receive buffer into sequence layout.
+    fwd = common | {
+        "out_recv (design)": H * hb,  # all-to-all receive buffer of the output
+        "out_unpack": H * hb,  # comm.head_to_seq's permute+reshape copy, recv still alive
+        # rotated Q, K and V in sequence layout: nothing in autograd needs them, but the locals
+        # q, k, v of UlyssesAttention.forward (and ulysses_attention's arguments) hold them
+        # until forward returns (baselines/ulysses.py:58-63). Avoidable.
+        "qkv_seq (python locals)": (H + 2 * Hkv) * hb,
+    }
+    # Forward+backward peak: backward of head_to_seq = seq_to_head(dO), at its receive buffer.
+    full = common | {
+        "d_out_seq": H * hb,  # dL/d(attention output) = dy @ wo, held by the autograd engine
+        "d_out_send": H * hb,  # comm.seq_to_head's packed (C, ...) send copy
+        "d_out_recv (design)": H * hb,  # receive buffer
+        "layer_output": L * dim * b,  # y, held by the caller during backward
+        "dwo": dim * H * D * b,  # wo's weight gradient, made before the attention backward
+    }
+    return fwd, full
+
+
+def upipe_terms(s: Shape) -> tuple[dict[str, int], dict[str, int]]:
+    """(forward peak terms, forward+backward peak terms) of upipe/untied.py."""
+    H, Hkv, C, U, L, D, dim = (s.n_heads, s.n_kv_heads, s.cp, s.heads_per_stage, s.seq_local,
+                               s.head_dim, s.dim)
+    b, acc, hb = _units(s)
+    assert Hkv >= C
+    ukv = math.gcd(U, Hkv)  # KV heads per block (upipe/staging.py)
+    n_stages = H // U
+    fixed = {
+        "out_buffer (design)": H * hb,  # the persistent (1, L, H, D) output, saved
+        "rope_tables": 2 * L * D * b,
+        "kv_heads (design)": 2 * ukv * hb,  # the block's K, V after the all-to-all
+        "head_index": (ukv + U) * 8,  # torch.tensor(kv_heads), torch.tensor(stage): int64
+    }
+    # Forward peak: RoPE of the last stage's Q (rope.apply_rope at `rotate_half(x) * sin`).
+    fwd = fixed | {
+        "lses_before": (n_stages - 1) * U * L * 4,  # earlier stages' LSEs (1, U/C, C*L) fp32
+        "wq_rows": U * D * dim * b,  # _rows: index_select copy of the stage's weight rows
+        "q_proj (design)": U * hb,  # x @ wq_rows^T
+        # apply_rope is unfused: x*cos, rotate_half(x) and its product with sin are alive with
+        # x, so 4U here where the design's stage holds ~3U (q, o, one all-to-all buffer)
+        "rope_temporaries": 3 * U * hb,
+    }
+    # Forward+backward peak: a stage's attention_backward returning dq, dk_s, dv_s.
+    full = fixed | {
+        "lses": n_stages * U * L * 4,  # all stages' LSEs, saved
+        "d_out": H * hb,  # the incoming gradient dy @ wo, alive for the whole backward
+        "layer_output": L * dim * b,
+        "dwo": dim * H * D * b,
+        "dx_acc": L * dim * acc,  # dx2, fp32 for bf16
+        # dwq/dwk/dwv accumulators, fp32 for bf16 and alive for the whole backward
+        # (untied.py:86); every weight row is written exactly once unless KV is replicated
+        "dw_acc": (H + 2 * Hkv) * D * dim * acc,
+        "w_rows": (2 * ukv + U) * D * dim * b,  # wk/wv rows of the block + wq rows of the stage
+        "dkv_acc": 2 * ukv * hb * acc // b,  # dk, dv accumulated over the block's stages
+        "q_o_do_dq": 4 * U * hb,  # recomputed Q, all-to-all'd O and dO, kernel's dQ
+        "dk_dv_stage": 2 * ukv * hb,  # kernel's dK, dV of this stage
+    }
+    return fwd, full
+
+
+# Head-proportional terms: the ones that scale with the heads in flight (H for Ulysses, U for
+# UPipe), as opposed to the persistent (L, H, D) output/gradient and weight-sized terms.
+ULYSSES_HEAD_TERMS = ("qkv_heads (design)", "attn_out (design)", "d_out_seq", "d_out_send",
+                      "d_out_recv (design)")
+UPIPE_HEAD_TERMS = ("kv_heads (design)", "dkv_acc", "q_o_do_dq", "dk_dv_stage")
+
+CONFIGS = [
+    Shape(),  # the shape also measured on real gloo above
+    Shape(heads_per_stage=8),  # U = 2C: a KV block of 8 heads
+    Shape(seq_local=4096, dtype=torch.bfloat16),  # bf16: fp32 accumulators in UPipe
+]
+
+
+def _ids(s: Shape) -> str:
+    return f"L{s.seq_local}-U{s.heads_per_stage}-{str(s.dtype).removeprefix('torch.')}"
+
+
+@pytest.mark.parametrize("s", CONFIGS, ids=_ids)
+def test_attention_memory_matches_accounting(s):
+    meas = {m: measure_fake(m, s) for m in ("ulysses", "upipe")}
+    terms = {"ulysses": ulysses_terms(s), "upipe": upipe_terms(s)}
+    for m, (fwd, full) in terms.items():
+        for key, t in (("fwd_act", fwd), ("act", full)):
+            pred = sum(t.values())
+            # the tolerance is the issue's 10%; on CPU the match is exact (no kernel workspaces
+            # are visible to a dispatch mode, and every live tensor is listed)
+            assert abs(meas[m][key] - pred) <= 0.10 * pred, (m, key, meas[m][key], pred, t)
+
+    up, ul = meas["upipe"], meas["ulysses"]
+    assert up["peak"] < ul["peak"] and up["act"] < ul["act"]
+    assert up["fwd_act"] < ul["fwd_act"]
+
+    # UPipe's stage working set holds per head at most 2x (+ the fp32 dK/dV accumulators) the
+    # buffers Ulysses holds per head at its peak: 2*Ukv*(2 + acc/b) + 4U <= 12U vs >= 5H, so the
+    # head-proportional part shrinks to <= 2.4 U/H (the design's U/H, times the buffer ratio).
+    ul_full, up_full = terms["ulysses"][1], terms["upipe"][1]
+    ul_head = ul["act"] - sum(v for k, v in ul_full.items() if k not in ULYSSES_HEAD_TERMS)
+    up_head = up["act"] - sum(v for k, v in up_full.items() if k not in UPIPE_HEAD_TERMS)
+    assert up_head / ul_head <= 2.4 * s.heads_per_stage / s.n_heads, (up_head, ul_head)

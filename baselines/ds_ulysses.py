@@ -19,12 +19,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import ProcessGroup
 
 from upipe.kernels import attention
-from upipe.module import ContextParallelAttention
+from upipe.module import ContextParallelAttention, replicate_kv_heads
 from upipe.registry import register_method
-from upipe.rope import apply_rope
 
 # Batch-first [b, s/p, h, d]: DeepSpeed scatters dim ``scatter_idx`` (heads) and gathers dim
 # ``gather_idx`` (sequence) on the way in, the reverse on the way out (sequence/layer.py,
@@ -77,28 +75,8 @@ class DSUlyssesAttention(ContextParallelAttention):
     ``n_kv_heads >= C``, which the replication below guarantees.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        n_heads: int,
-        n_kv_heads: int,
-        head_dim: int | None = None,
-        *,
-        group: ProcessGroup | None = None,
-        causal: bool = True,
-        rope_theta: float = 500000.0,
-        kernel: str = "auto",
-    ):
-        super().__init__(
-            dim,
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            group=group,
-            causal=causal,
-            rope_theta=rope_theta,
-            kernel=kernel,
-        )
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)  # the common constructor and its validation
         distributed_attention = _import_distributed_attention()
         self.local_attn = _LocalAttention(self.causal, self.kernel)
         self.dist_attn = None  # stays None only without torch.distributed (C == 1)
@@ -113,22 +91,13 @@ class DSUlyssesAttention(ContextParallelAttention):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)
-        b, s_loc, _ = x.shape
-        d = self.head_dim
-        # RoPE here, at this rank's global positions, rather than DeepSpeed's post-all-to-all
-        # rotary_pos_emb, whose tables are laid out sequence-first.
-        cos, sin = self.rope(s_loc, x)
-        q = apply_rope(self.wq(x).view(b, s_loc, self.n_heads, d), cos, sin)
-        k = apply_rope(self.wk(x).view(b, s_loc, self.n_kv_heads, d), cos, sin)
-        v = self.wv(x).view(b, s_loc, self.n_kv_heads, d)
-        if self.n_kv_heads < self.cp:
-            # DeepSpeed splits KV heads over ranks and asserts Hkv >= C. Replicating each KV head
-            # C/Hkv times gives rank r a copy of KV head r // (C/Hkv), the one its query heads
-            # h // (H/Hkv) use; autograd sums the copies' gradients back.
-            rep = self.cp // self.n_kv_heads
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        # RoPE before the all-to-all, at this rank's global positions, rather than DeepSpeed's
+        # post-all-to-all rotary_pos_emb, whose tables are laid out sequence-first.
+        q, k, v = self.project_qkv(x)
+        # DeepSpeed splits KV heads over ranks and asserts Hkv >= C: replicate below that.
+        k, v = replicate_kv_heads(k, self.cp), replicate_kv_heads(v, self.cp)
         if self.dist_attn is None:
             o = self.local_attn(q, k, v)
         else:
             o = self.dist_attn(q, k, v, BATCH_DIM)
-        return self.wo(o.reshape(b, s_loc, self.n_heads * d))
+        return self.wo(o.flatten(2))

@@ -14,9 +14,8 @@ from torch.distributed import ProcessGroup
 
 from upipe.comm import group_size, head_to_seq_autograd, seq_to_head_autograd
 from upipe.kernels import attention
-from upipe.module import ContextParallelAttention, check_ulysses_heads
+from upipe.module import ContextParallelAttention, check_ulysses_heads, replicate_kv_heads
 from upipe.registry import register_method
-from upipe.rope import apply_rope
 
 
 def ulysses_attention(
@@ -38,9 +37,7 @@ def ulysses_attention(
     """
     cp = group_size(group)
     check_ulysses_heads(q.shape[2], k.shape[2], cp)
-    if k.shape[2] < cp:  # replicate so each rank owns one KV head; autograd sums the grads back
-        rep = cp // k.shape[2]
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    k, v = replicate_kv_heads(k, cp), replicate_kv_heads(v, cp)
     qh, kh, vh = (seq_to_head_autograd(t, group) for t in (q, k, v))
     oh = attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel)
     return head_to_seq_autograd(oh, group)
@@ -52,13 +49,6 @@ class UlyssesAttention(ContextParallelAttention):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)
-        b, l, _ = x.shape
-        d = self.head_dim
-        cos, sin = self.rope(l, x)
-        q = apply_rope(self.wq(x).view(b, l, self.n_heads, d), cos, sin)
-        k = apply_rope(self.wk(x).view(b, l, self.n_kv_heads, d), cos, sin)
-        v = self.wv(x).view(b, l, self.n_kv_heads, d)
-        o = ulysses_attention(
-            q, k, v, group=self.group, causal=self.causal, kernel=self.kernel
-        )
-        return self.wo(o.reshape(b, l, self.n_heads * d))
+        q, k, v = self.project_qkv(x)
+        o = ulysses_attention(q, k, v, group=self.group, causal=self.causal, kernel=self.kernel)
+        return self.wo(o.flatten(2))

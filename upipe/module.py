@@ -18,7 +18,7 @@ from upipe.comm import group_rank, group_size
 from upipe.kernels import check_kernel
 from upipe.layout import check_layout, local_positions, shard_sequence, unshard_sequence
 from upipe.reference import resolve_head_dim
-from upipe.rope import rope_tables
+from upipe.rope import apply_rope, rope_tables
 
 
 def check_ulysses_heads(n_heads: int, n_kv_heads: int, cp: int) -> None:
@@ -37,6 +37,17 @@ def check_ulysses_heads(n_heads: int, n_kv_heads: int, cp: int) -> None:
         raise ValueError(
             f"n_kv_heads ({n_kv_heads}) must divide or be divisible by the CP degree ({cp})"
         )
+
+
+def replicate_kv_heads(t: torch.Tensor, cp: int) -> torch.Tensor:
+    """(B, L, Hkv, D) -> (B, L, cp, D) when Hkv < cp, else ``t`` unchanged.
+
+    Each KV head is repeated cp/Hkv times, so after the sequence->head all-to-all rank r holds KV
+    head r // (cp/Hkv) -- the one its query heads h // (H/Hkv) use. Under autograd the copies'
+    gradients are summed back.
+    """
+    n_kv = t.shape[2]
+    return t.repeat_interleave(cp // n_kv, dim=2) if n_kv < cp else t
 
 
 class ContextParallelAttention(nn.Module):
@@ -108,6 +119,19 @@ class ContextParallelAttention(nn.Module):
             )
         if x.shape[1] == 0:
             raise ValueError("x_local must hold at least one token (seq_local > 0)")
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """All heads' projections of x (B, L, dim), the way every all-heads method starts.
+
+        Returns q (B, L, H, D) and k (B, L, Hkv, D) rotated at this rank's global positions,
+        and v (B, L, Hkv, D).
+        """
+        b, l, _ = x.shape
+        d = self.head_dim
+        cos, sin = self.rope(l, x)
+        q = apply_rope(self.wq(x).view(b, l, self.n_heads, d), cos, sin)
+        k = apply_rope(self.wk(x).view(b, l, self.n_kv_heads, d), cos, sin)
+        return q, k, self.wv(x).view(b, l, self.n_kv_heads, d)
 
     def rope(self, seq_local: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables (seq_local, head_dim) for this rank's global token positions."""

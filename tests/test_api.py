@@ -53,3 +53,11 @@ def test_function_form_with_own_projections():
     (gx,) = torch.autograd.grad(y.sum(), x)
     (gx_ref,) = torch.autograd.grad(m(x).sum(), x)
     torch.testing.assert_close(gx, gx_ref, atol=0, rtol=0)
+    # fused output projection: the same function given wo
+    y_fused = upipe_attention(
+        x, m.wq.weight, m.wk.weight, m.wv.weight, cos, sin, m.wo.weight, n_heads=8,
+        n_kv_heads=2, heads_per_stage=1,
+    )
+    torch.testing.assert_close(y_fused, y, atol=1e-12, rtol=1e-12)
+    (gx_fused,) = torch.autograd.grad(y_fused.sum(), x)
+    torch.testing.assert_close(gx_fused, gx, atol=1e-12, rtol=1e-12)

@@ -4,12 +4,15 @@ Forward, per KV block (upipe.staging): project + RoPE + all-to-all the block's K
 stage project + RoPE the stage's U query heads from the layer input, all-to-all them to head
 layout (U/C heads per rank over the full sequence), run the attention kernel (keeping its LSE),
 all-to-all back and write the U heads into one persistent (B, L, H, D) output buffer at their own
-head indices. Only the buffer, the layer input and the per-stage LSEs are saved for backward.
+head indices; the output projection runs once after the loop. Only the layer input, the buffer and
+the per-stage LSEs are saved for backward.
 
-Backward walks the same schedule: recompute K/V and Q from the saved input, all-to-all the stage's
-output and output-gradient heads, run the kernel backward with the saved LSE, accumulate dK/dV
-over the block's stages, all-to-all dQ (and, at the end of a block, dK/dV) back, undo RoPE, and
-accumulate dx and the weight-row gradients. Peak attention memory covers U heads, not H.
+Backward walks the same schedule: recompute K/V and Q from the saved input, form the stage's
+output-gradient heads from dy and the stage's columns of wo (so the full (B, L, H, D) output
+gradient never exists), all-to-all them and the stage's output heads, run the kernel backward
+with the saved LSE, accumulate dK/dV over the block's stages, all-to-all dQ (and, at the end of a
+block, dK/dV) back, undo RoPE, and accumulate dx in place and the weight-row gradients. Peak
+attention memory covers U heads plus three (B, L, ~dim) tensors: x, the buffer, dx.
 """
 
 from __future__ import annotations
@@ -40,17 +43,41 @@ def _accumulate(dy, x2, w_rows, heads, dw, dx2, head_dim):
     """Gradients of y = x @ rows^T for a head subset: dw[heads] += dy^T x; dx += dy @ rows.
 
     dy (B, L, n, D) unrotated; x2 (B*L, dim); dw (H*D, dim) and dx2 (B*L, dim) accumulators.
+    ``index_add_`` sums KV replicas' rows; ``addmm_`` accumulates dx without an (L, dim) temporary.
     """
     dy2 = dy.reshape(x2.shape[0], -1)
     dw.view(-1, head_dim, dw.shape[-1]).index_add_(
-        0, heads, (dy2.t() @ x2).view(-1, head_dim, x2.shape[-1]).to(dw.dtype)
+        0, heads, (dy2.t() @ x2).view(-1, head_dim, x2.shape[-1])
     )
-    dx2.add_(dy2 @ w_rows)
+    dx2.addmm_(dy2, w_rows)
+
+
+class _OutputGrad:
+    """Per-stage slices of the attention output's gradient, (B, L, U, D) for a head subset.
+
+    With the output projection fused (``wo`` given), they are dy @ wo[:, heads] computed stage by
+    stage, and dwo = dy^T @ out; otherwise the caller's gradient of the (B, L, H, D) output is
+    sliced.
+    """
+
+    def __init__(self, grad, out, wo, head_dim):
+        self.grad, self.wo, self.d = grad, wo, head_dim
+        if wo is None:
+            self.dwo = None
+        else:
+            self.grad2 = grad.reshape(-1, grad.shape[-1])  # (B*L, dim)
+            self.dwo = self.grad2.t() @ out.reshape(self.grad2.shape[0], -1)  # (dim, H*D)
+
+    def stage(self, heads: torch.Tensor) -> torch.Tensor:
+        if self.wo is None:
+            return self.grad.index_select(2, heads)
+        cols = self.wo.view(self.wo.shape[0], -1, self.d).index_select(1, heads).flatten(1)
+        return (self.grad2 @ cols).view(*self.grad.shape[:-1], -1, self.d)
 
 
 class _UPipeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, cos, sin, plan, group, causal, scale, kernel):
+    def forward(ctx, x, wq, wk, wv, wo, cos, sin, plan, group, causal, scale, kernel):
         b, l, _ = x.shape
         d = wq.shape[0] // plan.n_heads
         out = x.new_empty(b, l, plan.n_heads, d)
@@ -68,22 +95,26 @@ class _UPipeFunction(torch.autograd.Function):
                 lses.append(lse)
                 del o
             del k, v
-        ctx.save_for_backward(x, wq, wk, wv, cos, sin, out, *lses)
+        ctx.save_for_backward(x, wq, wk, wv, wo, cos, sin, out, *lses)
         ctx.plan, ctx.group, ctx.causal, ctx.scale, ctx.kernel = plan, group, causal, scale, kernel
-        return out
+        if wo is None:
+            return out
+        return out.flatten(2) @ wo.t()
 
     @staticmethod
-    def backward(ctx, dout):
-        x, wq, wk, wv, cos, sin, out, *lses = ctx.saved_tensors
+    def backward(ctx, grad):
+        x, wq, wk, wv, wo, cos, sin, out, *lses = ctx.saved_tensors
         plan, group = ctx.plan, ctx.group
         kw = dict(causal=ctx.causal, scale=ctx.scale, kernel=ctx.kernel)
         d = wq.shape[0] // plan.n_heads
-        # fp32 accumulators for low-precision inputs ("bf16 with fp32 reductions"): dx and dK/dV
-        # sum over stages, the weight gradients over KV replicas.
+        dout = _OutputGrad(grad, out, wo, d)
+        # dK/dV sum over a block's stages along the full sequence: fp32 for low-precision inputs
+        # ("bf16 with fp32 reductions"); they are only U/C heads wide. dx and the weight rows are
+        # accumulated in the input dtype, as autograd would, to keep dx a single (L, dim) tensor.
         acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         x2 = x.reshape(-1, x.shape[-1])
-        dx2 = torch.zeros(x2.shape, dtype=acc, device=x.device)
-        dwq, dwk, dwv = (torch.zeros(w.shape, dtype=acc, device=w.device) for w in (wq, wk, wv))
+        dx2 = torch.zeros_like(x2)
+        dwq, dwk, dwv = (torch.zeros_like(w) for w in (wq, wk, wv))
         lse_it = iter(lses)
         for block in plan.blocks:
             kv_idx = torch.tensor(block.kv_heads, device=x.device)
@@ -97,7 +128,7 @@ class _UPipeFunction(torch.autograd.Function):
                 wq_rows = _rows(wq, q_idx, d)
                 q = seq_to_head(_project(x, wq_rows, d, cos, sin, True), group)
                 o = seq_to_head(out.index_select(2, q_idx), group)
-                do = seq_to_head(dout.index_select(2, q_idx), group)
+                do = seq_to_head(dout.stage(q_idx), group)
                 dq, dk_s, dv_s = attention_backward(do, q, k, v, o, next(lse_it), **kw)
                 del q, o, do
                 dk.add_(dk_s)
@@ -113,9 +144,7 @@ class _UPipeFunction(torch.autograd.Function):
             dv = head_to_seq(dv.to(x.dtype), group)
             _accumulate(dv, x2, wv_rows, kv_idx, dwv, dx2, d)
             del dv
-        dx = dx2.view(x.shape).to(x.dtype)
-        grads = (dx, dwq.to(wq.dtype), dwk.to(wk.dtype), dwv.to(wv.dtype))
-        return *grads, None, None, None, None, None, None, None
+        return dx2.view(x.shape), dwq, dwk, dwv, dout.dwo, *([None] * 7)
 
 
 def upipe_attention(
@@ -125,6 +154,7 @@ def upipe_attention(
     wv: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    wo: torch.Tensor | None = None,
     *,
     n_heads: int,
     n_kv_heads: int,
@@ -134,17 +164,20 @@ def upipe_attention(
     scale: float | None = None,
     kernel: str = "auto",
 ) -> torch.Tensor:
-    """UPipe attention for callers that keep their own projection weights and output projection.
+    """UPipe attention for callers that keep their own projection weights.
 
     Args:
         x: (B, L, dim) this rank's contiguous sequence shard (tokens [rank*L, (rank+1)*L)).
         wq: (n_heads*D, dim); wk, wv: (n_kv_heads*D, dim) -- nn.Linear weights, head-major rows.
         cos, sin: (L, D) RoPE tables of this rank's global positions (``upipe.rope.rope_tables``).
+        wo: optional (dim_out, n_heads*D) output projection weight. Given, it is fused: the
+            backward then builds the output gradient stage by stage, never for all heads at once.
         n_heads, n_kv_heads: head counts; group: CP process group (size C).
         heads_per_stage: U, a multiple of C dividing n_heads; default C.
 
     Returns:
-        (B, L, n_heads, D) attention output before the output projection, heads in model order.
+        (B, L, dim_out) when ``wo`` is given, else the (B, L, n_heads, D) attention output before
+        the output projection, heads in model order.
     """
     from upipe.comm import group_size
 
@@ -152,7 +185,7 @@ def upipe_attention(
     check_ulysses_heads(n_heads, n_kv_heads, cp)
     plan = make_stage_plan(n_heads, n_kv_heads, cp, heads_per_stage or cp)
     return _UPipeFunction.apply(
-        x, wq, wk, wv, cos, sin, plan, group, causal, scale, check_kernel(kernel)
+        x, wq, wk, wv, wo, cos, sin, plan, group, causal, scale, check_kernel(kernel)
     )
 
 
@@ -179,13 +212,11 @@ class UPipeAttention(ContextParallelAttention):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)
-        b, l, _ = x.shape
-        cos, sin = self.rope(l, x)
-        out = _UPipeFunction.apply(
-            x, self.wq.weight, self.wk.weight, self.wv.weight, cos, sin, self.plan, self.group,
-            self.causal, None, self.kernel,
+        cos, sin = self.rope(x.shape[1], x)
+        return _UPipeFunction.apply(
+            x, self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight, cos, sin,
+            self.plan, self.group, self.causal, None, self.kernel,
         )
-        return self.wo(out.view(b, l, -1))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", heads_per_stage={self.heads_per_stage}"

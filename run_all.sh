@@ -6,6 +6,9 @@
 # Environment (defaults are the small CPU reproduction):
 #   SEQ_LENS   comma-separated sequence lengths, K/M suffixes allowed   (default 16K,64K)
 #   NPROC      ranks (processes) per run                                (default 4)
+#   WARMUP     untimed iterations per cell                              (default 0)
+#   ITERS      timed iterations per cell                                (default 1)
+#              (one 64K-token step takes ~10 minutes per method on 2 CPU cores)
 #   OUT        output directory for the result rows                     (default results/bench_attention)
 #   DRY_RUN=1  print what would run and exit 0 (installs nothing)
 #   ONLY       reserved for selecting one sweep once the harness lands; refused until then
@@ -18,6 +21,8 @@ cd "$root"
 
 SEQ_LENS="${SEQ_LENS:-16K,64K}"
 NPROC="${NPROC:-4}"
+WARMUP="${WARMUP:-0}"
+ITERS="${ITERS:-1}"
 OUT="${OUT:-results/bench_attention}"
 DRY_RUN="${DRY_RUN:-0}"
 out_abs="$OUT"
@@ -31,7 +36,8 @@ fi
 # Ranks share the CPU cores: one OpenMP thread each unless the caller chose otherwise.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
-cmd=(python -m experiments.bench_attention --seq-lens "$SEQ_LENS" --nproc "$NPROC" --out "$OUT" "$@")
+cmd=(python -m experiments.bench_attention --seq-lens "$SEQ_LENS" --nproc "$NPROC" --warmup "$WARMUP" --iters "$ITERS"
+     --out "$OUT" "$@")
 
 if [[ "$DRY_RUN" == 1 ]]; then
     echo "run_all.sh (dry run) would run, in $root:"

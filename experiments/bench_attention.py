@@ -1,0 +1,316 @@
+"""One attention layer's forward+backward per CP method: time and peak memory per rank.
+
+    python -m experiments.bench_attention --nproc 4 --seq-lens 16K,64K \
+        --methods ulysses,ds-ulysses,upipe:U=C,upipe:U=2C --out results/bench_attention
+
+A cell is (method, heads per stage, sequence length, ranks, dtype, kernel). Each cell runs in its
+own freshly spawned gloo process group, so a failure (or an OOM kill) becomes a row with its
+status and error text and the sweep goes on. Under torchrun (WORLD_SIZE set) the cells run in
+that one group instead, one after another.
+
+Per cell: ``--warmup`` iterations, then ``--iters`` timed ones; a barrier before each; the step
+time is the slowest rank's (DESIGN.md §7), reported as median and p20/p80. Memory comes from
+``experiments.memory.MemoryTracker`` on the first iteration (the warm-up one when there is one;
+the tracker makes collectives synchronous, so it must not overlap the timed ones):
+``peak_device_bytes`` is absolute (parameters, input and output gradient included),
+``peak_attention_bytes`` is the peak above those; both the max over ranks.
+
+Rows are appended to ``<out>/rows.jsonl`` (one per cell, with provenance taken by the process
+that ran the cell, and the machine's load average around it) and ``<out>/rows.csv`` is rewritten
+from it after every cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import upipe
+from experiments.memory import MemoryTracker
+from upipe.module import check_ulysses_heads
+from upipe.registry import get_method
+from upipe.staging import check_heads_per_stage
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The layer: Llama-3-8B-like heads at a CPU-sized width."""
+
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    head_dim: int = 64
+    dim: int = 2048
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One benchmark configuration; ``validate`` raises ValueError naming the field."""
+
+    method: str
+    heads_per_stage: int | None  # UPipe's U; None for other methods
+    seq_len: int  # global tokens; each rank holds seq_len / nproc
+    nproc: int
+    dtype: str
+    kernel: str
+
+    def validate(self, shape: Shape) -> None:
+        get_method(self.method)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.seq_len % self.nproc:
+            raise ValueError(f"seq_len ({self.seq_len}) must be divisible by nproc ({self.nproc})")
+        check_ulysses_heads(shape.n_heads, shape.n_kv_heads, self.nproc)
+        if self.heads_per_stage is not None:
+            check_heads_per_stage(shape.n_heads, self.nproc, self.heads_per_stage)
+
+
+def parse_seq_len(text: str) -> int:
+    """'16K' -> 16384, '1M' -> 1048576, '131072' -> 131072."""
+    m = re.fullmatch(r"(\d+)([kKmM]?)", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"sequence length must look like 16K or 131072: {text!r}")
+    return int(m[1]) * {"": 1, "k": 1024, "m": 1024**2}[m[2].lower()]
+
+
+def parse_method(spec: str, nproc: int) -> tuple[str, int | None]:
+    """'ulysses' -> ('ulysses', None); 'upipe:U=2C' -> ('upipe', 2*nproc); 'upipe:U=8' -> 8."""
+    name, _, opt = spec.partition(":")
+    if not opt:
+        return name, None
+    m = re.fullmatch(r"U=(\d*)(C?)", opt)
+    if not m or not (m[1] or m[2]):
+        raise ValueError(f"method option must be U=<n>, U=C or U=<n>C, got {spec!r}")
+    return name, int(m[1] or 1) * (nproc if m[2] else 1)
+
+
+def provenance() -> dict:
+    """Versions, git revision, host and date, stored with every row (DESIGN.md §7)."""
+
+    def git(*args):
+        here = Path(__file__).parent
+        r = subprocess.run(["git", *args], capture_output=True, text=True, cwd=here)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    rev = git("rev-parse", "HEAD") or "uncommitted"
+    if rev != "uncommitted" and git("status", "--porcelain", "--untracked-files=no"):
+        rev += "+dirty"
+    try:
+        import deepspeed
+
+        ds_version = deepspeed.__version__
+    except Exception:  # not installed, or failing to import: record, don't stop the benchmark
+        ds_version = None
+    cpu = platform.processor()
+    if Path("/proc/cpuinfo").exists():
+        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                    if ln.startswith("model name")), cpu)
+    return {"torch_version": torch.__version__, "deepspeed_version": ds_version,
+            "upipe_version": getattr(upipe, "__version__", None), "git_rev": rev,
+            "hostname": socket.gethostname(), "cpu_model": cpu, "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+# ---------------------------------------------------------------------------------------------
+# one cell, on every rank
+
+
+def run_cell(cell: Cell, shape: Shape, warmup: int, iters: int) -> dict:
+    """Build the method, run warm-up + timed steps; returns the cross-rank metrics (all ranks)."""
+    dtype = DTYPES[cell.dtype]
+    opts = {} if cell.heads_per_stage is None else {"heads_per_stage": cell.heads_per_stage}
+    torch.manual_seed(0)
+    m = upipe.build_method(cell.method, shape.dim, shape.n_heads, shape.n_kv_heads,
+                           shape.head_dim, group=dist.group.WORLD, causal=True,
+                           kernel=cell.kernel, **opts).to(dtype)
+    x = torch.randn(1, cell.seq_len // cell.nproc, shape.dim, dtype=dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    # provenance of the code this process actually imported (a commit may land mid-sweep)
+    prov = provenance() if dist.get_rank() == 0 else {}
+
+    def step() -> float:
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        dist.barrier()
+        t0 = time.perf_counter()
+        m(x).backward(dy)
+        return time.perf_counter() - t0
+
+    times, mem = [], (0, 0)
+    for i in range(warmup + iters):
+        if i == 0:
+            with MemoryTracker() as mt:
+                mt.track(m, x, dy)
+                base = mt.current_device_bytes
+                dt = step()
+            mem = (mt.peak_device_bytes, mt.peak_device_bytes - base)
+        else:
+            dt = step()
+        if i >= warmup:
+            times.append(dt)
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (times, mem))
+    step_s = np.max([t for t, _ in per_rank], axis=0)  # slowest rank per step
+    return {
+        "time_median_s": float(np.median(step_s)),
+        "time_p20_s": float(np.percentile(step_s, 20)),
+        "time_p80_s": float(np.percentile(step_s, 80)),
+        "tokens_per_s_per_rank": cell.seq_len / cell.nproc / float(np.median(step_s)),
+        "peak_device_bytes": max(mm[0] for _, mm in per_rank),
+        "peak_attention_bytes": max(mm[1] for _, mm in per_rank),
+        "times_s": [float(t) for t in step_s],
+        "memory_from": "warmup" if warmup else "timed",
+    } | prov
+
+
+def _spawned_rank(rank, cell, shape, warmup, iters, threads, port, queue):
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=cell.nproc, timeout=datetime.timedelta(hours=2))
+    try:
+        result = run_cell(cell, shape, warmup, iters)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_spawned(cell: Cell, shape: Shape, warmup: int, iters: int, threads: int) -> dict:
+    """The cell in a fresh process group of ``cell.nproc`` spawned ranks; failures -> status."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.start_processes(_spawned_rank, (cell, shape, warmup, iters, threads, port, queue),
+                           nprocs=cell.nproc, join=True, start_method="spawn")
+        return {"status": "ok", "error": ""} | queue.get()
+    except mp.ProcessExitedException as e:  # killed: SIGKILL on CPU is the OOM killer
+        return {"status": "oom" if e.signal_name == "SIGKILL" else "error", "error": str(e)}
+    except Exception as e:  # a rank raised: its traceback is in the message
+        status = "oom" if "MemoryError" in str(e) or "out of memory" in str(e) else "error"
+        return {"status": status, "error": str(e)[-4000:]}
+
+
+def run_in_torchrun(cell: Cell, shape: Shape, warmup: int, iters: int) -> dict:
+    try:
+        return {"status": "ok", "error": ""} | run_cell(cell, shape, warmup, iters)
+    except Exception:
+        return {"status": "error", "error": traceback.format_exc()[-4000:]}
+
+
+# ---------------------------------------------------------------------------------------------
+# sweep, rows, table
+
+
+def summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Compact table; UPipe (and every other method) relative to Ulysses at the same length."""
+    metrics = ["time_median_s", "time_p20_s", "time_p80_s", "tokens_per_s_per_rank",
+               "peak_device_bytes", "peak_attention_bytes"]
+    df = df.reindex(columns=[*df.columns, *(c for c in metrics if c not in df)])
+    df["method"] = [m if pd.isna(u) else f"{m}:U={int(u)}"
+                    for m, u in zip(df.method, df.heads_per_stage, strict=True)]
+    ref = df[(df.method == "ulysses") & (df.status == "ok")].set_index("seq_len")
+    df["time_vs_ulysses"] = df.time_median_s / df.seq_len.map(ref.time_median_s)
+    df["attn_mem_vs_ulysses"] = df.peak_attention_bytes / df.seq_len.map(ref.peak_attention_bytes)
+    df["peak_MiB"] = df.peak_device_bytes / 2**20
+    df["attn_MiB"] = df.peak_attention_bytes / 2**20
+    cols = ["method", "seq_len", "status", "time_median_s", "time_p20_s", "time_p80_s",
+            "tokens_per_s_per_rank", "peak_MiB", "attn_MiB", "time_vs_ulysses",
+            "attn_mem_vs_ulysses"]
+    return df[cols].round(3)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=4, help="ranks (ignored under torchrun)")
+    p.add_argument("--seq-lens", default="16K,64K", help="global lengths, e.g. 16K,64K,131072")
+    p.add_argument("--methods", default="ulysses,ds-ulysses,upipe:U=C,upipe:U=2C",
+                   help="registry names; upipe:U=C, U=2C or U=<n> set heads per stage")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--kernel", default="auto")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per rank (default OMP_NUM_THREADS, else cores / nproc)")
+    p.add_argument("--out", type=Path, default=Path("results/bench_attention"))
+    p.add_argument("--dry-run", action="store_true", help="validate and list the cells only")
+    a = p.parse_args(argv)
+    if a.iters < 1 or a.warmup < 0:
+        p.error("--iters must be >= 1 and --warmup >= 0")
+
+    torchrun = "WORLD_SIZE" in os.environ
+    if torchrun and not a.dry_run:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(hours=2))
+        a.nproc = dist.get_world_size()
+    threads = a.threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or max(
+        1, (os.cpu_count() or 1) // a.nproc)
+    if torchrun:
+        torch.set_num_threads(threads)
+    shape = Shape()
+    cells, rows = [], []
+    seq_lens = [parse_seq_len(s) for s in a.seq_lens.split(",")]
+    for spec in a.methods.split(","):
+        for seq in seq_lens:
+            name, u = parse_method(spec, a.nproc)
+            cells.append(Cell(name, u, seq, a.nproc, a.dtype, a.kernel))
+    rank0 = not torchrun or a.dry_run or dist.get_rank() == 0
+    write = rank0 and not a.dry_run
+    run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    prov = provenance() if rank0 else {}  # cells that ran overwrite it with their own
+    if write:
+        a.out.mkdir(parents=True, exist_ok=True)
+    for cell in sorted(cells, key=lambda c: c.seq_len):  # short lengths first: early results
+        try:
+            cell.validate(shape)
+        except ValueError as e:
+            res = {"status": "invalid", "error": str(e)}
+        else:
+            if a.dry_run:
+                print("would run", cell)
+                continue
+            t0, load0 = time.monotonic(), os.getloadavg()[0]
+            res = (run_in_torchrun(cell, shape, a.warmup, a.iters) if torchrun
+                   else run_spawned(cell, shape, a.warmup, a.iters, threads))
+            # load averages flag other work on the machine during the cell (timing noise)
+            res |= {"wall_s": round(time.monotonic() - t0, 1), "load_1m_start": load0,
+                    "load_1m_end": os.getloadavg()[0]}
+        row = {"run_id": run_id, **asdict(cell), **asdict(shape), "batch": 1, "causal": True,
+               "warmup": a.warmup, "iters": a.iters, "threads_per_rank": threads,
+               "launcher": "torchrun" if torchrun else "spawn", **prov, **res}
+        rows.append(row)
+        if rank0:
+            print(f"[{row['status']}] {cell.method} U={cell.heads_per_stage} S={cell.seq_len}: "
+                  f"{row.get('time_median_s', '-')} s  {row.get('error', '')[-300:]}", flush=True)
+        if write:
+            with open(a.out / "rows.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            pd.read_json(a.out / "rows.jsonl", lines=True).to_csv(a.out / "rows.csv", index=False)
+    if rank0 and rows:
+        with pd.option_context("display.width", 200, "display.max_columns", 20):
+            print(summary(pd.DataFrame(rows)).to_string(index=False))
+    if torchrun and not a.dry_run:
+        dist.destroy_process_group()
+    return 1 if any(r["status"] == "error" for r in rows) else 0  # oom/invalid are results
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

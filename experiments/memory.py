@@ -1,0 +1,271 @@
+"""Live tensor-memory tracking by intercepting every op at the dispatcher (DESIGN.md §7, §8).
+
+``MemoryTracker`` is a ``TorchDispatchMode``: each op output whose storage it has not seen (and
+that does not alias an op input) is a new allocation of ``storage.nbytes()``; a weakref callback on
+the storage's Python object removes it when the storage is freed. Torch preserves a storage's
+Python object for the storage's whole life (``t.untyped_storage() is t.untyped_storage()``;
+checked on torch 2.13 by ``tests/test_memory.py``), so the callback fires exactly when the memory
+goes back to the allocator. Views and in-place ops allocate nothing and add nothing.
+
+The same code measures real CPU tensors (gloo ranks) and fake ones (``FakeTensorMode`` + the
+``fake`` process group: meta storages still report ``nbytes``), which is how paper-scale peaks
+are predicted without a GPU. What it cannot see: scratch that a kernel allocates internally and
+frees before returning (e.g. flash-attention workspaces); DESIGN.md §8 models those per kernel.
+
+Why hand-written rather than ``torch.distributed._tools.mem_tracker.MemTracker``: that tool is
+private API, and it classifies bytes by device, so host-offloaded activations (CPU tensors) and
+"device" tensors of a CPU run (also CPU tensors) cannot be told apart. Here allocations made
+inside ``tracker.host()`` are host bytes, everything else device bytes, on any device.
+
+Usage (enter the tracker *inside* ``FakeTensorMode`` so that it sees the fake ops, not the meta
+ops fake mode runs underneath)::
+
+    with MemoryTracker() as mt:
+        mt.track(model, x)                 # pre-existing tensors count toward the absolute peak
+        with mt.category("attention"):
+            model(x).backward(dy)
+    mt.peak_device_bytes, mt.peak_by_category["attention"]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+DEVICE, HOST = "device", "host"
+
+
+@dataclass
+class Allocation:
+    """One live storage: its size when counted, where it lives, who made it."""
+
+    nbytes: int
+    kind: str  # DEVICE or HOST
+    category: str
+    desc: str  # "op: dtype[shape]" of the tensor that first exposed the storage
+
+
+# torch.tensor(python data) builds its tensor without dispatching and then "lifts" it: a real run
+# returns the same tensor, FakeTensorMode a new fake one; count both as the allocation they are.
+_FRESH_CONSTANTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
+def _storage(t: torch.Tensor):
+    """The tensor's untyped storage, or None for tensors without one (sparse, some subclasses)."""
+    if not torch._C._has_storage(t):
+        return None
+    return t.untyped_storage()
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Tracks live tensor storage bytes while active: current, peak, device/host, per category.
+
+    Attributes (bytes):
+        current_bytes, peak_bytes: all tracked bytes (device + host).
+        current_device_bytes, peak_device_bytes; current_host_bytes, peak_host_bytes.
+        current_by_category, peak_by_category: device bytes per label of ``category()``
+            ("other" outside any).
+        breakdown_at_peak: {category: device bytes} at the moment of the device peak.
+        peak_allocations: the live ``Allocation`` list at the device peak, when constructed with
+            ``snapshot_peak=True`` (for explaining a peak; costs a list copy per new peak).
+    """
+
+    def __init__(
+        self, snapshot_peak: bool = False, settle_comm: bool = True, settle_timeout_s: float = 0.25
+    ):
+        super().__init__()
+        self.snapshot_peak = snapshot_peak
+        self.settle_comm, self.settle_timeout_s = settle_comm, settle_timeout_s
+        self._comm_aliases: list[torch.Tensor] = []
+        self._live: dict[int, tuple[Allocation, weakref.ref]] = {}
+        self._kind_stack = [DEVICE]
+        self._category_stack = ["other"]
+        self.current = {DEVICE: 0, HOST: 0}
+        self.peak = {DEVICE: 0, HOST: 0}
+        self.peak_bytes = 0
+        self.current_by_category: dict[str, int] = defaultdict(int)
+        self.peak_by_category: dict[str, int] = defaultdict(int)
+        self.breakdown_at_peak: dict[str, int] = {}
+        self.peak_allocations: list[Allocation] = []
+
+    # -- public API ----------------------------------------------------------------------------
+
+    @property
+    def current_bytes(self) -> int:
+        return self.current[DEVICE] + self.current[HOST]
+
+    @property
+    def current_device_bytes(self) -> int:
+        return self.current[DEVICE]
+
+    @property
+    def current_host_bytes(self) -> int:
+        return self.current[HOST]
+
+    @property
+    def peak_device_bytes(self) -> int:
+        return self.peak[DEVICE]
+
+    @property
+    def peak_host_bytes(self) -> int:
+        return self.peak[HOST]
+
+    def track(self, *objs, category: str = "model") -> None:
+        """Count pre-existing tensors (and modules' parameters, buffers and existing grads).
+
+        Storages already tracked are not counted twice. Use it for parameters and inputs so that
+        the peak is absolute, not only what the measured code allocated.
+        """
+        for obj in objs:
+            if isinstance(obj, nn.Module):
+                tensors = [*obj.parameters(), *obj.buffers()]
+                tensors += [p.grad for p in obj.parameters() if p.grad is not None]
+            else:
+                tensors = [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+            with self.category(category):
+                for t in tensors:
+                    self._add(t, "track")
+
+    @contextlib.contextmanager
+    def category(self, name: str):
+        """Attribute allocations made inside to ``name`` (nested: the innermost label wins)."""
+        self._category_stack.append(name)
+        try:
+            yield self
+        finally:
+            self._category_stack.pop()
+
+    @contextlib.contextmanager
+    def host(self):
+        """Count allocations made inside as host (offloaded) bytes instead of device bytes."""
+        self._kind_stack.append(HOST)
+        try:
+            yield self
+        finally:
+            self._kind_stack.pop()
+
+    def reset_peak(self) -> None:
+        """Restart every peak from the current live bytes."""
+        self.peak = dict(self.current)
+        self.peak_bytes = self.current_bytes
+        self.peak_by_category = defaultdict(int, self.current_by_category)
+        self._snapshot()
+
+    def live_allocations(self) -> list[Allocation]:
+        """The tracked storages alive now."""
+        return [a for a, _ in self._live.values()]
+
+    def tracks(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage is counted."""
+        s = _storage(t)
+        return s is not None and id(s) in self._live
+
+    # -- dispatch ------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._comm_aliases:
+            self._settle_comm()
+        if self.settle_comm and func.namespace == "c10d":
+            args, kwargs = tree_map_only(torch.Tensor, self._comm_alias, (args, kwargs))
+        out = func(*args, **kwargs)
+        if func in _FRESH_CONSTANTS:  # torch.tensor(data): created below the dispatcher
+            inputs = set()
+        else:
+            inputs = {
+                id(s)
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None
+            }
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._add(t, func.__name__, skip=inputs)
+        return out
+
+    def __exit__(self, *exc):
+        self._comm_aliases.clear()
+        return super().__exit__(*exc)
+
+    # -- collectives ---------------------------------------------------------------------------
+    #
+    # A backend's Work holds its send/receive tensors until a comm thread (gloo's worker) lets
+    # go of it, shortly after wait() returns; how long after depends on thread scheduling. The
+    # program may already have dropped a send buffer that the comm thread still holds, so raw
+    # real-run peaks vary run to run and exceed emulated ones. To measure what the program
+    # holds, each collective gets fresh aliases (same storage) of its tensors, and before the
+    # next op the tracker waits until it holds the only reference to them again, i.e. the
+    # backend has let go. A Work the program keeps (async ops not yet waited) times out after
+    # ``settle_timeout_s`` and its buffers stay counted, as they are really held. The waits stall
+    # async overlap: time runs untracked.
+
+    def _comm_alias(self, t: torch.Tensor) -> torch.Tensor:
+        alias = torch.ops.aten.alias.default(t)
+        self._comm_aliases.append(alias)
+        return alias
+
+    def _settle_comm(self) -> None:
+        deadline = time.monotonic() + self.settle_timeout_s
+        while any(a._use_count() > 1 for a in self._comm_aliases):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(1e-4)
+        self._comm_aliases.clear()
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _add(self, t: torch.Tensor, op: str, skip: frozenset | set = frozenset()) -> None:
+        s = _storage(t)
+        if s is None:
+            return
+        key = id(s)
+        if key in self._live:  # seen: only a resize (out= ops, storage resize_) changes bytes
+            alloc = self._live[key][0]
+            if s.nbytes() != alloc.nbytes:
+                self._count(alloc, s.nbytes() - alloc.nbytes)
+                alloc.nbytes = s.nbytes()
+            return
+        if key in skip:  # a view of / in-place on an untracked input: not an allocation here
+            return
+        desc = f"{op}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+        alloc = Allocation(s.nbytes(), self._kind_stack[-1], self._category_stack[-1], desc)
+        # The callback runs while the storage object is being destroyed, before its id can be
+        # reused, so keying by id is safe; it holds the tracker only weakly.
+        self_ref = weakref.ref(self)
+        ref = weakref.ref(s, lambda _, k=key: (tr := self_ref()) is not None and tr._free(k))
+        self._live[key] = (alloc, ref)
+        self._count(alloc, alloc.nbytes)
+
+    def _free(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self._count(entry[0], -entry[0].nbytes)
+
+    def _count(self, alloc: Allocation, delta: int) -> None:
+        self.current[alloc.kind] += delta
+        if alloc.kind == DEVICE:  # categories split the device bytes (DESIGN.md §7)
+            self.current_by_category[alloc.category] += delta
+        if delta <= 0:
+            return
+        cat = alloc.category
+        self.peak_by_category[cat] = max(self.peak_by_category[cat], self.current_by_category[cat])
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        if self.current[HOST] > self.peak[HOST]:
+            self.peak[HOST] = self.current[HOST]
+        if self.current[DEVICE] > self.peak[DEVICE]:
+            self.peak[DEVICE] = self.current[DEVICE]
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        self.breakdown_at_peak = {k: v for k, v in self.current_by_category.items() if v}
+        if self.snapshot_peak:
+            self.peak_allocations = [
+                Allocation(a.nbytes, a.kind, a.category, a.desc) for a in self.live_allocations()
+            ]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
-from upipe.comm import head_to_seq, seq_to_head
+from upipe.comm import group_size, head_to_seq, seq_to_head
 from upipe.kernels import attention_backward, attention_forward, check_kernel
 from upipe.module import ContextParallelAttention, check_ulysses_heads
 from upipe.registry import register_method
@@ -179,8 +179,6 @@ def upipe_attention(
         (B, L, dim_out) when ``wo`` is given, else the (B, L, n_heads, D) attention output before
         the output projection, heads in model order.
     """
-    from upipe.comm import group_size
-
     cp = group_size(group)
     check_ulysses_heads(n_heads, n_kv_heads, cp)
     plan = make_stage_plan(n_heads, n_kv_heads, cp, heads_per_stage or cp)

@@ -1,59 +1,58 @@
 #!/usr/bin/env bash
-# Main job: bootstrap the venv (scripts/bootstrap.sh), then run the benchmark(s) into results/.
-# Today that is the attention benchmark (python -m experiments.bench_attention); the sweep
-# harness replaces it later. Thin on purpose: environment defaults, then the Python runner.
+# Main job: reproduce the paper's artefacts into results/ (tables, plots, provenance).
 #
-# Environment (defaults are the small CPU reproduction):
-#   SEQ_LENS   comma-separated sequence lengths, K/M suffixes allowed   (default 16K,64K)
-#   NPROC      ranks (processes) per run                                (default 4)
-#   WARMUP     untimed iterations per cell                              (default 0)
-#   ITERS      timed iterations per cell                                (default 1)
-#              (one 64K-token step takes ~10 minutes per method on 2 CPU cores)
-#   OUT        output directory for the result rows                     (default results/bench_attention)
-#   DRY_RUN=1  print what would run and exit 0 (installs nothing)
-#   ONLY       reserved for selecting one sweep once the harness lands; refused until then
+#   ./run_all.sh                          CPU-scale counterpart of every artefact (gloo, 4 ranks;
+#                                         ~15 min on 2 cores), the default without GPUs
+#   NPROC_PER_NODE=8 ./run_all.sh         paper-scale sweeps on this node's GPUs (NCCL)
+#   torchrun --nnodes 2 --nproc-per-node 8 ... -m experiments.cli sweep <name>
+#                                         multi-node: the sweep itself under torchrun
+#
+# Environment:
+#   ONLY=<sweep>[,<sweep>]  run only these sweeps (names: upipe-bench list sweeps)
+#   DRY_RUN=1               expand and validate every cell, run nothing
+#   OUT=<dir>               results root (default results/)
+#   SCALE=cpu|paper         which sweeps (default: paper when NPROC_PER_NODE is set, else cpu)
+#   RETRY_FAILED=1          re-run cells whose row is an error or a timeout (others resume)
 #   UPIPE_VENV and the rest: see scripts/bootstrap.sh
-# Extra arguments are passed on to the Python runner: ./run_all.sh --help
+# Extra arguments go to `upipe-bench sweep` (e.g. --timeout 600).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$root"
 
-SEQ_LENS="${SEQ_LENS:-16K,64K}"
-NPROC="${NPROC:-4}"
-WARMUP="${WARMUP:-0}"
-ITERS="${ITERS:-1}"
-OUT="${OUT:-results/bench_attention}"
+OUT="${OUT:-results}"
 DRY_RUN="${DRY_RUN:-0}"
-out_abs="$OUT"
-[[ "$OUT" == /* ]] || out_abs="$root/$OUT"
-
-if [[ -n "${ONLY:-}" ]]; then
-    echo "run_all.sh: ONLY=$ONLY is reserved for the sweep harness and not supported yet" >&2
-    exit 2
-fi
+if [[ -n "${NPROC_PER_NODE:-}" ]]; then SCALE="${SCALE:-paper}"; else SCALE="${SCALE:-cpu}"; fi
+case "$SCALE" in cpu|paper) ;; *) echo "run_all.sh: SCALE must be cpu or paper, got $SCALE" >&2; exit 2;; esac
 
 # Ranks share the CPU cores: one OpenMP thread each unless the caller chose otherwise.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-
-cmd=(python -m experiments.bench_attention --seq-lens "$SEQ_LENS" --nproc "$NPROC" --warmup "$WARMUP" --iters "$ITERS"
-     --out "$OUT" "$@")
-
-if [[ "$DRY_RUN" == 1 ]]; then
-    echo "run_all.sh (dry run) would run, in $root:"
-    echo "  scripts/bootstrap.sh   # venv ${UPIPE_VENV:-.venv}"
-    line="  OMP_NUM_THREADS=$OMP_NUM_THREADS"
-    for arg in "${cmd[@]}"; do  # quote only what a shell would need quoted
-        if [[ "$arg" =~ ^[A-Za-z0-9_./,:=+@%-]+$ ]]; then line+=" $arg"; else line+=" $(printf %q "$arg")"; fi
-    done
-    echo "$line"
-    echo "  results -> $out_abs/"
-    exit 0
-fi
+# ALST's allocator setting (DESIGN.md §6); ignored without CUDA.
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 
 venv="$("$root/scripts/bootstrap.sh")"
 export VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH"
 
-echo "run_all.sh: ${cmd[*]}"
-"${cmd[@]}"
-echo "run_all.sh: done; results in $out_abs/ (see results/README.md)"
+if [[ -n "${ONLY:-}" ]]; then
+    IFS=',' read -r -a sweeps <<< "$ONLY"
+else
+    mapfile -t sweeps < <(python -c "
+from experiments.sweeps import cpu_sweeps, paper_sweeps
+for s in ($SCALE""_sweeps()): print(s.name)")
+fi
+
+args=(--out "$OUT")
+[[ "$DRY_RUN" == 1 ]] && args+=(--dry-run)
+[[ "${RETRY_FAILED:-0}" == 1 ]] && args+=(--retry-failed)
+[[ "$SCALE" == paper && -n "${NPROC_PER_NODE:-}" ]] && args+=(--nproc "$NPROC_PER_NODE")
+
+echo "run_all.sh: $SCALE scale, ${#sweeps[@]} sweep(s): ${sweeps[*]}" >&2
+start=$SECONDS
+python -m experiments.cli sweep "${sweeps[@]}" "${args[@]}" "$@"
+[[ "$DRY_RUN" == 1 ]] && exit 0
+
+echo "run_all.sh: done in $((SECONDS - start)) s. Tables and plots:"
+for s in "${sweeps[@]}"; do
+    echo "  $OUT/$s/  (rows.csv$( [[ -f "$OUT/$s/max_context.csv" ]] && echo ', max_context.csv'), $(ls "$OUT/$s"/*.png 2>/dev/null | wc -l) plots)"
+done
+echo "Provenance: each sweep's env.json and runs/*/row.json; see $OUT/README.md"

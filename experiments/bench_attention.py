@@ -26,10 +26,8 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import socket
-import subprocess
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -43,6 +41,7 @@ import torch.multiprocessing as mp
 
 import upipe
 from experiments.memory import MemoryTracker
+from experiments.provenance import provenance
 from upipe.module import check_ulysses_heads
 from upipe.registry import get_method
 from upipe.staging import check_heads_per_stage
@@ -99,34 +98,6 @@ def parse_method(spec: str, nproc: int) -> tuple[str, int | None]:
     if not m or not (m[1] or m[2]):
         raise ValueError(f"method option must be U=<n>, U=C or U=<n>C, got {spec!r}")
     return name, int(m[1] or 1) * (nproc if m[2] else 1)
-
-
-def provenance() -> dict:
-    """Versions, git revision, host and date, stored with every row (DESIGN.md §7)."""
-
-    def git(*args):
-        here = Path(__file__).parent
-        r = subprocess.run(["git", *args], capture_output=True, text=True, cwd=here)
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    rev = git("rev-parse", "HEAD") or "uncommitted"
-    if rev != "uncommitted" and git("status", "--porcelain", "--untracked-files=no"):
-        rev += "+dirty"
-    try:
-        import deepspeed
-
-        ds_version = deepspeed.__version__
-    except Exception:  # not installed, or failing to import: record, don't stop the benchmark
-        ds_version = None
-    cpu = platform.processor()
-    if Path("/proc/cpuinfo").exists():
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                    if ln.startswith("model name")), cpu)
-    return {"torch_version": torch.__version__, "deepspeed_version": ds_version,
-            "upipe_version": getattr(upipe, "__version__", None), "git_rev": rev,
-            "hostname": socket.gethostname(), "cpu_model": cpu, "cpu_count": os.cpu_count(),
-            "python": platform.python_version(),
-            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 DEVICE, HOST = "device", "host"
@@ -65,6 +65,21 @@ def _storage(t: torch.Tensor):
     return t.untyped_storage()
 
 
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding ``t``'s memory: itself, or a wrapper subclass's inner tensors.
+
+    A DTensor (FSDP2 parameters, their gradients and optimizer states) has no storage of its
+    own; its local shard does. The mode sees DTensor ops only at the subclass level (the local
+    ops run while the mode is disabled), so outputs are unwrapped here.
+    """
+    # checked first: a wrapper subclass reports a storage of its global size that holds nothing
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    inner = (getattr(t, n) for n in names)
+    return [p for x in inner if isinstance(x, torch.Tensor) for p in _plain(x)]
+
+
 class MemoryTracker(TorchDispatchMode):
     """Tracks live tensor storage bytes while active: current, peak, device/host, per category.
 
@@ -79,10 +94,15 @@ class MemoryTracker(TorchDispatchMode):
     """
 
     def __init__(
-        self, snapshot_peak: bool = False, settle_comm: bool = True, settle_timeout_s: float = 0.25
+        self, snapshot_peak: bool = False, settle_comm: bool = True, settle_timeout_s: float = 0.25,
+        namespace_categories: dict[str, str] | None = None,
     ):
         super().__init__()
         self.snapshot_peak = snapshot_peak
+        # op namespace -> category for its outputs (e.g. {"fsdp": "model"}: FSDP2's all-gather
+        # and reduce-scatter buffers are model-state traffic wherever they run)
+        self.namespace_categories = dict(namespace_categories or {})
+        self._peak_live: dict[int, tuple[weakref.ref, str, int]] = {}
         self.settle_comm, self.settle_timeout_s = settle_comm, settle_timeout_s
         self._comm_aliases: list[torch.Tensor] = []
         self._live: dict[int, tuple[Allocation, weakref.ref]] = {}
@@ -132,7 +152,8 @@ class MemoryTracker(TorchDispatchMode):
                 tensors = [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
             with self.category(category):
                 for t in tensors:
-                    self._add(t, "track")
+                    for p in _plain(t):
+                        self._add(p, "track")
 
     @contextlib.contextmanager
     def category(self, name: str):
@@ -141,6 +162,14 @@ class MemoryTracker(TorchDispatchMode):
         try:
             yield self
         finally:
+            self._category_stack.pop()
+
+    def push_category(self, name: str) -> None:
+        """``category(name)`` entered by hand (for autograd hooks that cannot use ``with``)."""
+        self._category_stack.append(name)
+
+    def pop_category(self) -> None:
+        if len(self._category_stack) > 1:
             self._category_stack.pop()
 
     @contextlib.contextmanager
@@ -164,9 +193,9 @@ class MemoryTracker(TorchDispatchMode):
         return [a for a, _ in self._live.values()]
 
     def tracks(self, t: torch.Tensor) -> bool:
-        """Whether ``t``'s storage is counted."""
-        s = _storage(t)
-        return s is not None and id(s) in self._live
+        """Whether ``t``'s storage (a wrapper subclass's: all inner storages) is counted."""
+        stores = [_storage(p) for p in _plain(t)]
+        return all(s is not None and id(s) in self._live for s in stores)
 
     # -- dispatch ------------------------------------------------------------------------------
 
@@ -177,22 +206,63 @@ class MemoryTracker(TorchDispatchMode):
         if self.settle_comm and func.namespace == "c10d":
             args, kwargs = tree_map_only(torch.Tensor, self._comm_alias, (args, kwargs))
         out = func(*args, **kwargs)
+        label = self.namespace_categories.get(func.namespace)
+        if label is not None:
+            self._category_stack.append(label)
+            try:
+                self._add_outputs(func, args, kwargs, out)
+            finally:
+                self._category_stack.pop()
+        else:
+            self._add_outputs(func, args, kwargs, out)
+        return out
+
+    def _add_outputs(self, func, args, kwargs, out) -> None:
         if func in _FRESH_CONSTANTS:  # torch.tensor(data): created below the dispatcher
             inputs = set()
         else:
             inputs = {
                 id(s)
-                for t in tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None
+                for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                for p in _plain(t) if (s := _storage(p)) is not None
             }
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._add(t, func.__name__, skip=inputs)
-        return out
+                for p in _plain(t):
+                    self._add(p, func.__name__, skip=inputs)
+
+    def __enter__(self):
+        _ResizeHook.install(self)
+        return super().__enter__()
 
     def __exit__(self, *exc):
         self._comm_aliases.clear()
+        _ResizeHook.remove(self)
         return super().__exit__(*exc)
+
+    def recategorize_peak(self, tensors, category: str) -> int:
+        """Move the device bytes of ``tensors`` that were live at the device peak into
+        ``category`` of ``breakdown_at_peak``; returns the bytes moved.
+
+        For tensors whose role is known only later (the gradients FSDP2 reduce-scatters into
+        new buffers are allocated by plain ops in backward, and are model states).
+        """
+        moved = 0
+        seen = set()
+        for t in tensors:
+            for p in _plain(t):
+                st = _storage(p)
+                if st is None or id(st) in seen:
+                    continue
+                seen.add(id(st))
+                entry = self._peak_live.get(id(st))
+                if entry is None or entry[0]() is not st or entry[1] == category:
+                    continue
+                self.breakdown_at_peak[entry[1]] -= entry[2]
+                self.breakdown_at_peak[category] = self.breakdown_at_peak.get(category, 0)
+                self.breakdown_at_peak[category] += entry[2]
+                moved += entry[2]
+        return moved
 
     # -- collectives ---------------------------------------------------------------------------
     #
@@ -234,7 +304,11 @@ class MemoryTracker(TorchDispatchMode):
             return
         if key in skip:  # a view of / in-place on an untracked input: not an allocation here
             return
-        desc = f"{op}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+        self._add_storage(s, op, t)
+
+    def _add_storage(self, s, op: str, t: torch.Tensor | None) -> None:
+        key = id(s)
+        desc = op if t is None else f"{op}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
         alloc = Allocation(s.nbytes(), self._kind_stack[-1], self._category_stack[-1], desc)
         # The callback runs while the storage object is being destroyed, before its id can be
         # reused, so keying by id is safe; it holds the tracker only weakly.
@@ -242,6 +316,16 @@ class MemoryTracker(TorchDispatchMode):
         ref = weakref.ref(s, lambda _, k=key: (tr := self_ref()) is not None and tr._free(k))
         self._live[key] = (alloc, ref)
         self._count(alloc, alloc.nbytes)
+
+    def _on_resize(self, s) -> None:
+        key = id(s)
+        if key in self._live:
+            alloc = self._live[key][0]
+            if s.nbytes() != alloc.nbytes:
+                self._count(alloc, s.nbytes() - alloc.nbytes)
+                alloc.nbytes = s.nbytes()
+        elif s.nbytes() > 0:
+            self._add_storage(s, "resize_", None)
 
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
@@ -265,7 +349,44 @@ class MemoryTracker(TorchDispatchMode):
 
     def _snapshot(self) -> None:
         self.breakdown_at_peak = {k: v for k, v in self.current_by_category.items() if v}
+        self._peak_live = {k: (ref, a.category, a.nbytes) for k, (a, ref) in self._live.items()
+                           if a.kind == DEVICE}
         if self.snapshot_peak:
             self.peak_allocations = [
                 Allocation(a.nbytes, a.kind, a.category, a.desc) for a in self.live_allocations()
             ]
+
+
+class _ResizeHook:
+    """Sees ``UntypedStorage.resize_``, which changes a storage's size below the dispatcher.
+
+    FSDP2 frees an unsharded parameter by resizing its storage to 0 bytes after use and grows
+    it again before the next all-gather; without this the tracker would keep counting every
+    unsharded parameter as live. While any tracker is active, ``resize_`` is wrapped to report
+    the storage to the active trackers (a grown, untracked storage is a new allocation).
+    """
+
+    _trackers: list[MemoryTracker] = []
+    _original = None
+
+    @classmethod
+    def install(cls, tracker: MemoryTracker) -> None:
+        if not cls._trackers:
+            cls._original = torch.UntypedStorage.resize_
+
+            def resize_(storage, size):
+                out = cls._original(storage, size)
+                for tr in cls._trackers:
+                    tr._on_resize(storage)
+                return out
+
+            torch.UntypedStorage.resize_ = resize_
+        cls._trackers.append(tracker)
+
+    @classmethod
+    def remove(cls, tracker: MemoryTracker) -> None:
+        if tracker in cls._trackers:
+            cls._trackers.remove(tracker)
+        if not cls._trackers and cls._original is not None:
+            torch.UntypedStorage.resize_ = cls._original
+            cls._original = None

@@ -1,0 +1,261 @@
+"""Typed configuration: model presets, memory-stack levels and the benchmark cell.
+
+Everything a cell runs is one frozen, self-validating ``Cell`` (STYLE.md §4): method, model
+preset (+ overrides), sequence length, ranks, stack, heads per stage, dtype, kernel, budget.
+Validation names the offending field and the rule and happens before any process starts, so a
+sweep's dry run checks every cell and no rank ever hangs on bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from upipe.module import check_ulysses_heads
+from upipe.registry import available_methods
+from upipe.staging import check_heads_per_stage
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-style decoder (random init; nothing is downloaded)."""
+
+    n_layers: int
+    """transformer blocks"""
+    dim: int
+    """model width"""
+    n_heads: int
+    """query heads"""
+    n_kv_heads: int
+    """key/value heads (GQA when fewer than n_heads)"""
+    head_dim: int
+    """per-head width"""
+    ffn_dim: int
+    """SwiGLU hidden width"""
+    vocab_size: int
+    """vocabulary (embedding and output head rows)"""
+    rope_theta: float = 500000.0
+    """RoPE base"""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon"""
+    tie_embeddings: bool = False
+    """share the output head with the token embedding (Llama 3.2 small models do; 8B/70B not)"""
+
+    def validate(self) -> None:
+        for f in fields(self):
+            val = getattr(self, f.name)
+            if isinstance(val, (int, float)) and not isinstance(val, bool) and val <= 0:
+                raise ValueError(f"model.{f.name} must be positive, got {val}")
+        if self.head_dim % 2:
+            raise ValueError(f"model.head_dim must be even (RoPE), got {self.head_dim}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads "
+                f"({self.n_kv_heads})"
+            )
+
+    def n_params(self) -> int:
+        """Parameter count (embeddings and head included)."""
+        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        block = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.n_layers * block + self.vocab_size * self.dim + head + self.dim
+
+
+# DESIGN.md §6 (paper shapes; Qwen3-32B with Llama-style blocks) and CPU-sized counterparts.
+PRESETS: dict[str, ModelConfig] = {
+    "llama3-8b": ModelConfig(32, 4096, 32, 8, 128, 14336, 128256, 500000.0),
+    "qwen3-32b": ModelConfig(64, 5120, 64, 8, 128, 25600, 151936, 1000000.0),
+    "llama3-70b": ModelConfig(80, 8192, 64, 8, 128, 28672, 128256, 500000.0),
+    # CPU counterparts. Llama3-8B's structure scaled down: H/Hkv = 4, H*d_h = dim, and on 4 ranks
+    # with U = C four stages, as the 32 heads on 8 GPUs of the paper ...
+    "tiny": ModelConfig(4, 256, 16, 4, 16, 768, 1024, 500000.0),
+    # ... and Qwen3-32B's: H/Hkv = 8, H*d_h > dim.
+    "tiny-wide": ModelConfig(4, 256, 16, 2, 32, 768, 1024, 1000000.0),
+}
+
+
+def _coerce(name: str, typ: Any, text: str) -> Any:
+    typ = {"int": int, "float": float, "bool": bool}.get(typ, typ)
+    if typ is bool:
+        if text.lower() in ("1", "true", "yes"):
+            return True
+        if text.lower() in ("0", "false", "no"):
+            return False
+        raise ValueError(f"{name} must be true or false, got {text!r}")
+    try:
+        return typ(parse_size(text) if typ is int else text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be {typ.__name__}, got {text!r}") from None
+
+
+def resolve_model(preset: str, overrides: tuple[tuple[str, str], ...] = ()) -> ModelConfig:
+    """The preset with ``key=value`` overrides applied; unknown names list the valid ones."""
+    if preset not in PRESETS:
+        raise ValueError(f"model must be one of {sorted(PRESETS)}, got {preset!r}")
+    cfg = PRESETS[preset]
+    types = {f.name: f.type for f in fields(ModelConfig)}
+    changes = {}
+    for key, val in overrides:
+        if key not in types:
+            raise ValueError(f"override key must be one of {sorted(types)}, got {key!r}")
+        changes[key] = _coerce(f"model.{key}", types[key], val)
+    cfg = dataclasses.replace(cfg, **changes)
+    cfg.validate()
+    return cfg
+
+
+def parse_size(text: str | int) -> int:
+    """'128K' -> 131072, '1M' -> 1048576, '131072' -> 131072 (binary K/M/G suffixes)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"(\d+)([kKmMgG]?)", str(text).strip())
+    if not m:
+        raise ValueError(f"size must look like 131072, 128K or 1M, got {text!r}")
+    return int(m[1]) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[m[2].lower()]
+
+
+def format_size(n: int) -> str:
+    """131072 -> '128K', 1048576 -> '1M', 1000 -> '1000'."""
+    for unit, mult in (("M", 2**20), ("K", 2**10)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
+
+
+def parse_overrides(items: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """['n_layers=2', ...] -> (('n_layers', '2'), ...); the key is checked by resolve_model."""
+    out = []
+    for item in items:
+        key, eq, val = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"override must be key=value, got {item!r}")
+        out.append((key.strip(), val.strip()))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory stack
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What a memory-stack level switches on (DESIGN.md §6, "the ALST stack")."""
+
+    checkpoint: bool
+    """activation checkpointing of every block (torch.utils.checkpoint, non-reentrant)"""
+    offload: bool
+    """checkpointed block inputs to host memory, all blocks but the first and last"""
+    tiled: bool
+    """tiled MLP and RMSNorm (local sequence in ceil(L / dim) shards)"""
+    chunked_loss: bool
+    """linear + cross-entropy over token chunks, so full logits never exist"""
+
+
+STACKS: dict[str, StackConfig] = {
+    "none": StackConfig(False, False, False, False),
+    "ac": StackConfig(True, False, False, False),
+    "offload": StackConfig(True, True, False, False),
+    "alst": StackConfig(True, True, True, True),
+}
+
+DTYPES = ("fp32", "bf16")
+
+
+# ---------------------------------------------------------------------------------------------
+# the cell
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One benchmark configuration. World size is ``nproc`` (= the CP degree), stored once."""
+
+    method: str
+    """registry name (``upipe-bench list``)"""
+    model: str = "tiny"
+    """model preset"""
+    seq_len: int = 4096
+    """global tokens per step (batch 1); each rank holds seq_len / nproc"""
+    nproc: int = 4
+    """ranks = CP degree (FSDP2 shards over the same ranks)"""
+    stack: str = "alst"
+    """memory-stack level: none, ac, offload, alst"""
+    heads_per_stage: int | None = None
+    """UPipe's U (a multiple of nproc); None: the method's default"""
+    dtype: str = "fp32"
+    """parameter/compute dtype; bf16 keeps fp32 reductions"""
+    kernel: str = "auto"
+    """attention kernel (upipe.kernels.KERNELS)"""
+    overrides: tuple[tuple[str, str], ...] = ()
+    """model field overrides, (key, value) pairs"""
+    budget_mib: float | None = None
+    """per-rank device budget in MiB: on CPU a tracked-bytes limit, on GPU the device's own"""
+    warmup: int = 1
+    """untimed steps before the memory step and the timed ones"""
+    iters: int = 2
+    """timed steps"""
+    lr: float = 1e-4
+    """AdamW learning rate"""
+    seed: int = 0
+    """parameter and data seed"""
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+    """free-form labels carried into the row (e.g. the sweep's ``rep``); not part of the id"""
+
+    def validate(self) -> ModelConfig:
+        """Raise ValueError naming the field and the rule; returns the resolved model."""
+        if self.method not in available_methods():
+            raise ValueError(f"method must be one of {available_methods()}, got {self.method!r}")
+        model = resolve_model(self.model, self.overrides)
+        if self.stack not in STACKS:
+            raise ValueError(f"stack must be one of {list(STACKS)}, got {self.stack!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.nproc < 1:
+            raise ValueError(f"nproc must be >= 1, got {self.nproc}")
+        if self.seq_len < 2 or self.seq_len % self.nproc:
+            raise ValueError(
+                f"seq_len ({self.seq_len}) must be >= 2 and divisible by nproc ({self.nproc})"
+            )
+        if self.warmup < 0 or self.iters < 0:
+            raise ValueError(f"warmup and iters must be >= 0, got {self.warmup}, {self.iters}")
+        if self.budget_mib is not None and self.budget_mib <= 0:
+            raise ValueError(f"budget_mib must be positive, got {self.budget_mib}")
+        check_ulysses_heads(model.n_heads, model.n_kv_heads, self.nproc)
+        if self.heads_per_stage is not None:
+            if self.method != "upipe":
+                raise ValueError(f"heads_per_stage applies to upipe only, not {self.method!r}")
+            check_heads_per_stage(model.n_heads, self.nproc, self.heads_per_stage)
+        from upipe.kernels import check_kernel
+
+        check_kernel(self.kernel)
+        return model
+
+    def method_options(self) -> dict:
+        return {} if self.heads_per_stage is None else {"heads_per_stage": self.heads_per_stage}
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["overrides"] = [list(kv) for kv in self.overrides]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Cell:
+        d = dict(d)
+        d["overrides"] = tuple(tuple(kv) for kv in d.get("overrides", ()))
+        return cls(**d)
+
+    def cell_id(self) -> str:
+        """A readable, unique directory name for this cell (the hash covers every field)."""
+        d = self.to_dict()
+        d.pop("extra")
+        digest = hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
+        u = "" if self.heads_per_stage is None else f"-U{self.heads_per_stage}"
+        rep = f"-r{self.extra['rep']}" if "rep" in self.extra else ""
+        return (f"{self.method}{u}-{self.model}-{format_size(self.seq_len)}-p{self.nproc}-"
+                f"{self.stack}-{self.dtype}{rep}-{digest}")

@@ -1,0 +1,65 @@
+"""Linear + cross-entropy over token chunks, so full logits never exist (the ALST loss).
+
+Hand-written rather than DeepSpeed's ``TiledFusedLogitsLoss`` because that one (a) branches on a
+tensor value in backward (``if grads[0] != 1.0``), which fails under ``FakeTensorMode``, and
+(b) runs the backward inside the forward, accumulating the head's weight gradient before
+FSDP2's backward hooks expect it. This version saves only its inputs and recomputes each chunk's
+logits in backward; the gradient of a chunk is ``softmax(logits) - onehot(label)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def loss_chunk_tokens(dim: int, vocab_size: int) -> int:
+    """Tokens per chunk: at most ``dim`` (the tiling rule of the MLP) and at most a 512 MiB fp32
+    logits chunk (2**27 values), so large vocabularies stay bounded on GPU."""
+    return max(1, min(dim, 2**27 // vocab_size))
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, labels, chunk):
+        ctx.save_for_backward(h, weight, labels)
+        ctx.chunk = chunk
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for i in range(0, h.shape[0], chunk):
+            logits = F.linear(h[i:i + chunk], weight).float()
+            total += F.cross_entropy(logits, labels[i:i + chunk], ignore_index=IGNORE_INDEX,
+                                     reduction="sum")
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        h, weight, labels = ctx.saved_tensors
+        chunk = ctx.chunk
+        dh = torch.empty_like(h)
+        # fp32 accumulation of the head's gradient across chunks (one weight-sized buffer)
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for i in range(0, h.shape[0], chunk):
+            hc, lc = h[i:i + chunk], labels[i:i + chunk]
+            valid = (lc != IGNORE_INDEX).unsqueeze(1)  # (n, 1); no data-dependent shapes
+            g = torch.softmax(F.linear(hc, weight).float(), dim=-1)
+            g.scatter_add_(1, lc.clamp(min=0).unsqueeze(1), -valid.float())
+            g.mul_(valid * grad_total)
+            g = g.to(h.dtype)
+            dh[i:i + chunk] = g @ weight
+            dw.addmm_(g.t().float(), hc.float())  # no copies when h is fp32
+        return dh, dw.to(weight.dtype), None, None
+
+
+def chunked_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                 chunk: int) -> torch.Tensor:
+    """Summed cross-entropy of ``h @ weight.T`` against ``labels``, ``chunk`` tokens at a time.
+
+    Args:
+        h: (N, dim) hidden states; weight: (V, dim) output head; labels: (N,) int64 with
+            IGNORE_INDEX for positions without a target; chunk: tokens per chunk.
+    Returns:
+        fp32 scalar, the sum over non-ignored tokens (divide by the global token count).
+    """
+    return _ChunkedLinearCrossEntropy.apply(h, weight, labels, chunk)

@@ -1,0 +1,47 @@
+"""Offload the checkpointed block inputs to host memory (the ALST stack's activation offload).
+
+Non-reentrant ``torch.utils.checkpoint`` keeps the block input through ``save_for_backward``
+under whatever saved-tensor hooks are active around the call; these hooks copy it to host memory
+in forward and back to the device when the block is recomputed in backward.
+
+Hand-written rather than ``torch.autograd.graph.save_on_cpu`` because on a CPU run that one is a
+no-op (``tensor.cpu()`` returns the tensor itself), so the CPU reproduction and the fake-tensor
+emulation would show no offload; and host bytes must be attributed to host memory, which the
+``host_context`` hook (the harness passes its tracker's ``host()``) does. On CUDA this is what
+``save_on_cpu`` does; the caller pins host memory up to 4M tokens and uses pageable memory
+above (DESIGN.md §6, after ALST: pinning that much host memory stalls the host allocator).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+PIN_MAX_TOKENS = 4 * 2**20
+
+
+def offload_saved_inputs(
+    host_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    pin_memory: bool = True,
+) -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks: pack = copy to host, unpack = copy back to the tensor's device.
+
+    ``pin_memory`` applies to CUDA tensors only (there is no pinned memory without CUDA).
+    """
+
+    def pack(t: torch.Tensor):
+        pin = pin_memory and t.is_cuda
+        with host_context():
+            packed = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            packed.copy_(t, non_blocking=pin)
+        return t.device, packed
+
+    def unpack(saved) -> torch.Tensor:
+        device, packed = saved
+        if device.type == "cpu":  # a device copy, as the H2D copy is on GPU
+            return packed.clone()
+        return packed.to(device, non_blocking=True)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -1,0 +1,54 @@
+"""Provenance stored with every result (DESIGN.md §7, STYLE.md §14)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import subprocess
+from pathlib import Path
+
+import torch
+
+import upipe
+
+
+def _git(*args: str) -> str | None:
+    r = subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def git_revision() -> str:
+    """HEAD's hash, ``+dirty`` when tracked files differ from it; ``uncommitted`` outside git."""
+    rev = _git("rev-parse", "HEAD") or "uncommitted"
+    if rev != "uncommitted" and _git("status", "--porcelain", "--untracked-files=no"):
+        rev += "+dirty"
+    return rev
+
+
+def _cpu_model() -> str:
+    cpu = platform.processor()
+    if Path("/proc/cpuinfo").exists():
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f
+                        if ln.startswith("model name")), cpu)
+    return cpu
+
+
+def provenance() -> dict:
+    """Versions, git revision, host, devices and date of the process calling it."""
+    try:
+        import deepspeed
+
+        ds_version = deepspeed.__version__
+    except Exception:  # not installed or failing to import: record it, don't stop a benchmark
+        ds_version = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {
+        "torch_version": torch.__version__, "deepspeed_version": ds_version,
+        "upipe_version": getattr(upipe, "__version__", None), "git_rev": git_revision(),
+        "hostname": socket.gethostname(), "cpu_model": _cpu_model(), "cpu_count": os.cpu_count(),
+        "gpu_name": gpu, "cuda_version": torch.version.cuda, "python": platform.python_version(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }

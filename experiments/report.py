@@ -1,0 +1,89 @@
+"""Tidy tables rebuilt from a sweep's run directories (DESIGN.md §7).
+
+Layout of ``results/<sweep>/``::
+
+    sweep.json            the declaration that ran (and env.json: the invoking process)
+    runs/<cell_id>/       cell.json (resolved config) and row.json (metrics, status, provenance)
+    searches/<id>.json    one max-context search: summary and the cell ids of its probes
+    rows.csv              one row per cell x repetition, every status (rebuilt from runs/)
+    max_context.csv       one row per search (rebuilt from searches/)
+    *.png                 plots, a pure function of the two tables (experiments.plots)
+
+Tables are always rebuilt from the run directories, never edited, so an interrupted sweep
+loses nothing already measured and a resumed one produces the same tables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+
+ROWS, MAXCTX = "rows.csv", "max_context.csv"
+# first columns of rows.csv; the rest follow in the order the rows first name them
+ROW_COLUMNS = ["sweep", "cell_id", "method", "heads_per_stage", "model", "seq_len", "nproc",
+               "stack", "dtype", "kernel", "budget_mib", "overrides", "status",
+               "time_median_s", "time_p20_s", "time_p80_s", "tokens_per_s_per_gpu", "mfu",
+               "peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
+               "peak_attention_bytes", "peak_other_bytes", "device_memory_bytes", "device",
+               "error"]
+MAXCTX_COLUMNS = ["sweep", "method", "heads_per_stage", "model", "nproc", "stack", "dtype",
+                  "budget_mib", "status", "max_seq_len", "first_failing_seq_len", "granularity",
+                  "n_probes", "device", "error"]
+
+
+def write_json(path: Path, obj) -> None:
+    """Write atomically (temp file + rename): a killed sweep never leaves half a row."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path):
+    return json.loads(path.read_text())
+
+
+def _frame(records: list[dict], first: list[str]) -> pd.DataFrame:
+    df = pd.DataFrame.from_records(records)
+    for col in df.columns:  # lists (per-step times, losses) as JSON text in the CSV
+        if df[col].map(lambda v: isinstance(v, (list, dict))).any():
+            df[col] = df[col].map(lambda v: json.dumps(v) if isinstance(v, (list, dict)) else v)
+    cols = [c for c in first if c in df.columns] + [c for c in df.columns if c not in first]
+    return df.reindex(columns=cols)
+
+
+def load_rows(sweep_dir: Path) -> pd.DataFrame:
+    """Every run's row (runs/*/row.json) as one frame, sorted by method and length."""
+    records = [read_json(p) for p in sorted(Path(sweep_dir).glob("runs/*/row.json"))]
+    if not records:
+        return pd.DataFrame(columns=ROW_COLUMNS)
+    df = _frame(records, ROW_COLUMNS)
+    return df.sort_values(["method", "heads_per_stage", "seq_len", "stack"],
+                          na_position="first", kind="stable").reset_index(drop=True)
+
+
+def load_searches(sweep_dir: Path) -> pd.DataFrame:
+    records = []
+    for p in sorted(Path(sweep_dir).glob("searches/*.json")):
+        s = read_json(p)
+        records.append({k: v for k, v in s.items() if k not in ("probes", "probe_cell_ids")})
+    if not records:
+        return pd.DataFrame(columns=MAXCTX_COLUMNS)
+    return _frame(records, MAXCTX_COLUMNS)
+
+
+def write_tables(sweep_dir: Path) -> dict[str, Path]:
+    """Rebuild rows.csv and max_context.csv from the run directories; returns their paths."""
+    sweep_dir = Path(sweep_dir)
+    out = {}
+    rows = load_rows(sweep_dir)
+    rows.to_csv(sweep_dir / ROWS, index=False)
+    out["rows"] = sweep_dir / ROWS
+    searches = load_searches(sweep_dir)
+    if len(searches):
+        searches.to_csv(sweep_dir / MAXCTX, index=False)
+        out["max_context"] = sweep_dir / MAXCTX
+    return out

@@ -1,0 +1,104 @@
+"""A sweep is data: a base cell, axes to expand, and optional max-context searches.
+
+Sweep declarations live in ``experiments/sweeps/``, one file per paper artefact, each with a
+paper-scale sweep and a CPU-scale counterpart that runs on 2 cores (STYLE.md §5). ``expand``
+turns a sweep into cells; ``validate`` checks every one of them before anything runs (a dry run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+
+from experiments.config import Cell, parse_size
+from experiments.maxctx import SearchSpec
+
+PLOTS = ("max_context", "memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses",
+         "memory_ladder", "heads_per_stage")
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One paper artefact's measurements."""
+
+    name: str
+    """file-system-safe name, after the artefact (``table3_llama3_8b_h100x8``)"""
+    description: str
+    """what the artefact shows, in one line"""
+    scale: str
+    """``paper`` (GPUs, NCCL) or ``cpu`` (2 cores, gloo)"""
+    base: dict
+    """Cell fields shared by every cell"""
+    axes: dict = field(default_factory=dict)
+    """Cell field -> values, expanded as a product; a dict value sets several fields at once
+    (e.g. ``{"method": "upipe", "heads_per_stage": 16}``)"""
+    search: SearchSpec | None = None
+    """also search the maximum context of every expanded cell but its seq_len"""
+    search_axes: tuple[str, ...] = ("variant",)
+    """axes a search runs over (the rest are fixed by ``base``)"""
+    repeats: int = 1
+    """launches per cell (rows carry ``rep``)"""
+    plots: tuple[str, ...] = ()
+    """plots drawn from the tables (see ``PLOTS``)"""
+    timeout_s: float = 3600.0
+    """per-cell (and per-probe) wall-clock limit"""
+
+    def __post_init__(self):
+        if self.scale not in ("paper", "cpu"):
+            raise ValueError(f"sweep.scale must be 'paper' or 'cpu', got {self.scale!r}")
+        bad = [p for p in self.plots if p not in PLOTS]
+        if bad:
+            raise ValueError(f"sweep.plots must be among {PLOTS}, got {bad}")
+
+    def _products(self, axes: dict) -> list[dict]:
+        names = list(axes)
+        out = []
+        for values in itertools.product(*(axes[n] for n in names)):
+            fields_ = dict(self.base)
+            for name, val in zip(names, values, strict=True):
+                if isinstance(val, dict):
+                    fields_.update(val)
+                else:
+                    fields_[name] = parse_size(val) if name == "seq_len" else val
+            out.append(fields_)
+        return out
+
+    def cells(self) -> list[Cell]:
+        """Every run cell (x repeats), short sequences first so results arrive early."""
+        cells = [Cell(**f, extra={"rep": r} if self.repeats > 1 else {})
+                 for f in self._products(self.axes) for r in range(self.repeats)]
+        return sorted(cells, key=lambda c: c.seq_len)
+
+    def search_cells(self) -> list[Cell]:
+        """One base cell per max-context search (its seq_len is replaced while searching)."""
+        if self.search is None:
+            return []
+        axes = {k: v for k, v in self.axes.items() if k in self.search_axes}
+        seen, out = set(), []
+        for f in self._products(axes):
+            cell = Cell(**(f | {"seq_len": self.search.start}))
+            if cell not in seen:
+                seen.add(cell)
+                out.append(cell)
+        return out
+
+    def validate(self) -> list[tuple[Cell, str]]:
+        """(cell, error) for every invalid cell; an empty list means the sweep can run."""
+        bad = []
+        for cell in self.cells() + self.search_cells():
+            try:
+                cell.validate()
+            except ValueError as e:
+                bad.append((cell, str(e)))
+        if self.search is not None:
+            for cell in self.search_cells():
+                try:
+                    self.search.validate(cell.nproc)
+                except ValueError as e:
+                    bad.append((cell, str(e)))
+        return bad
+
+    def with_overrides(self, **base) -> Sweep:
+        """The sweep with base fields replaced (``nproc`` from the launcher, for instance)."""
+        return dataclasses.replace(self, base=dict(self.base) | base)

@@ -1,0 +1,39 @@
+"""Table 3 of the paper: Llama3-8B on 8 H100s, every method from 128K tokens to 5M.
+
+Tokens/s per GPU and peak memory per (method, length); the longest context each method trains
+(max-context search against the 80 GB device). The CPU counterpart keeps the shape of the
+experiment (all methods, growing lengths, the ALST stack, a per-rank budget) at CPU size.
+"""
+
+from experiments.maxctx import SearchSpec
+from experiments.sweep import Sweep
+
+# Methods in the registry today; the Ring / USP / FPDT / torch-cp baselines join this list.
+METHODS = [{"method": "ulysses"}, {"method": "ds-ulysses"}, {"method": "upipe"}]
+PLOTS = ("max_context", "memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses")
+
+SWEEPS = [
+    Sweep(
+        name="table3_llama3_8b_h100x8",
+        description="Llama3-8B, 8x H100: tokens/s per GPU, peak memory and max context",
+        scale="paper",
+        base={"model": "llama3-8b", "nproc": 8, "stack": "alst", "dtype": "bf16",
+              "warmup": 2, "iters": 8},
+        axes={"variant": METHODS,
+              "seq_len": ["128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M"]},
+        search=SearchSpec(start=2**20, block=2**14, limit=2**23),
+        plots=PLOTS,
+        timeout_s=3600,
+    ),
+    Sweep(
+        name="table3_llama3_8b_h100x8-cpu",
+        description="CPU counterpart of Table 3: tiny preset, 4 gloo ranks, 96 MiB per rank",
+        scale="cpu",
+        base={"model": "tiny", "nproc": 4, "stack": "alst", "dtype": "fp32",
+              "warmup": 1, "iters": 2, "budget_mib": 96},
+        axes={"variant": METHODS, "seq_len": ["2K", "4K", "8K"]},
+        search=SearchSpec(start=4096, block=512, limit=2**16),
+        plots=PLOTS,
+        timeout_s=900,
+    ),
+]

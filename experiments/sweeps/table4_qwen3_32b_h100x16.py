@@ -1,0 +1,35 @@
+"""Table 4 of the paper: Qwen3-32B (Llama-style shapes, 64 heads over 8 KV heads) on 16 H100s
+(two nodes, launched with torchrun). The CPU counterpart keeps the head structure (8 query heads
+per KV head, more heads than ranks) at CPU size.
+"""
+
+from experiments.maxctx import SearchSpec
+from experiments.sweep import Sweep
+
+METHODS = [{"method": "ulysses"}, {"method": "ds-ulysses"}, {"method": "upipe"}]
+PLOTS = ("max_context", "memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses")
+
+SWEEPS = [
+    Sweep(
+        name="table4_qwen3_32b_h100x16",
+        description="Qwen3-32B, 16x H100 (2 nodes): tokens/s per GPU, peak memory, max context",
+        scale="paper",
+        base={"model": "qwen3-32b", "nproc": 16, "stack": "alst", "dtype": "bf16",
+              "warmup": 2, "iters": 8},
+        axes={"variant": METHODS, "seq_len": ["128K", "256K", "512K", "1M", "2M", "3M", "4M"]},
+        search=SearchSpec(start=2**20, block=2**14, limit=2**23),
+        plots=PLOTS,
+        timeout_s=3600,
+    ),
+    Sweep(
+        name="table4_qwen3_32b_h100x16-cpu",
+        description="CPU counterpart of Table 4: tiny-wide preset (16 heads, 2 KV), 4 gloo ranks",
+        scale="cpu",
+        base={"model": "tiny-wide", "nproc": 4, "stack": "alst", "dtype": "fp32",
+              "warmup": 1, "iters": 2},
+        axes={"variant": [{"method": "ulysses"}, {"method": "upipe"}],
+              "seq_len": ["2K", "4K", "8K"]},
+        plots=("memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses"),
+        timeout_s=900,
+    ),
+]

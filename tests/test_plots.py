@@ -1,0 +1,161 @@
+"""Plots are a pure function of the tables: synthetic rows.csv / max_context.csv in, PNGs out.
+
+CPU only and fast: no benchmark runs; the tables mimic what experiments.report writes (every
+status, NaN metrics on failed cells, the stack named 'none', a CPU budget line).
+"""
+
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+
+from experiments.plots import (
+    PLOTS,
+    _read,
+    _throughput,
+    _vs_ulysses,
+    draw_plots,
+    format_tokens,
+    variant_label,
+)
+from experiments.report import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
+
+MiB = 2**20
+VARIANTS = [("ulysses", None, 1.0), ("ds-ulysses", None, 1.1), ("upipe", None, 0.7),
+            ("upipe", 4, 0.6), ("upipe", 8, 0.8)]  # method, U, memory factor
+
+
+def _row(method, u, seq_len, stack="alst", status="ok", mem_factor=1.0):
+    """One rows.csv row; only ok rows carry times, oom rows carry just their peak."""
+    row = {"method": method, "heads_per_stage": u, "model": "tiny", "seq_len": seq_len,
+           "nproc": 4, "stack": stack, "status": status, "budget_mib": 96,
+           "device_memory_bytes": 96 * MiB, "device": "cpu (x86_64)"}
+    peak = mem_factor * (8 + seq_len / 128) * MiB
+    if status in ("ok", "oom"):
+        row.update(peak_device_bytes=peak, peak_model_bytes=0.2 * peak,
+                   peak_attention_bytes=0.5 * peak, peak_other_bytes=0.3 * peak,
+                   peak_host_bytes=peak if stack in ("offload", "alst") else 0.0)
+    if status == "ok":
+        t = seq_len / 4 / (3000 / mem_factor)
+        row.update(time_median_s=t, time_p20_s=0.95 * t, time_p80_s=1.1 * t,
+                   tokens_per_s_per_gpu=seq_len / 4 / t)
+    return row
+
+
+def _rows() -> list[dict]:
+    rows = [_row(m, u, s, mem_factor=f) for m, u, f in VARIANTS for s in (2048, 4096, 8192)]
+    rows += [_row(m, None, 4096, stack=st, mem_factor=f)
+             for m, _, f in VARIANTS[:3:2] for st in ("none", "ac", "offload")]
+    rows += [_row("ulysses", None, 16384, status="oom"),
+             _row("upipe", None, 16384, stack="none", status="error"),
+             _row("ds-ulysses", None, 16384, status="timeout"),
+             _row("upipe", 8, 16384, status="skipped")]
+    return rows
+
+
+def _maxctx() -> list[dict]:
+    base = {"model": "tiny", "nproc": 4, "stack": "alst", "budget_mib": 96, "status": "ok",
+            "device": "cpu (x86_64)"}
+    return [base | {"method": "ulysses", "max_seq_len": 10240, "first_failing_seq_len": 12288},
+            base | {"method": "upipe", "heads_per_stage": 4, "max_seq_len": 65536},
+            base | {"method": "ds-ulysses", "first_failing_seq_len": 4096}]  # nothing fits
+
+
+def _write(d, rows=None, maxctx=None):
+    """The two tables as report.write_tables lays them out (column order, empty for NaN)."""
+    if rows is not None:
+        pd.DataFrame(rows).reindex(columns=ROW_COLUMNS).to_csv(d / ROWS, index=False)
+    if maxctx is not None:
+        pd.DataFrame(maxctx).reindex(columns=MAXCTX_COLUMNS).to_csv(d / MAXCTX, index=False)
+    return d
+
+
+def _assert_png(path):
+    """A real picture: a PNG of plausible size that is not one flat colour."""
+    with Image.open(path) as im:
+        assert im.format == "PNG"
+        assert im.width >= 400 and im.height >= 300, im.size
+        assert np.asarray(im.convert("L")).std() > 5  # axes, bars and text, not a blank canvas
+
+
+def test_format_helpers():
+    assert format_tokens(131072) == "128K"
+    assert format_tokens(2**20) == "1M"
+    assert format_tokens(int(5.5 * 2**20)) == "5.5M"
+    assert format_tokens(1000) == "1000"
+    assert variant_label("upipe", 8.0) == "upipe U=8"
+    assert variant_label("ulysses", math.nan) == "ulysses"
+    assert variant_label("ulysses", None) == "ulysses"
+
+
+def test_every_plot_drawn_and_closed(tmp_path):
+    _write(tmp_path, _rows(), _maxctx())
+    out = draw_plots(tmp_path, PLOTS)
+    assert list(out) == list(PLOTS)
+    for name, path in out.items():
+        assert path == tmp_path / f"{name}.png"
+        _assert_png(path)
+    assert plt.get_fignums() == []  # every figure closed after saving
+
+
+def test_plot_names_match_sweep():
+    from experiments.sweep import PLOTS as SWEEP_PLOTS  # imports torch: only this test needs it
+
+    assert tuple(PLOTS) == SWEEP_PLOTS
+
+
+def test_missing_data_skipped(tmp_path):
+    no_ulysses = [r for r in _rows() if r["method"] != "ulysses"]
+    out = draw_plots(_write(tmp_path, no_ulysses), PLOTS)  # and no max_context.csv
+    assert "throughput_vs_ulysses" not in out and "max_context" not in out
+    assert {"memory_vs_seq", "throughput_vs_seq", "memory_ladder"} <= set(out)
+    assert not (tmp_path / "max_context.png").exists()
+
+
+def test_no_ok_rows_draws_nothing(tmp_path):
+    failed = [_row("ulysses", None, 2048, status=s) for s in ("error", "timeout", "invalid")]
+    assert draw_plots(_write(tmp_path, failed), PLOTS) == {}
+    assert draw_plots(tmp_path / "absent", PLOTS) == {}  # no tables at all
+    assert draw_plots(_write(tmp_path, [], []), PLOTS) == {}  # header-only tables
+    assert list(tmp_path.glob("*.png")) == []
+
+
+def test_unknown_name_raises_before_drawing(tmp_path):
+    _write(tmp_path, _rows(), _maxctx())
+    with pytest.raises(ValueError, match="memory_ladder.*heads_per_stage") as err:
+        draw_plots(tmp_path, ["memory_vs_seq", "speedup"])
+    assert "speedup" in str(err.value)
+    assert list(tmp_path.glob("*.png")) == []
+
+
+def test_same_tables_same_pixels(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        draw_plots(_write(d, _rows(), _maxctx()), ["max_context", "memory_vs_seq"])
+    for name in ("max_context", "memory_vs_seq"):
+        assert (a / f"{name}.png").read_bytes() == (b / f"{name}.png").read_bytes()
+
+
+def test_tables_read_back(tmp_path):
+    """'none' is a stack, not a missing value; absent columns come back as NaN."""
+    rows = _read(_write(tmp_path, _rows()) / ROWS, ROW_COLUMNS + ["extra"])
+    assert "none" in set(rows["stack"])
+    assert rows["extra"].isna().all()
+    assert rows.loc[rows["status"] == "error", "time_median_s"].isna().all()
+
+
+def test_throughput_and_ratio_vs_ulysses():
+    """tokens/s per GPU = seq_len / nproc / time; p20 time bounds it from above."""
+    df = pd.DataFrame([_row("ulysses", None, 4096), _row("upipe", 4, 4096, mem_factor=2.0),
+                       _row("upipe", 4, 8192), _row("ulysses", None, 2048, status="oom")])
+    tp = _throughput(df)
+    assert len(tp) == 3  # the oom row has no throughput
+    assert np.allclose(tp["tps"], tp["seq_len"] / tp["nproc"] / tp["time_median_s"])
+    assert (tp["lo"] < tp["tps"]).all() and (tp["hi"] > tp["tps"]).all()
+    ratio = _vs_ulysses(tp.reset_index(drop=True), "tps", ["seq_len", "model", "nproc", "stack"])
+    assert ratio[0] == pytest.approx(1.0) and ratio[1] == pytest.approx(0.5)
+    assert np.isnan(ratio[2])  # no Ulysses row at 8K

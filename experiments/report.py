@@ -81,9 +81,9 @@ def write_tables(sweep_dir: Path) -> dict[str, Path]:
     out = {}
     rows = load_rows(sweep_dir)
     rows.to_csv(sweep_dir / ROWS, index=False)
-    out["rows"] = sweep_dir / ROWS
+    out["rows_csv"] = sweep_dir / ROWS
     searches = load_searches(sweep_dir)
     if len(searches):
         searches.to_csv(sweep_dir / MAXCTX, index=False)
-        out["max_context"] = sweep_dir / MAXCTX
+        out["max_context_csv"] = sweep_dir / MAXCTX
     return out

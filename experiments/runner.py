@@ -120,7 +120,13 @@ class SweepRunner:
         return paths
 
     def search(self, base: Cell) -> dict:
-        res = search_max_context(base, self.sweep.search, self.run)
+        try:
+            base.validate()
+        except ValueError as e:  # recorded like an invalid cell; nothing to probe
+            res = {"status": "invalid", "max_seq_len": None, "first_failing_seq_len": None,
+                   "n_probes": 0, "error": str(e), "probes": []}
+        else:
+            res = search_max_context(base, self.sweep.search, self.run)
         ident = {k: getattr(base, k) for k in ("method", "heads_per_stage", "model", "nproc",
                                                 "stack", "dtype", "budget_mib")}
         summary = {"sweep": self.sweep.name, **ident,

@@ -37,6 +37,9 @@ class Sweep:
     """also search the maximum context of every expanded cell but its seq_len"""
     search_axes: tuple[str, ...] = ("variant",)
     """axes a search runs over (the rest are fixed by ``base``)"""
+    search_base: dict = field(default_factory=dict)
+    """Cell fields for the searches only (the CPU budget: the grid's cells run unbudgeted so
+    that every length gets a time)"""
     repeats: int = 1
     """launches per cell (rows carry ``rep``)"""
     plots: tuple[str, ...] = ()
@@ -77,7 +80,7 @@ class Sweep:
         axes = {k: v for k, v in self.axes.items() if k in self.search_axes}
         seen, out = set(), []
         for f in self._products(axes):
-            cell = Cell(**(f | {"seq_len": self.search.start}))
+            cell = Cell(**(f | self.search_base | {"seq_len": self.search.start}))
             if cell not in seen:
                 seen.add(cell)
                 out.append(cell)

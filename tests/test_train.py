@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from experiments.config import MiB, Cell
+from experiments.config import Cell, MiB
 from experiments.measure import measure_cell
 from experiments.train import build
 

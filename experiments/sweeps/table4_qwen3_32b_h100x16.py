@@ -28,7 +28,7 @@ SWEEPS = [
         base={"model": "tiny-wide", "nproc": 4, "stack": "alst", "dtype": "fp32",
               "warmup": 1, "iters": 2},
         axes={"variant": [{"method": "ulysses"}, {"method": "upipe"}],
-              "seq_len": ["2K", "4K", "8K"]},
+              "seq_len": ["2K", "4K"]},
         plots=("memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses"),
         timeout_s=900,
     ),

@@ -1,0 +1,131 @@
+"""The sweep runner and the CLI end to end on CPU: cells in their own launches, failures as
+rows, resume, a real max-context search, tables and plots."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from experiments.config import Cell
+from experiments.launch import run_cell
+from experiments.maxctx import SearchSpec
+from experiments.runner import SweepRunner
+from experiments.sweep import Sweep
+
+OVERRIDES = (("n_layers", "3"), ("dim", "64"), ("n_heads", "8"), ("n_kv_heads", "2"),
+             ("head_dim", "8"), ("ffn_dim", "96"), ("vocab_size", "128"))
+BASE = {"model": "tiny", "nproc": 2, "stack": "alst", "warmup": 1, "iters": 1,
+        "overrides": OVERRIDES}
+
+
+def test_invalid_cell_is_a_row_without_a_launch():
+    row = run_cell(Cell("upipe", heads_per_stage=3, **BASE))
+    assert row["status"] == "invalid" and "heads_per_stage" in row["error"]
+    assert "wall_s" not in row
+
+
+def test_runtime_failure_and_timeout_become_rows():
+    row = run_cell(Cell("ulysses", seq_len=256, lr=-1.0, **BASE), timeout_s=300)
+    assert row["status"] == "error" and "Invalid learning rate" in row["error"]
+    row = run_cell(Cell("ulysses", seq_len=256, **BASE), timeout_s=0.5)
+    assert row["status"] == "timeout"
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    sweep = Sweep(
+        # 3.8 MiB per rank: Ulysses fits 1024 tokens, not 2048; UPipe fits 2048 (measured
+        # tracked peaks 2.80 / 4.07 and 3.61 MiB), so the search bisects once (1536) for Ulysses
+        # and reaches the limit for UPipe.
+        "mini", "test sweep", "cpu", base=BASE | {"budget_mib": 3.8},
+        axes={"variant": [{"method": "ulysses"}, {"method": "upipe"},
+                          {"method": "upipe", "heads_per_stage": 3}],  # invalid: a row
+              "seq_len": [256, 512]},
+        search=SearchSpec(start=1024, block=256, limit=2048),
+        plots=("max_context", "memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses"),
+        timeout_s=300)
+    runner = SweepRunner(sweep, out, progress=False)
+    paths = runner()
+    return sweep, out, runner, paths
+
+
+def test_sweep_writes_rows_searches_and_plots(swept):
+    sweep, out, runner, paths = swept
+    rows = pd.read_csv(paths["rows_csv"])
+    probes = rows[rows.iters == 0]  # the searches' probes are cells too
+    assert len(rows) == 6 + len(probes) == 6 + 3 + 2, probes[["method", "seq_len", "status", "error"]].to_string()
+    assert set(probes.status) == {"ok", "oom"}
+    grid = rows[rows.iters == 1]
+    assert sorted(grid.status) == ["invalid"] * 2 + ["ok"] * 4
+    assert (grid[grid.status == "ok"].tokens_per_s_per_gpu > 0).all()
+    mc = pd.read_csv(paths["max_context_csv"]).sort_values(["method", "heads_per_stage"])
+    assert list(mc.status) == ["ok", "invalid", "ok"]  # the invalid variant is not probed
+    uly, up = mc.iloc[0], mc.iloc[2]
+    assert (uly.method, uly.first_failing_seq_len, uly.n_probes) == ("ulysses", 2048, 3)
+    assert uly.first_failing_seq_len - uly.max_seq_len == 512  # 2 ranks x 256-token blocks
+    assert (up.method, up.max_seq_len, up.n_probes) == ("upipe", 2048, 2)
+    assert pd.isna(up.first_failing_seq_len)  # the limit passed
+    for name in sweep.plots:
+        assert paths[name].exists() and paths[name].stat().st_size > 10_000
+    env = json.loads((out / "mini" / "env.json").read_text())
+    assert env["torch_version"] and env["git_rev"]
+
+
+def test_sweep_resumes_without_rerunning(swept):
+    sweep, out, _, _ = swept
+    before = pd.read_csv(out / "mini" / "rows.csv")
+    again = SweepRunner(sweep, out, progress=False)
+    again()
+    assert set(again.counts) == {"cached"}
+    after = pd.read_csv(out / "mini" / "rows.csv")
+    pd.testing.assert_frame_equal(before, after)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "experiments.cli", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_cli_run_and_max_context_print_one_json_object():
+    flags = ["--model", "tiny", "--nproc", "2", "--stack", "alst", "--warmup", "0"]
+    for o in OVERRIDES:
+        flags += ["--override", "=".join(o)]
+    r = _cli("run", "--method", "upipe", "--seq-len", "512", "--iters", "1", "--json", *flags)
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    for key in ("status", "method", "seq_len", "peak_device_bytes", "peak_host_bytes",
+                "tokens_per_s_per_gpu"):
+        assert key in row
+    assert row["status"] == "ok" and row["seq_len"] == 512
+    r = _cli("max-context", "--method", "ulysses", "--budget-mib", "5", "--start", "512",
+             "--block", "256", "--limit", "1K", "--json", *flags)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert {"max_seq_len", "first_failing_seq_len"} <= set(res)
+
+
+def test_cli_rejects_bad_input_listing_choices():
+    r = _cli("run", "--method", "nope")
+    assert r.returncode == 2 and "method must be one of" in r.stderr and "upipe" in r.stderr
+    r = _cli("run", "--method", "upipe", "--model", "gpt9")
+    assert r.returncode == 2 and "tiny" in r.stderr
+    r = _cli("run", "--method", "upipe", "--override", "layers=2")
+    assert r.returncode == 2 and "n_layers" in r.stderr
+    r = _cli("run", "--method", "upipe", "--seq-len", "1.5M")
+    assert r.returncode == 2 and "128K" in r.stderr
+    r = _cli("sweep", "table9")
+    assert r.returncode == 2 and "table3_llama3_8b_h100x8-cpu" in r.stderr
+
+
+def test_cli_list_and_dry_run():
+    r = _cli("list", "--json")
+    cat = json.loads(r.stdout)
+    assert {"upipe", "ulysses"} <= set(cat["methods"]) and "llama3-8b" in cat["presets"]
+    r = _cli("sweep", "--dry-run", "table3_llama3_8b_h100x8", "table3_llama3_8b_h100x8-cpu")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "24 cells, 3 max-context searches" in r.stdout and "INVALID" not in r.stdout

@@ -93,6 +93,8 @@ class SweepRunner:
                 "name": self.sweep.name, "description": self.sweep.description,
                 "scale": self.sweep.scale, "base": self.sweep.base, "axes": self.sweep.axes,
                 "search": None if self.sweep.search is None else vars(self.sweep.search),
+                "search_methods": self.sweep.search_methods,
+                "search_base": self.sweep.search_base,
                 "repeats": self.sweep.repeats, "plots": list(self.sweep.plots),
                 "invalid_cells": [[c.cell_id(), e] for c, e in bad]})
             write_json(self.dir / "env.json", provenance() | {"argv": sys.argv,

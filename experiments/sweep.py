@@ -37,6 +37,8 @@ class Sweep:
     """also search the maximum context of every expanded cell but its seq_len"""
     search_axes: tuple[str, ...] = ("variant",)
     """axes a search runs over (the rest are fixed by ``base``)"""
+    search_methods: tuple[str, ...] | None = None
+    """methods whose max context is searched (None: every method of the axes)"""
     search_base: dict = field(default_factory=dict)
     """Cell fields for the searches only (the CPU budget: the grid's cells run unbudgeted so
     that every length gets a time)"""
@@ -81,6 +83,8 @@ class Sweep:
         seen, out = set(), []
         for f in self._products(axes):
             cell = Cell(**(f | self.search_base | {"seq_len": self.search.start}))
+            if self.search_methods is not None and cell.method not in self.search_methods:
+                continue
             if cell not in seen:
                 seen.add(cell)
                 out.append(cell)

@@ -58,7 +58,8 @@ def test_sweep_writes_rows_searches_and_plots(swept):
     sweep, out, runner, paths = swept
     rows = pd.read_csv(paths["rows_csv"])
     probes = rows[rows.iters == 0]  # the searches' probes are cells too
-    assert len(rows) == 6 + len(probes) == 6 + 3 + 2, probes[["method", "seq_len", "status", "error"]].to_string()
+    assert len(rows) == 6 + len(probes) == 6 + 3 + 2, probes[["method", "seq_len", "status",
+                                                             "error"]].to_string()
     assert set(probes.status) == {"ok", "oom"}
     grid = rows[rows.iters == 1]
     assert sorted(grid.status) == ["invalid"] * 2 + ["ok"] * 4

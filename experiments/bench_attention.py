@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import upipe
+from experiments.config import parse_size
 from experiments.memory import MemoryTracker
 from experiments.provenance import provenance
 from upipe.module import check_ulysses_heads
@@ -79,14 +80,6 @@ class Cell:
         check_ulysses_heads(shape.n_heads, shape.n_kv_heads, self.nproc)
         if self.heads_per_stage is not None:
             check_heads_per_stage(shape.n_heads, self.nproc, self.heads_per_stage)
-
-
-def parse_seq_len(text: str) -> int:
-    """'16K' -> 16384, '1M' -> 1048576, '131072' -> 131072."""
-    m = re.fullmatch(r"(\d+)([kKmM]?)", text.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(f"sequence length must look like 16K or 131072: {text!r}")
-    return int(m[1]) * {"": 1, "k": 1024, "m": 1024**2}[m[2].lower()]
 
 
 def parse_method(spec: str, nproc: int) -> tuple[str, int | None]:
@@ -238,7 +231,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads)
     shape = Shape()
     cells, rows = [], []
-    seq_lens = [parse_seq_len(s) for s in a.seq_lens.split(",")]
+    seq_lens = [parse_size(s) for s in a.seq_lens.split(",")]
     for spec in a.methods.split(","):
         for seq in seq_lens:
             name, u = parse_method(spec, a.nproc)

@@ -13,10 +13,11 @@ from typing import ClassVar
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from upipe.comm import group_rank, group_size
 from upipe.kernels import check_kernel
-from upipe.layout import check_layout, local_positions, shard_sequence, unshard_sequence
+from upipe.layout import SeqLayout, unshard_sequence
 from upipe.reference import resolve_head_dim
 from upipe.rope import apply_rope, rope_tables
 
@@ -50,6 +51,23 @@ def replicate_kv_heads(t: torch.Tensor, cp: int) -> torch.Tensor:
     return t.repeat_interleave(cp // n_kv, dim=2) if n_kv < cp else t
 
 
+MESH_DIMS = ("ring", "ulysses")
+
+
+def mesh_groups(mesh: DeviceMesh) -> tuple[ProcessGroup, ProcessGroup]:
+    """(ulysses group, ring group) of a 2-D CP mesh with named axes ``ring`` and ``ulysses``.
+
+    The ``ulysses`` axis should be the inner (last) one so its ranks are neighbours (one node,
+    the fast all-to-all); the ring's P2P crosses nodes (the paper's 8 x 2 on 16 GPUs).
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim != 2 or sorted(names) != sorted(MESH_DIMS):
+        raise ValueError(
+            f"mesh must be 2-D with dims named {MESH_DIMS}, got ndim={mesh.ndim} names={names}"
+        )
+    return mesh.get_group("ulysses"), mesh.get_group("ring")
+
+
 class ContextParallelAttention(nn.Module):
     """Base class: common constructor, parameters, layout and RoPE for CP attention methods.
 
@@ -62,10 +80,18 @@ class ContextParallelAttention(nn.Module):
         causal: causal masking.
         rope_theta: RoPE base.
         kernel: attention kernel name (:data:`upipe.kernels.KERNELS`).
+        mesh: hybrid methods only (``supports_mesh``): a 2-D DeviceMesh with axes ``ring``
+            (outer) and ``ulysses`` (inner), instead of ``group``. The Ulysses all-to-all runs
+            over ``ulysses`` and ring attention over ``ring``; the CP degree is their product.
+
+    Attributes: ``group`` (the all-to-all group, or the ring of single-axis ring methods),
+    ``ring_group`` (hybrids only, else None), ``cp`` (total CP degree), ``rank`` (rank among
+    the CP ranks: ring_rank * ulysses_size + ulysses_rank), ``seq_layout``.
     """
 
     registry_name: ClassVar[str] = ""
     layout: ClassVar[str] = "contiguous"
+    supports_mesh: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -78,16 +104,31 @@ class ContextParallelAttention(nn.Module):
         causal: bool = True,
         rope_theta: float = 500000.0,
         kernel: str = "auto",
+        mesh: DeviceMesh | None = None,
     ):
         super().__init__()
         self.head_dim = resolve_head_dim(dim, n_heads, head_dim)
         self.kernel = check_kernel(kernel)
-        check_layout(self.layout)
         self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_kv_heads
         self.causal, self.rope_theta = causal, rope_theta
+        self.ring_group: ProcessGroup | None = None
+        if mesh is not None:
+            if not self.supports_mesh:
+                raise ValueError(
+                    f"mesh applies to hybrid methods (usp, upipe) only, not {self.registry_name!r}"
+                )
+            if group is not None:
+                raise ValueError("give either group or mesh, not both")
+            group, self.ring_group = mesh_groups(mesh)
         self.group = group
-        self.cp = group_size(group)
-        self.rank = group_rank(group)
+        self.ulysses_degree = group_size(group)
+        # group=None means the default group, so the ring axis is read only when there is one
+        hybrid = self.ring_group is not None
+        self.ring_degree = group_size(self.ring_group) if hybrid else 1
+        ring_rank = group_rank(self.ring_group) if hybrid else 0
+        self.cp = self.ulysses_degree * self.ring_degree
+        self.rank = ring_rank * self.ulysses_degree + group_rank(group)
+        self.seq_layout = self.make_layout()
         self.validate_heads()
         d = self.head_dim
         self.wq = nn.Linear(dim, n_heads * d, bias=False)
@@ -95,19 +136,34 @@ class ContextParallelAttention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * d, bias=False)
         self.wo = nn.Linear(n_heads * d, dim, bias=False)
 
+    def make_layout(self) -> SeqLayout:
+        """This method's sequence layout: ``layout``; zigzag over the ring axis for hybrids."""
+        if self.ring_group is not None:
+            return SeqLayout("zigzag", inner=self.ulysses_degree)
+        return SeqLayout(self.layout)
+
     def validate_heads(self) -> None:
-        """Method-specific head rules; the all-to-all rules by default."""
-        check_ulysses_heads(self.n_heads, self.n_kv_heads, self.cp)
+        """Method-specific head rules; the all-to-all rules over the all-to-all group."""
+        check_ulysses_heads(self.n_heads, self.n_kv_heads, self.ulysses_degree)
+
+    @classmethod
+    def unavailable_reason(cls, device_type: str) -> str | None:
+        """Why this method cannot run on ``device_type`` ("cpu"/"cuda") here, or None.
+
+        Adapters over GPU-only libraries override it; the harness turns a reason into a
+        ``skipped`` row and tests into a skip, instead of a crash inside a collective.
+        """
+        return None
 
     # -- layout -------------------------------------------------------------------------------
 
     def shard(self, x_full: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's part of a full-sequence tensor (inputs, labels, output gradients)."""
-        return shard_sequence(x_full, self.rank, self.cp, self.layout, dim)
+        return self.seq_layout.shard(x_full, self.rank, self.cp, dim)
 
     def unshard(self, x_local: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The full sequence gathered from every rank's part (a collective)."""
-        return unshard_sequence(x_local, self.group, self.layout, dim)
+        return unshard_sequence(x_local, self.group, self.seq_layout, dim, self.ring_group)
 
     # -- helpers for subclasses ---------------------------------------------------------------
 
@@ -119,6 +175,7 @@ class ContextParallelAttention(nn.Module):
             )
         if x.shape[1] == 0:
             raise ValueError("x_local must hold at least one token (seq_local > 0)")
+        self.seq_layout.check_local(x.shape[1], self.cp)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """All heads' projections of x (B, L, dim), the way every all-heads method starts.
@@ -135,7 +192,7 @@ class ContextParallelAttention(nn.Module):
 
     def rope(self, seq_local: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables (seq_local, head_dim) for this rank's global token positions."""
-        pos = local_positions(seq_local, self.rank, self.cp, self.layout, device=x.device)
+        pos = self.seq_layout.positions(seq_local, self.rank, self.cp, device=x.device)
         return rope_tables(pos, self.head_dim, self.rope_theta, x.dtype)
 
     def extra_repr(self) -> str:

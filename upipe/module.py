@@ -128,23 +128,57 @@ class ContextParallelAttention(nn.Module):
         ring_rank = group_rank(self.ring_group) if hybrid else 0
         self.cp = self.ulysses_degree * self.ring_degree
         self.rank = ring_rank * self.ulysses_degree + group_rank(group)
-        self.seq_layout = self.make_layout()
-        self.validate_heads()
+        opts = self.options()
+        self.check_heads(n_heads, n_kv_heads, self.ulysses_degree, **opts)
+        self.seq_layout = self.layout_for(
+            hybrid=self.ring_group is not None, ulysses_degree=self.ulysses_degree, **opts
+        )
         d = self.head_dim
         self.wq = nn.Linear(dim, n_heads * d, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * d, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * d, bias=False)
         self.wo = nn.Linear(n_heads * d, dim, bias=False)
 
-    def make_layout(self) -> SeqLayout:
-        """This method's sequence layout: ``layout``; zigzag over the ring axis for hybrids."""
-        if self.ring_group is not None:
-            return SeqLayout("zigzag", inner=self.ulysses_degree)
-        return SeqLayout(self.layout)
+    # -- configuration rules (class-level, so the harness checks a cell without building it) --
 
-    def validate_heads(self) -> None:
-        """Method-specific head rules; the all-to-all rules over the all-to-all group."""
-        check_ulysses_heads(self.n_heads, self.n_kv_heads, self.ulysses_degree)
+    def options(self) -> dict:
+        """This instance's method-specific constructor options, as the class-level checks take."""
+        return {}
+
+    @classmethod
+    def check_heads(cls, n_heads: int, n_kv_heads: int, ulysses_degree: int, **options) -> None:
+        """Head rules; the all-to-all rules over the all-to-all group by default."""
+        check_ulysses_heads(n_heads, n_kv_heads, ulysses_degree)
+
+    @classmethod
+    def layout_for(cls, *, hybrid: bool, ulysses_degree: int, **options) -> SeqLayout:
+        """The sequence layout: ``layout``, or zigzag over the ring axis for a hybrid mesh."""
+        if hybrid:
+            return SeqLayout("zigzag", inner=ulysses_degree)
+        return SeqLayout(cls.layout)
+
+    @classmethod
+    def check_config(
+        cls, n_heads: int, n_kv_heads: int, *, cp: int, ring_degree: int = 1,
+        seq_len: int | None = None, **options,
+    ) -> None:
+        """Every rule of this method for a configuration, without building it (dry runs).
+
+        ``cp`` is the total CP degree; ``ring_degree`` > 1 asks for the 2-D (ring x ulysses)
+        mesh of hybrid methods. Raises ValueError naming the field and the rule.
+        """
+        if ring_degree < 1 or cp % ring_degree:
+            raise ValueError(f"ring_degree ({ring_degree}) must divide the CP degree ({cp})")
+        if ring_degree > 1 and not cls.supports_mesh:
+            raise ValueError(
+                f"ring_degree > 1 applies to hybrid methods (usp, upipe) only, not "
+                f"{cls.registry_name!r}"
+            )
+        cls.check_heads(n_heads, n_kv_heads, cp // ring_degree, **options)
+        layout = cls.layout_for(hybrid=ring_degree > 1, ulysses_degree=cp // ring_degree,
+                                **options)
+        if seq_len is not None:
+            layout.check(seq_len, cp)
 
     @classmethod
     def unavailable_reason(cls, device_type: str) -> str | None:

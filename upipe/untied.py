@@ -198,15 +198,18 @@ class UPipeAttention(ContextParallelAttention):
     def __init__(self, *args, heads_per_stage: int | None = None, **kwargs):
         self.heads_per_stage = heads_per_stage
         super().__init__(*args, **kwargs)
-
-    def validate_heads(self) -> None:
-        super().validate_heads()
-        if self.heads_per_stage is None:
-            self.heads_per_stage = self.cp
-        check_heads_per_stage(self.n_heads, self.cp, self.heads_per_stage)
+        self.heads_per_stage = heads_per_stage or self.ulysses_degree
         self.plan: StagePlan = make_stage_plan(
-            self.n_heads, self.n_kv_heads, self.cp, self.heads_per_stage
+            self.n_heads, self.n_kv_heads, self.ulysses_degree, self.heads_per_stage
         )
+
+    def options(self) -> dict:
+        return {"heads_per_stage": self.heads_per_stage}
+
+    @classmethod
+    def check_heads(cls, n_heads, n_kv_heads, ulysses_degree, *, heads_per_stage=None, **_):
+        super().check_heads(n_heads, n_kv_heads, ulysses_degree)
+        check_heads_per_stage(n_heads, ulysses_degree, heads_per_stage or ulysses_degree)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)

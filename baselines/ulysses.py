@@ -16,6 +16,7 @@ from upipe.comm import group_size, head_to_seq_autograd, seq_to_head_autograd
 from upipe.kernels import attention
 from upipe.module import ContextParallelAttention, check_ulysses_heads, replicate_kv_heads
 from upipe.registry import register_method
+from upipe.ring import ring_attention
 
 
 def ulysses_attention(
@@ -27,11 +28,15 @@ def ulysses_attention(
     causal: bool = True,
     scale: float | None = None,
     kernel: str = "auto",
+    ring_group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Ulysses core on projected, rotated, sequence-sharded tensors (differentiable).
 
     Args:
-        q: (B, L, H, D); k, v: (B, L, Hkv, D), this rank's contiguous shard.
+        q: (B, L, H, D); k, v: (B, L, Hkv, D), this rank's shard (contiguous; with
+            ``ring_group``, the hybrid layout ``SeqLayout("zigzag", inner=C)``).
+        ring_group: USP's ring axis: after the all-to-all over ``group`` a rank holds H/C heads
+            of its ring rank's zigzag pair, and attention is zigzag ring attention over it.
     Returns:
         (B, L, H, D), heads in model order.
     """
@@ -39,7 +44,11 @@ def ulysses_attention(
     check_ulysses_heads(q.shape[2], k.shape[2], cp)
     k, v = replicate_kv_heads(k, cp), replicate_kv_heads(v, cp)
     qh, kh, vh = (seq_to_head_autograd(t, group) for t in (q, k, v))
-    oh = attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel)
+    if ring_group is None:
+        oh = attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel)
+    else:
+        oh = ring_attention(qh, kh, vh, group=ring_group, zigzag=True, causal=causal,
+                            scale=scale, kernel=kernel)
     return head_to_seq_autograd(oh, group)
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from upipe.module import check_ulysses_heads
-from upipe.registry import available_methods
-from upipe.staging import check_heads_per_stage
+from upipe.kernels import check_kernel
+from upipe.registry import available_methods, get_method
 
 MiB = 2**20
 
@@ -159,10 +159,14 @@ class StackConfig:
 
 
 STACKS: dict[str, StackConfig] = {
+    # the ladder: each level adds to the one before
     "none": StackConfig(False, False, False, False),
     "ac": StackConfig(True, False, False, False),
     "offload": StackConfig(True, True, False, False),
     "alst": StackConfig(True, True, True, True),
+    # the paper's PyTorch-native baseline (DESIGN.md §6): checkpointing and the chunked loss,
+    # without tiled MLP or offload
+    "native": StackConfig(True, False, False, True),
 }
 
 DTYPES = ("fp32", "bf16")
@@ -185,9 +189,14 @@ class Cell:
     nproc: int = 4
     """ranks = CP degree (FSDP2 shards over the same ranks)"""
     stack: str = "alst"
-    """memory-stack level: none, ac, offload, alst"""
+    """memory-stack level (``STACKS``): none, ac, offload, alst, native"""
     heads_per_stage: int | None = None
-    """UPipe's U (a multiple of nproc); None: the method's default"""
+    """UPipe's U (a multiple of the Ulysses degree); None: the method's default"""
+    ring_degree: int = 1
+    """hybrids (usp, upipe): ranks on the ring axis of a (ring, ulysses) mesh; Ulysses degree =
+    nproc / ring_degree"""
+    chunk_size: int | None = None
+    """fpdt, ds-fpdt: global tokens per chunk; None: the method's default"""
     dtype: str = "fp32"
     """parameter/compute dtype; bf16 keeps fp32 reductions"""
     kernel: str = "auto"
@@ -208,7 +217,11 @@ class Cell:
     """free-form labels carried into the row (e.g. the sweep's ``rep``); not part of the id"""
 
     def validate(self) -> ModelConfig:
-        """Raise ValueError naming the field and the rule; returns the resolved model."""
+        """Raise ValueError naming the field and the rule; returns the resolved model.
+
+        The method's own rules (heads over the Ulysses degree, layout divisibility, its options)
+        come from its class-level ``check_config``, the same check its constructor makes.
+        """
         if self.method not in available_methods():
             raise ValueError(f"method must be one of {available_methods()}, got {self.method!r}")
         model = resolve_model(self.model, self.overrides)
@@ -226,18 +239,27 @@ class Cell:
             raise ValueError(f"warmup and iters must be >= 0, got {self.warmup}, {self.iters}")
         if self.budget_mib is not None and self.budget_mib <= 0:
             raise ValueError(f"budget_mib must be positive, got {self.budget_mib}")
-        check_ulysses_heads(model.n_heads, model.n_kv_heads, self.nproc)
-        if self.heads_per_stage is not None:
-            if self.method != "upipe":
-                raise ValueError(f"heads_per_stage applies to upipe only, not {self.method!r}")
-            check_heads_per_stage(model.n_heads, self.nproc, self.heads_per_stage)
-        from upipe.kernels import check_kernel
-
+        if self.ring_degree < 1:
+            raise ValueError(f"ring_degree must be >= 1, got {self.ring_degree}")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+        cls = get_method(self.method)
+        options = self.method_options()
+        for name in options:
+            if not takes_option(cls, name):
+                takers = [m for m in available_methods() if takes_option(get_method(m), name)]
+                raise ValueError(f"{name} applies to {', '.join(takers) or 'no registered method'}"
+                                 f" only, not {self.method!r}")
+        cls.check_config(model.n_heads, model.n_kv_heads, cp=self.nproc,
+                         ring_degree=self.ring_degree, seq_len=self.seq_len, **options)
         check_kernel(self.kernel)
         return model
 
     def method_options(self) -> dict:
-        return {} if self.heads_per_stage is None else {"heads_per_stage": self.heads_per_stage}
+        """The method's constructor options this cell sets (unset ones take the method default);
+        what the model passes to every attention module and what validation checks."""
+        opts = {name: getattr(self, name) for name in METHOD_OPTIONS}
+        return {k: v for k, v in opts.items() if v is not None}
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -251,11 +273,34 @@ class Cell:
         return cls(**d)
 
     def cell_id(self) -> str:
-        """A readable, unique directory name for this cell (the hash covers every field)."""
+        """A readable, unique directory name for this cell (the hash covers every field).
+
+        Fields added after results were committed enter the name and the hash only when they
+        differ from their default, so the cells that existed before keep their ids (and a sweep
+        re-run resumes them).
+        """
         d = self.to_dict()
         d.pop("extra")
+        for name, default in _LATER_FIELDS.items():
+            if d[name] == default:
+                d.pop(name)
         digest = hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
         u = "" if self.heads_per_stage is None else f"-U{self.heads_per_stage}"
+        r = "" if self.ring_degree == 1 else f"-R{self.ring_degree}"
+        c = "" if self.chunk_size is None else f"-c{format_size(self.chunk_size)}"
         rep = f"-r{self.extra['rep']}" if "rep" in self.extra else ""
-        return (f"{self.method}{u}-{self.model}-{format_size(self.seq_len)}-p{self.nproc}-"
+        return (f"{self.method}{u}{r}{c}-{self.model}-{format_size(self.seq_len)}-p{self.nproc}-"
                 f"{self.stack}-{self.dtype}{rep}-{digest}")
+
+
+# Method-specific constructor options a cell can set; each applies to the methods whose
+# constructor takes a keyword of that name.
+METHOD_OPTIONS = ("heads_per_stage", "chunk_size")
+
+# Cell fields added after the first committed results, with their defaults (see cell_id).
+_LATER_FIELDS = {"ring_degree": 1, "chunk_size": None}
+
+
+def takes_option(method_cls: type, name: str) -> bool:
+    """Whether the method's constructor accepts the keyword ``name`` (e.g. heads_per_stage)."""
+    return name in inspect.signature(method_cls).parameters

@@ -8,7 +8,9 @@ cell means an OOM leaves no damaged allocator behind (STYLE.md §10). Outcomes:
 - ``ok`` (or ``oom`` over a CPU budget, decided by the ranks together);
 - ``oom``: a rank raised an out-of-memory error, or was SIGKILLed (the kernel's OOM killer);
 - ``timeout``: the cell ran past ``timeout_s``; its ranks are killed;
-- ``error``: anything else, with the failing rank's traceback as ``error``.
+- ``error``: anything else, with the failing rank's traceback as ``error``;
+- ``skipped``: the method cannot run on this machine (its ``unavailable_reason``, e.g. a
+  CUDA-only adapter on CPU); nothing is launched.
 
 Under torchrun (``WORLD_SIZE`` set, ``dist`` initialised by the caller) cells run in that one
 process group instead, one after another; a cell whose ``nproc`` differs from the world size is
@@ -33,6 +35,7 @@ import torch.multiprocessing as mp
 from experiments.config import Cell, ModelConfig
 from experiments.measure import measure_cell
 from experiments.provenance import provenance
+from upipe.registry import get_method
 
 _OOM_MARKERS = ("out of memory", "OutOfMemoryError", "MemoryError")
 
@@ -123,12 +126,22 @@ def _in_process(cell: Cell, cfg: ModelConfig) -> dict:
         return {"status": "error", "error": traceback.format_exc()[-4000:]}
 
 
+def unavailable_reason(cell: Cell) -> str | None:
+    """Why the cell's method cannot run on this machine (e.g. a CUDA-only adapter on a CPU
+    machine), or None; decided by the method class before anything is launched."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return get_method(cell.method).unavailable_reason(device_type)
+
+
 def run_cell(cell: Cell, timeout_s: float | None = None) -> dict:
     """Run ``cell`` once; always returns a row (see the module docstring for the statuses)."""
     try:
         cfg = cell.validate()
     except ValueError as e:
         return describe(cell, None) | {"status": "invalid", "error": str(e)}
+    reason = unavailable_reason(cell)
+    if reason is not None:  # nothing to launch: a row saying why
+        return describe(cell, cfg) | {"status": "skipped", "error": reason}
     torchrun = dist.is_initialized()
     threads = threads_per_rank(cell.nproc)
     t0, load0 = time.monotonic(), os.getloadavg()[0]

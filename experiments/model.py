@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from experiments.config import ModelConfig, StackConfig
@@ -123,22 +124,25 @@ class Transformer(nn.Module):
 
     Args:
         cfg: model shape.
-        method: registry name of the CP attention; ``group`` its process group.
+        method: registry name of the CP attention; ``group`` its process group, or ``mesh``
+            (hybrid methods: a 2-D DeviceMesh with dims ``("ring", "ulysses")``) instead.
         stack: memory-stack switches.
         kernel, method_options: passed to every attention module.
     """
 
     def __init__(self, cfg: ModelConfig, method: str, stack: StackConfig, *,
-                 group: ProcessGroup | None = None, kernel: str = "auto",
-                 method_options: dict | None = None):
+                 group: ProcessGroup | None = None, mesh: DeviceMesh | None = None,
+                 kernel: str = "auto", method_options: dict | None = None):
         super().__init__()
         self.cfg, self.stack = cfg, stack
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         n = cfg.n_layers
+        # the method's constructor rejects group and mesh together; pass only the one given
+        where = {"group": group} if mesh is None else {"mesh": mesh}
         self.layers = nn.ModuleList(
             Block(cfg, build_method(method, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                                    group=group, causal=True, rope_theta=cfg.rope_theta,
-                                    kernel=kernel, **(method_options or {})),
+                                    causal=True, rope_theta=cfg.rope_theta, kernel=kernel,
+                                    **where, **(method_options or {})),
                   stack, offload=stack.offload and 0 < i < n - 1)  # ALST: not first and last
             for i in range(n)
         )
@@ -169,12 +173,16 @@ class Transformer(nn.Module):
         self, *, host_context: Callable[[], contextlib.AbstractContextManager] | None = None,
         pin_memory: bool | None = None,
     ) -> None:
-        """Where offloaded bytes are accounted (a tracker's ``host``) and whether to pin."""
-        for layer in self.layers:
-            if host_context is not None:
-                layer.host_context = host_context
-            if pin_memory is not None:
-                layer.pin_memory = pin_memory
+        """Where offloaded bytes are accounted (a tracker's ``host``) and whether to pin.
+
+        Applies to the blocks' checkpoint offload and to attention modules that offload to host
+        themselves (FPDT's chunks: they have the same two attributes).
+        """
+        for m in [*self.layers, *self.attention_modules]:
+            if host_context is not None and hasattr(m, "host_context"):
+                m.host_context = host_context
+            if pin_memory is not None and hasattr(m, "pin_memory"):
+                m.pin_memory = pin_memory
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

@@ -3,8 +3,10 @@
 Every cell runs in its own process-group launch (``experiments.launch.run_cell``); its row is
 written to ``runs/<cell_id>/row.json`` as soon as it finishes and the tables are rebuilt, so an
 interrupted sweep keeps everything measured. Resuming skips cells that already have a row
-(``retry_failed`` re-runs error and timeout rows). A search's probes are cells too, cached the
-same way. Under torchrun every rank walks the same list; rank 0 decides what to skip and writes.
+(``retry_failed`` re-runs error and timeout rows; a ``skipped`` row re-runs on a machine where
+its method is available). A search's probes are cells too, cached the same way; a search whose
+method is unavailable here is recorded as ``skipped`` without probes. Under torchrun every rank
+walks the same list; rank 0 decides what to skip and writes.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from experiments.config import Cell, format_size
-from experiments.launch import run_cell
+from experiments.launch import run_cell, unavailable_reason
 from experiments.maxctx import search_max_context
 from experiments.provenance import provenance
 from experiments.report import read_json, write_json, write_tables
@@ -41,7 +43,9 @@ def _agree(value):
 
 def _label(cell: Cell) -> str:
     u = "" if cell.heads_per_stage is None else f":U={cell.heads_per_stage}"
-    return f"{cell.method}{u} {format_size(cell.seq_len)} {cell.stack}"
+    r = "" if cell.ring_degree == 1 else f":{cell.nproc // cell.ring_degree}x{cell.ring_degree}"
+    c = "" if cell.chunk_size is None else f":c={format_size(cell.chunk_size)}"
+    return f"{cell.method}{u}{r}{c} {format_size(cell.seq_len)} {cell.stack}"
 
 
 class SweepRunner:
@@ -62,6 +66,8 @@ class SweepRunner:
         row = read_json(path) if _is_writer() and path.exists() else None
         if row is not None and self.retry_failed and row.get("status") in RETRYABLE:
             row = None
+        if row is not None and row.get("status") == "skipped" and unavailable_reason(cell) is None:
+            row = None  # skipped elsewhere (a CPU machine), runnable here
         return _agree(row)
 
     def run(self, cell: Cell) -> dict:
@@ -124,13 +130,19 @@ class SweepRunner:
     def search(self, base: Cell) -> dict:
         try:
             base.validate()
+            reason = unavailable_reason(base)
         except ValueError as e:  # recorded like an invalid cell; nothing to probe
-            res = {"status": "invalid", "max_seq_len": None, "first_failing_seq_len": None,
-                   "n_probes": 0, "error": str(e), "probes": []}
+            status, reason = "invalid", str(e)
         else:
+            status = "skipped"
+        if reason is None:
             res = search_max_context(base, self.sweep.search, self.run)
-        ident = {k: getattr(base, k) for k in ("method", "heads_per_stage", "model", "nproc",
-                                                "stack", "dtype", "budget_mib")}
+        else:
+            res = {"status": status, "max_seq_len": None, "first_failing_seq_len": None,
+                   "n_probes": 0, "error": reason, "probes": []}
+        ident = {k: getattr(base, k) for k in ("method", "heads_per_stage", "ring_degree",
+                                                "chunk_size", "model", "nproc", "stack",
+                                                "dtype", "budget_mib")}
         summary = {"sweep": self.sweep.name, **ident,
                    **{k: v for k, v in res.items() if k != "probes"},
                    "device": next((p.get("device") for p in res["probes"] if p.get("device")),

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from experiments.config import Cell, parse_size
 from experiments.maxctx import SearchSpec
 
+# Cell fields given in tokens: a declaration may write them as "128K" or "1M"
+SIZE_FIELDS = ("seq_len", "chunk_size")
 PLOTS = ("max_context", "memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses",
          "memory_ladder", "heads_per_stage")
 
@@ -65,8 +67,9 @@ class Sweep:
                 if isinstance(val, dict):
                     fields_.update(val)
                 else:
-                    fields_[name] = parse_size(val) if name == "seq_len" else val
-            out.append(fields_)
+                    fields_[name] = val
+            out.append({k: parse_size(v) if k in SIZE_FIELDS and isinstance(v, str) else v
+                        for k, v in fields_.items()})
         return out
 
     def cells(self) -> list[Cell]:

@@ -54,9 +54,24 @@ class TrainState:
         return loss_sum.detach()
 
 
+def attention_mesh(cell: Cell, device: torch.device) -> DeviceMesh | None:
+    """Hybrids (``ring_degree`` > 1): the 2-D (ring, ulysses) mesh over all ranks, else None.
+
+    Ulysses is the inner axis, so its ranks are consecutive (one node: the all-to-all stays on
+    the fast links) and the ring crosses nodes, as the paper's 8 x 2 on 16 GPUs.
+    """
+    if cell.ring_degree == 1:
+        return None
+    return init_device_mesh(device.type, (cell.ring_degree, cell.nproc // cell.ring_degree),
+                            mesh_dim_names=("ring", "ulysses"))
+
+
 def build_model(cell: Cell, cfg: ModelConfig, mesh: DeviceMesh | None,
                 device: torch.device) -> Transformer:
     """The model with FSDP2 applied over ``mesh`` (None: one process, plain module).
+
+    The attention runs over the same 1-D "cp" mesh, or over a 2-D (ring, ulysses) mesh of the
+    same ranks for hybrids (``attention_mesh``); FSDP2 always shards over all ranks.
 
     On CPU the full model is built (seeded) and then sharded, so every CP degree starts from the
     same weights as a single-device run (the equivalence test needs that). On CUDA it is built
@@ -65,11 +80,12 @@ def build_model(cell: Cell, cfg: ModelConfig, mesh: DeviceMesh | None,
     """
     stack = STACKS[cell.stack]
     group = mesh.get_group("cp") if mesh is not None else None
+    hybrid = attention_mesh(cell, device) if mesh is not None else None
     torch.manual_seed(cell.seed)
     meta = device.type == "cuda" and mesh is not None
     with torch.device("meta" if meta else device):
-        model = Transformer(cfg, cell.method, stack, group=group, kernel=cell.kernel,
-                            method_options=cell.method_options())
+        model = Transformer(cfg, cell.method, stack, group=group, mesh=hybrid,
+                            kernel=cell.kernel, method_options=cell.method_options())
     if mesh is not None:
         dtype = TORCH_DTYPES[cell.dtype]
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

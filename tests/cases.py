@@ -32,7 +32,21 @@ class Case:
 
     def __hash__(self):
         return hash((self.method, self.n_heads, self.n_kv_heads, self.seq, self.causal,
-                     self.dtype, tuple(sorted(self.options.items()))))
+                     self.dtype, repr(sorted(self.options.items()))))
+
+
+_MESHES: dict = {}
+
+
+def cp_mesh(ring: int, ulysses: int):
+    """A (ring, ulysses) DeviceMesh over the world, built once per shape on this rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if (ring, ulysses) not in _MESHES:
+        _MESHES[ring, ulysses] = init_device_mesh(
+            "cpu", (ring, ulysses), mesh_dim_names=("ring", "ulysses")
+        )
+    return _MESHES[ring, ulysses]
 
 
 def _reference_grads(ref, x, dy):
@@ -63,8 +77,12 @@ def compare_with_reference(case: Case) -> dict[str, float]:
     ref_lp.load_state_dict(ref.state_dict())
     y_lp, dx_lp, dw_lp = _reference_grads(ref_lp, x.to(dtype), dy.to(dtype))
 
+    options = dict(case.options)
+    group = dist.group.WORLD
+    if "mesh" in options:  # (ring, ulysses) degrees; the mesh itself is built on the rank
+        options["mesh"], group = cp_mesh(*options["mesh"]), None
     m = build_method(case.method, case.dim, case.n_heads, case.n_kv_heads, case.head_dim,
-                     group=dist.group.WORLD, causal=case.causal, **case.options).to(dtype)
+                     group=group, causal=case.causal, **options).to(dtype)
     m.load_state_dict(ref.state_dict())
     x_loc = m.shard(x.to(dtype)).detach().requires_grad_(True)
     y_loc = m(x_loc)

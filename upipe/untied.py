@@ -21,7 +21,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from upipe.comm import group_size, head_to_seq, seq_to_head
-from upipe.kernels import attention_backward, attention_forward, check_kernel
+from upipe.ring import SequenceAttention
 from upipe.module import ContextParallelAttention, check_ulysses_heads
 from upipe.registry import register_method
 from upipe.rope import apply_rope, apply_rope_inverse
@@ -77,7 +77,7 @@ class _OutputGrad:
 
 class _UPipeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, wo, cos, sin, plan, group, causal, scale, kernel):
+    def forward(ctx, x, wq, wk, wv, wo, cos, sin, plan, group, core):
         b, l, _ = x.shape
         d = wq.shape[0] // plan.n_heads
         out = x.new_empty(b, l, plan.n_heads, d)
@@ -89,14 +89,14 @@ class _UPipeFunction(torch.autograd.Function):
             for stage in block.stages:
                 q_idx = torch.tensor(stage, device=x.device)
                 q = seq_to_head(_project(x, _rows(wq, q_idx, d), d, cos, sin, True), group)
-                o, lse = attention_forward(q, k, v, causal=causal, scale=scale, kernel=kernel)
+                o, lse = core.forward(q, k, v)
                 del q  # free before the all-to-all back allocates
                 out.index_copy_(2, q_idx, head_to_seq(o, group))
                 lses.append(lse)
                 del o
             del k, v
         ctx.save_for_backward(x, wq, wk, wv, wo, cos, sin, out, *lses)
-        ctx.plan, ctx.group, ctx.causal, ctx.scale, ctx.kernel = plan, group, causal, scale, kernel
+        ctx.plan, ctx.group, ctx.core = plan, group, core
         if wo is None:
             return out
         return out.flatten(2) @ wo.t()
@@ -105,7 +105,6 @@ class _UPipeFunction(torch.autograd.Function):
     def backward(ctx, grad):
         x, wq, wk, wv, wo, cos, sin, out, *lses = ctx.saved_tensors
         plan, group = ctx.plan, ctx.group
-        kw = dict(causal=ctx.causal, scale=ctx.scale, kernel=ctx.kernel)
         d = wq.shape[0] // plan.n_heads
         dout = _OutputGrad(grad, out, wo, d)
         # dK/dV sum over a block's stages along the full sequence: fp32 for low-precision inputs
@@ -129,7 +128,7 @@ class _UPipeFunction(torch.autograd.Function):
                 q = seq_to_head(_project(x, wq_rows, d, cos, sin, True), group)
                 o = seq_to_head(out.index_select(2, q_idx), group)
                 do = seq_to_head(dout.stage(q_idx), group)
-                dq, dk_s, dv_s = attention_backward(do, q, k, v, o, next(lse_it), **kw)
+                dq, dk_s, dv_s = ctx.core.backward(do, q, k, v, o, next(lse_it))
                 del q, o, do
                 dk.add_(dk_s)
                 dv.add_(dv_s)
@@ -144,7 +143,7 @@ class _UPipeFunction(torch.autograd.Function):
             dv = head_to_seq(dv.to(x.dtype), group)
             _accumulate(dv, x2, wv_rows, kv_idx, dwv, dx2, d)
             del dv
-        return dx2.view(x.shape), dwq, dwk, dwv, dout.dwo, *([None] * 7)
+        return dx2.view(x.shape), dwq, dwk, dwv, dout.dwo, *([None] * 5)
 
 
 def upipe_attention(
@@ -163,6 +162,7 @@ def upipe_attention(
     causal: bool = True,
     scale: float | None = None,
     kernel: str = "auto",
+    ring_group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     """UPipe attention for callers that keep their own projection weights.
 
@@ -174,6 +174,9 @@ def upipe_attention(
             backward then builds the output gradient stage by stage, never for all heads at once.
         n_heads, n_kv_heads: head counts; group: CP process group (size C).
         heads_per_stage: U, a multiple of C dividing n_heads; default C.
+        ring_group: optional ring axis of a 2-D (ring, ulysses) mesh (``group`` is then the
+            ulysses axis): each stage's attention is zigzag ring attention over it, and x must
+            be in the hybrid layout (``SeqLayout("zigzag", inner=C)``).
 
     Returns:
         (B, L, dim_out) when ``wo`` is given, else the (B, L, n_heads, D) attention output before
@@ -183,7 +186,8 @@ def upipe_attention(
     check_ulysses_heads(n_heads, n_kv_heads, cp)
     plan = make_stage_plan(n_heads, n_kv_heads, cp, heads_per_stage or cp)
     return _UPipeFunction.apply(
-        x, wq, wk, wv, wo, cos, sin, plan, group, causal, scale, check_kernel(kernel)
+        x, wq, wk, wv, wo, cos, sin, plan, group,
+        SequenceAttention(causal=causal, scale=scale, kernel=kernel, ring_group=ring_group),
     )
 
 
@@ -193,7 +197,14 @@ class UPipeAttention(ContextParallelAttention):
 
     Extra option: ``heads_per_stage`` (U), default the CP degree; it must be a multiple of the CP
     degree and divide ``n_heads``. forward(x_local (B, L, dim)) -> (B, L, dim).
+
+    With ``mesh`` (2-D, axes ``ring`` x ``ulysses``; the paper's multi-node 8 x 2) the stages'
+    all-to-alls run over the ulysses axis, U is a multiple of its size, and each stage's attention
+    is zigzag ring attention over the ring axis (sequence layout: zigzag over the ring ranks,
+    contiguous within a ring rank's ulysses group).
     """
+
+    supports_mesh = True
 
     def __init__(self, *args, heads_per_stage: int | None = None, **kwargs):
         self.heads_per_stage = heads_per_stage
@@ -216,7 +227,8 @@ class UPipeAttention(ContextParallelAttention):
         cos, sin = self.rope(x.shape[1], x)
         return _UPipeFunction.apply(
             x, self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight, cos, sin,
-            self.plan, self.group, self.causal, None, self.kernel,
+            self.plan, self.group,
+            SequenceAttention(causal=self.causal, kernel=self.kernel, ring_group=self.ring_group),
         )
 
     def extra_repr(self) -> str:

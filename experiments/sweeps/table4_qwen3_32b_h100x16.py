@@ -1,12 +1,30 @@
 """Table 4 of the paper: Qwen3-32B (Llama-style shapes, 64 heads over 8 KV heads) on 16 H100s
-(two nodes, launched with torchrun). The CPU counterpart keeps the head structure (8 query heads
-per KV head, more heads than ranks) at CPU size.
+(two nodes, launched with torchrun). The methods of Table 3, plus the two-node hybrids over an
+8 x 2 (Ulysses x ring) mesh: USP, and UPipe with ring attention over the ring axis -- the
+paper's multi-node UPipe configuration. The CPU counterpart keeps the head structure (8 query
+heads per KV head, more heads than ranks) and the hybrids as 2 x 2 on 4 ranks.
 """
 
 from experiments.maxctx import SearchSpec
 from experiments.sweep import Sweep
 
-METHODS = [{"method": "ulysses"}, {"method": "ds-ulysses"}, {"method": "upipe"}]
+METHODS = [
+    {"method": "torch-cp", "stack": "native"},
+    {"method": "zigzag-ring"},
+    {"method": "ulysses"},
+    {"method": "ds-ulysses"},
+    {"method": "fpdt", "chunk_size": "64K"},
+    {"method": "usp", "ring_degree": 2},
+    {"method": "upipe"},
+    {"method": "upipe", "ring_degree": 2},
+]
+CPU_METHODS = [
+    {"method": "torch-cp", "stack": "native"},  # CUDA only: skipped rows on CPU
+    {"method": "ulysses"},
+    {"method": "usp", "ring_degree": 2},
+    {"method": "upipe"},
+    {"method": "upipe", "ring_degree": 2},
+]
 PLOTS = ("max_context", "memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses")
 
 SWEEPS = [
@@ -23,12 +41,12 @@ SWEEPS = [
     ),
     Sweep(
         name="table4_qwen3_32b_h100x16-cpu",
-        description="CPU counterpart of Table 4: tiny-wide preset (16 heads, 2 KV), 4 gloo ranks",
+        description="CPU counterpart of Table 4: tiny-wide preset (16 heads, 2 KV), 4 gloo ranks,"
+                    " hybrids as 2x2",
         scale="cpu",
         base={"model": "tiny-wide", "nproc": 4, "stack": "alst", "dtype": "fp32",
               "warmup": 1, "iters": 2},
-        axes={"variant": [{"method": "ulysses"}, {"method": "upipe"}],
-              "seq_len": ["2K", "4K"]},
+        axes={"variant": CPU_METHODS, "seq_len": ["2K", "4K"]},
         plots=("memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses"),
         timeout_s=900,
     ),

@@ -1,0 +1,40 @@
+"""``ring``: ring attention with the contiguous layout (Liu et al., arXiv 2310.01889).
+
+Project Q, K, V for the local shard, RoPE at global positions, then :func:`upipe.ring.ring_attention`
+over the CP group: K/V blocks travel the ring with P2P send/recv, each step's block is merged with
+the log-sum-exp merge, and the custom backward passes dK/dV around the ring. No head rule: heads
+are never split, so any head count and GQA ratio work on any number of ranks; K/V travel with
+their own (GQA) head count.
+
+With causal masking the contiguous layout is unbalanced (rank r computes r+1 blocks); the
+zigzag subclass in ``baselines/zigzag_ring.py`` fixes that with a different layout only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from upipe.module import ContextParallelAttention
+from upipe.registry import register_method
+from upipe.ring import ring_attention
+
+
+@register_method("ring")
+class RingAttention(ContextParallelAttention):
+    """Ring attention module; forward(x_local (B, L, dim)) -> (B, L, dim)."""
+
+    layout = "contiguous"
+
+    @classmethod
+    def check_heads(cls, n_heads: int, n_kv_heads: int, ulysses_degree: int, **options) -> None:
+        if n_kv_heads <= 0 or n_heads % n_kv_heads:
+            raise ValueError(
+                f"n_heads ({n_heads}) must be a positive multiple of n_kv_heads ({n_kv_heads})"
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.check_input(x)
+        q, k, v = self.project_qkv(x)
+        o = ring_attention(q, k, v, group=self.group, zigzag=self.layout == "zigzag",
+                           causal=self.causal, kernel=self.kernel)
+        return self.wo(o.flatten(2))

@@ -1,0 +1,234 @@
+"""Ring attention over a process group: K/V blocks passed rank to rank with P2P send/recv.
+
+Each of the W ranks holds a block of the queries and of the keys/values. In W steps every rank
+attends its queries to every K/V block: at step s it holds the block of rank (r - s) mod W, starts
+sending it to rank r+1 (and receiving the next one from r-1) and, while that is in flight, runs
+the attention kernel on the block it has, folding the result into a running fp32 (out, lse) with
+the log-sum-exp merge (``upipe.merge``). Liu et al., "Ring Attention with Blockwise Transformers",
+arXiv 2310.01889; the skeleton (forward loop, backward loop, autograd Function, public wrapper)
+follows zhuzilin/ring-flash-attention.
+
+Backward passes K/V around the ring again, plus fp32 dK/dV accumulators that travel with them:
+each rank adds its queries' contribution to the block it holds and passes the sum on, so after W
+steps (W accumulator hops) every block's gradient is back at its owner. The block gradients use
+the final, merged out and lse (FlashAttention-2's backward only needs those), so partial blocks
+need no rescaling.
+
+Causal masking depends on the sequence layout (``upipe.layout``):
+
+* contiguous (``zigzag=False``): the own block is causal, blocks of earlier ranks are full,
+  blocks of later ranks are skipped -- rank W-1 does W blocks of work, rank 0 one.
+* zigzag (``zigzag=True``; rank r holds chunks r and 2W-1-r of 2W): the own block is causal; a
+  block from an earlier rank is seen by all queries but only through its first chunk; a block from
+  a later rank is seen whole but only by the second query chunk. Every step is half a block of
+  work on every rank: balanced.
+
+Pure PyTorch and torch.distributed (no flash-attn), so it runs on CPU/gloo and under
+FakeTensorMode with the fake process group; the kernel is ``upipe.kernels``' dispatch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from upipe.comm import group_rank, group_size
+from upipe.kernels import attention_backward, attention_forward, check_kernel
+from upipe.merge import merge_attention
+
+ALL, FIRST, SECOND = slice(None), "first", "second"
+
+
+class RingComm:
+    """Send to the next rank and receive from the previous one, over an explicit group."""
+
+    def __init__(self, group: ProcessGroup | None):
+        self.group = group
+        self.world, self.rank = group_size(group), group_rank(group)
+        self._reqs: list = []
+        self._inflight: list[torch.Tensor] = []  # sent/received tensors kept alive until wait
+        if self.world > 1:
+            g = group if group is not None else dist.group.WORLD
+            self.next = dist.get_global_rank(g, (self.rank + 1) % self.world)
+            self.prev = dist.get_global_rank(g, (self.rank - 1) % self.world)
+
+    def start(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send ``tensors`` to the next rank; returns buffers that receive the previous rank's.
+
+        The buffers are valid after :meth:`wait`.
+        """
+        send = [t.contiguous() for t in tensors]
+        recv = [torch.empty_like(t) for t in send]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in recv]
+        self._reqs = dist.batch_isend_irecv(ops)
+        self._inflight = send + recv
+        return recv
+
+    def wait(self) -> None:
+        for req in self._reqs:
+            req.wait()
+        self._reqs, self._inflight = [], []
+
+
+def _part(x: torch.Tensor, part, dim: int = 1) -> torch.Tensor:
+    """A view of the first or second half (zigzag chunk) of ``x`` along ``dim``, or all of it."""
+    if part is ALL:
+        return x
+    half = x.shape[dim] // 2
+    return x.narrow(dim, 0, half) if part == FIRST else x.narrow(dim, half, x.shape[dim] - half)
+
+
+def block_plan(step: int, rank: int, world: int, *, zigzag: bool, causal: bool):
+    """(query part, kv part, causal) of step ``step``'s block on ``rank``, or None if masked."""
+    if step == 0:
+        return ALL, ALL, causal
+    if not causal:
+        return ALL, ALL, False
+    src_earlier = (rank - step) % world < rank
+    if zigzag:
+        return (ALL, FIRST, False) if src_earlier else (SECOND, ALL, False)
+    return (ALL, ALL, False) if src_earlier else None
+
+
+def _check_ring_input(q: torch.Tensor, zigzag: bool) -> None:
+    if zigzag and q.shape[1] % 2:
+        raise ValueError(
+            f"zigzag ring attention needs an even local length (two chunks), got {q.shape[1]}"
+        )
+
+
+def ring_attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup | None, *,
+    zigzag: bool, causal: bool, scale: float | None = None, kernel: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention forward on this rank's blocks (no autograd).
+
+    Args:
+        q: (B, L, H, D); k, v: (B, L, Hkv, D) -- this rank's tokens in the group's layout
+            (contiguous, or zigzag when ``zigzag``); GQA via Hkv < H, K/V travel unexpanded.
+    Returns:
+        out (B, L, H, D) in q's dtype; lse (B, H, L) fp32.
+    """
+    _check_ring_input(q, zigzag)
+    comm = RingComm(group)
+    kw = dict(scale=scale, kernel=kernel)
+    out = lse = None
+    for step in range(comm.world):
+        if step + 1 < comm.world:
+            nxt = comm.start([k, v])
+        plan = block_plan(step, comm.rank, comm.world, zigzag=zigzag, causal=causal)
+        if plan is not None:
+            qp, kvp, blk_causal = plan
+            o_b, lse_b = attention_forward(
+                _part(q, qp), _part(k, kvp), _part(v, kvp), causal=blk_causal, **kw
+            )
+            if out is None:  # step 0 covers every query: start from it (no -inf arithmetic)
+                out, lse = o_b.float(), lse_b.clone()
+            else:
+                merge_attention(_part(out, qp), _part(lse, qp, dim=2), o_b, lse_b)
+            del o_b, lse_b
+        if step + 1 < comm.world:
+            comm.wait()
+            k, v = nxt
+    return out.to(q.dtype), lse
+
+
+def ring_attention_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, group: ProcessGroup | None, *,
+    zigzag: bool, causal: bool, scale: float | None = None, kernel: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`ring_attention_forward` from its merged ``out`` and ``lse``.
+
+    Shapes as in the forward; returns (dq, dk, dv) shaped like (q, k, v), for this rank's blocks.
+    """
+    _check_ring_input(q, zigzag)
+    kv_comm, d_comm = RingComm(group), RingComm(group)
+    kw = dict(scale=scale, kernel=kernel)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv = None  # fp32 (dk, dv) accumulators of the K/V block this rank holds
+    for step in range(kv_comm.world):
+        if step + 1 < kv_comm.world:
+            nxt = kv_comm.start([k, v])
+        plan = block_plan(step, kv_comm.rank, kv_comm.world, zigzag=zigzag, causal=causal)
+        if dkv is None:  # step 0: this rank's own block starts its accumulators
+            dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
+        else:  # the accumulators of the block just received, from the previous rank
+            d_comm.wait()
+            dkv = recv_d
+        if plan is not None:
+            qp, kvp, blk_causal = plan
+            dq_b, dk_b, dv_b = attention_backward(
+                _part(dout, qp), _part(q, qp), _part(k, kvp), _part(v, kvp), _part(out, qp),
+                _part(lse, qp, dim=2), causal=blk_causal, **kw,
+            )
+            _part(dq, qp).add_(dq_b)
+            _part(dkv[0], kvp).add_(dk_b)
+            _part(dkv[1], kvp).add_(dv_b)
+            del dq_b, dk_b, dv_b
+        if kv_comm.world > 1:  # pass them on; after the last step they reach their owner
+            recv_d = d_comm.start(dkv)
+        if step + 1 < kv_comm.world:
+            kv_comm.wait()
+            k, v = nxt
+    if kv_comm.world > 1:
+        d_comm.wait()
+        dkv = recv_d
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Autograd over the ring: saves q, k, v, out and lse, as a fused kernel would."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, zigzag, causal, scale, kernel):
+        kw = dict(zigzag=zigzag, causal=causal, scale=scale, kernel=kernel)
+        out, lse = ring_attention_forward(q, k, v, group, **kw)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.kw = group, kw
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, ctx.group, **ctx.kw)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: ProcessGroup | None = None,
+    zigzag: bool = False, causal: bool = True, scale: float | None = None, kernel: str = "auto",
+) -> torch.Tensor:
+    """Differentiable ring attention, (B, L, H, D) x (B, L, Hkv, D) -> (B, L, H, D).
+
+    Inputs are this rank's tokens in the layout ``zigzag`` names (see the module docstring).
+    """
+    return _RingAttention.apply(q, k, v, group, zigzag, causal, scale, check_kernel(kernel))
+
+
+class SequenceAttention:
+    """The attention step of an all-to-all method on full-sequence (head-sharded) tensors.
+
+    Without ``ring_group`` it is the local kernel; with one (USP and UPipe on a 2-D mesh), the
+    "full" sequence is only the ring rank's zigzag pair and the step is zigzag ring attention
+    over the ring group. ``forward`` -> (out, lse); ``backward`` from the saved out and lse.
+    """
+
+    def __init__(self, *, causal: bool, scale: float | None = None, kernel: str = "auto",
+                 ring_group: ProcessGroup | None = None):
+        self.kw = dict(causal=causal, scale=scale, kernel=check_kernel(kernel))
+        self.ring_group = ring_group
+
+    def forward(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ring_group is None:
+            return attention_forward(q, k, v, **self.kw)
+        return ring_attention_forward(q, k, v, self.ring_group, zigzag=True, **self.kw)
+
+    def backward(self, dout, q, k, v, out, lse) -> tuple[torch.Tensor, ...]:
+        if self.ring_group is None:
+            return attention_backward(dout, q, k, v, out, lse, **self.kw)
+        return ring_attention_backward(
+            dout, q, k, v, out, lse, self.ring_group, zigzag=True, **self.kw
+        )

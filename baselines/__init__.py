@@ -5,6 +5,16 @@ through the ``upipe.methods`` entry points without importing it).
 """
 
 from baselines.ds_ulysses import DSUlyssesAttention
+from baselines.ring import RingAttention
 from baselines.ulysses import UlyssesAttention, ulysses_attention
+from baselines.usp import USPAttention
+from baselines.zigzag_ring import ZigzagRingAttention
 
-__all__ = ["DSUlyssesAttention", "UlyssesAttention", "ulysses_attention"]
+__all__ = [
+    "DSUlyssesAttention",
+    "RingAttention",
+    "USPAttention",
+    "UlyssesAttention",
+    "ZigzagRingAttention",
+    "ulysses_attention",
+]

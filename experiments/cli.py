@@ -47,6 +47,11 @@ def _cell_args(p: argparse.ArgumentParser) -> None:
                    help="ranks = CP degree (default: the torchrun world, else 4)")
     p.add_argument("--stack", default="alst", help=f"memory stack: {', '.join(STACKS)}")
     p.add_argument("--heads-per-stage", type=int, default=None, help="UPipe's U")
+    p.add_argument("--ring-degree", type=int, default=1,
+                   help="hybrids (usp, upipe): ring axis of a (ring, ulysses) mesh; "
+                        "Ulysses degree = nproc / ring degree")
+    p.add_argument("--chunk-size", type=_size, default=None,
+                   help="fpdt, ds-fpdt: global tokens per chunk (64K; default: the method's)")
     p.add_argument("--dtype", default="fp32", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--kernel", default="auto", help="attention kernel")
     p.add_argument("--budget-mib", type=float, default=None,
@@ -62,7 +67,8 @@ def _cell_args(p: argparse.ArgumentParser) -> None:
 def _cell(a: argparse.Namespace) -> Cell:
     nproc = a.nproc or int(os.environ.get("WORLD_SIZE", 4))
     cell = Cell(method=a.method, model=a.model, seq_len=a.seq_len, nproc=nproc, stack=a.stack,
-                heads_per_stage=a.heads_per_stage, dtype=a.dtype, kernel=a.kernel,
+                heads_per_stage=a.heads_per_stage, ring_degree=a.ring_degree,
+                chunk_size=a.chunk_size, dtype=a.dtype, kernel=a.kernel,
                 overrides=parse_overrides(a.override), budget_mib=a.budget_mib,
                 warmup=a.warmup, iters=a.iters)
     cell.validate()

@@ -5,6 +5,12 @@ UPipe (per KV block: K and V sent once; per stage: Q in, output back):
   backward = 4 * n_blocks + 4 * n_stages   (recompute K, V; per stage Q, out, dout in and dQ
                                             back; per block dK, dV back)
 Ulysses: 4 all-to-alls forward (q, k, v, out) and 4 backward, whatever the head count.
+
+Ring over W ranks (P2P, each exchange one send and one recv per tensor):
+  forward  = W-1 K/V exchanges              -> 2(W-1) sends, 2(W-1) recvs
+  backward = W-1 K/V exchanges + W dK/dV hops -> 2(W-1) + 2W sends, as many recvs
+Hybrids on a (ring R, ulysses C) mesh: the Ulysses all-to-alls over C, plus one ring pass per
+attention call (once for USP, once per stage for UPipe).
 """
 
 from __future__ import annotations
@@ -18,8 +24,13 @@ from upipe import build_method
 
 
 def _count(method, h, hkv, options):
-    m = build_method(method, 32, h, hkv, 8, group=dist.group.WORLD, **options)
-    x = torch.randn(1, 6, 32, requires_grad=True)
+    from cases import cp_mesh
+
+    options, group = dict(options), dist.group.WORLD
+    if "mesh" in options:
+        options["mesh"], group = cp_mesh(*options["mesh"]), None
+    m = build_method(method, 32, h, hkv, 8, group=group, **options)
+    x = torch.randn(1, 8, 32, requires_grad=True)
     with CollectiveCounter() as fwd:
         y = m(x)
     with CollectiveCounter() as bwd:
@@ -54,3 +65,39 @@ def test_ulysses_four_all_to_alls_each_way(dist_pool, world, h, hkv):
     for res in dist_pool(world).run(_count, "ulysses", h, hkv, {}):
         assert res["fwd"] == {"alltoall_base_": 4}
         assert res["bwd"] == {"alltoall_base_": 4}
+
+
+def _ring_counts(r: int) -> tuple[dict, dict]:
+    fwd = {"send": 2 * (r - 1), "recv_": 2 * (r - 1)} if r > 1 else {}
+    bwd = {"send": 4 * r - 2, "recv_": 4 * r - 2} if r > 1 else {}
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("world,method", [(2, "ring"), (4, "ring"), (4, "zigzag-ring")])
+def test_ring_p2p_count_per_step(dist_pool, world, method):
+    fwd, bwd = _ring_counts(world)
+    for res in dist_pool(world).run(_count, method, 8, 2, {}):
+        assert res["fwd"] == fwd
+        assert res["bwd"] == bwd
+
+
+def _scaled(counts: dict, n: int) -> dict:
+    return {k: n * v for k, v in counts.items()}
+
+
+@pytest.mark.parametrize("world,ring,uly", [(4, 2, 2), (2, 2, 1), (2, 1, 2)])
+def test_usp_all_to_alls_over_ulysses_and_one_ring_pass(dist_pool, world, ring, uly):
+    fwd, bwd = _ring_counts(ring)
+    a2a = {"alltoall_base_": 4} if uly > 1 else {}
+    for res in dist_pool(world).run(_count, "usp", 8, 2, {"mesh": (ring, uly)}):
+        assert res["fwd"] == a2a | fwd
+        assert res["bwd"] == a2a | bwd
+
+
+@pytest.mark.parametrize("u,blocks,stages", [(2, 1, 4), (4, 1, 2)])
+def test_upipe_on_a_mesh_rings_once_per_stage(dist_pool, u, blocks, stages):
+    fwd, bwd = _ring_counts(2)
+    for res in dist_pool(4).run(_count, "upipe", 8, 2, {"mesh": (2, 2), "heads_per_stage": u}):
+        assert (res["n_blocks"], res["n_stages"]) == (blocks, stages)
+        assert res["fwd"] == {"alltoall_base_": 2 * blocks + 2 * stages} | _scaled(fwd, stages)
+        assert res["bwd"] == {"alltoall_base_": 4 * blocks + 4 * stages} | _scaled(bwd, stages)

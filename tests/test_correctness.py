@@ -1,5 +1,8 @@
 """Every CP method against the single-device reference (STYLE.md item 7), on 1, 2 and 4 ranks.
 
+The hybrids (usp, upipe on a mesh) run on (ring x ulysses) meshes; FPDT's matrix (chunk sizes)
+is in test_fpdt.py with the same recipe and tolerance.
+
 Tolerance (Flash-Attention's rule, tests/test_flash_attn.py there): against an fp64 ground truth,
 a method's error may be at most twice the error of the plain-PyTorch reference computed in the
 same dtype, plus a floor of a few ulps of the quantity's magnitude for the case where the
@@ -12,7 +15,8 @@ from __future__ import annotations
 import pytest
 from cases import Case, compare_with_reference
 
-METHODS = ("upipe", "ulysses", "ds-ulysses")
+METHODS = ("upipe", "ulysses", "ds-ulysses", "ring", "zigzag-ring")
+ZIGZAG = ("zigzag-ring",)  # global length must split into 2W chunks
 QUANTITIES = ("y", "dx", "wq.weight", "wk.weight", "wv.weight", "wo.weight")
 # ulps-of-magnitude floor: 2^-23 (fp32) and 2^-8 (bf16) mantissa steps, times a small factor
 FLOOR = {"fp32": 8 * 2.0**-23, "bf16": 2 * 2.0**-8}
@@ -32,19 +36,41 @@ def _stage_options(world: int, n_heads: int) -> list[dict]:
     return [{"heads_per_stage": u} for u in us]
 
 
+# Hybrids on a (ring, ulysses) mesh: 2x2 on 4 ranks (the paper's 8x2 in small), and the
+# degenerate 2x1 (pure zigzag ring through the hybrid path) and 1x2 (pure Ulysses) on 2 ranks.
+# Lengths split into 2 x ring chunks of odd size; 4 heads / 1 KV head replicates KV over ulysses.
+MESH_CASES = [
+    (4, (2, 2), 8, 2, 40), (4, (2, 2), 16, 4, 40), (4, (2, 2), 4, 1, 40), (4, (2, 2), 6, 6, 40),
+    (2, (2, 1), 8, 2, 28), (2, (1, 2), 8, 2, 28),
+]
+
+
+def _params(world, method, h, hkv, seq, options, tag):
+    out = []
+    for o in options:
+        for causal in (True, False):
+            for dtype in ("fp32", "bf16"):
+                case = Case(method, h, hkv, seq, causal=causal, dtype=dtype, options=o)
+                u = f"-U{o['heads_per_stage']}" if "heads_per_stage" in o else ""
+                cid = f"{method}{u}{tag}-w{world}-h{h}kv{hkv}-s{seq}-" + (
+                    "causal" if causal else "full") + f"-{dtype}"
+                out.append(pytest.param(world, case, id=cid))
+    return out
+
+
 def _cases() -> list:
     out = []
     for world, h, hkv, seq in HEADS:
         for method in METHODS:
             opts = _stage_options(world, h) if method == "upipe" else [{}]
-            for o in opts:
-                for causal in (True, False):
-                    for dtype in ("fp32", "bf16"):
-                        case = Case(method, h, hkv, seq, causal=causal, dtype=dtype, options=o)
-                        u = f"-U{o['heads_per_stage']}" if o else ""
-                        cid = f"{method}{u}-w{world}-h{h}kv{hkv}-s{seq}-" + (
-                            "causal" if causal else "full") + f"-{dtype}"
-                        out.append(pytest.param(world, case, id=cid))
+            s = seq - seq % (2 * world) if method in ZIGZAG else seq
+            out += _params(world, method, h, hkv, s, opts, "")
+    for world, (ring, uly), h, hkv, seq in MESH_CASES:
+        mesh = {"mesh": (ring, uly)}
+        tag = f"-mesh{ring}x{uly}"
+        out += _params(world, "usp", h, hkv, seq, [mesh], tag)
+        stages = [mesh | o for o in _stage_options(uly, h)]
+        out += _params(world, "upipe", h, hkv, seq, stages, tag)
     return out
 
 

@@ -16,14 +16,18 @@ from upipe import build_method
 
 
 def _fake_step(method, seq_local, options):
+    from cases import cp_mesh
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    options, group = dict(options), dist.group.WORLD
+    if "mesh" in options:  # a (ring, ulysses) mesh over the fake world
+        options["mesh"], group = cp_mesh(*options["mesh"]), None
     default = torch.get_default_dtype()
     # Module.to() cannot swap fake parameters, so they are created in bf16 directly.
     torch.set_default_dtype(torch.bfloat16)
     try:
         with FakeTensorMode():
-            m = build_method(method, 4096, 32, 8, 128, group=dist.group.WORLD, **options)
+            m = build_method(method, 4096, 32, 8, 128, group=group, **options)
             x = torch.randn(1, seq_local, 4096, dtype=torch.bfloat16, requires_grad=True)
             with CollectiveCounter() as cc:
                 y = m(x)
@@ -33,18 +37,29 @@ def _fake_step(method, seq_local, options):
     return tuple(y.shape), tuple(x.grad.shape), m.wq.weight.grad.dtype, dict(cc.counts)
 
 
+def _p2p(n: int) -> dict:
+    return {"send": n, "recv_": n}
+
+
 @pytest.mark.parametrize(
-    "method,options,n_a2a",
+    "method,options,counts",
     [
-        ("upipe", {"heads_per_stage": 8}, 6 * 1 + 6 * 4),  # 1 KV block, 4 stages
-        ("upipe", {"heads_per_stage": 16}, 6 * 1 + 6 * 2),
-        ("ulysses", {}, 8),
-        ("ds-ulysses", {}, 8),
+        # 1 KV block, 4 stages
+        ("upipe", {"heads_per_stage": 8}, {"alltoall_base_": 6 * 1 + 6 * 4}),
+        ("upipe", {"heads_per_stage": 16}, {"alltoall_base_": 6 * 1 + 6 * 2}),
+        ("ulysses", {}, {"alltoall_base_": 8}),
+        ("ds-ulysses", {}, {"alltoall_base_": 8}),
+        # ring over 8: 2*7 sends forward, 2*7 + 2*8 backward (test_collectives.py)
+        ("ring", {}, _p2p(14 + 30)),
+        ("zigzag-ring", {}, _p2p(14 + 30)),
+        # 4 (ulysses) x 2 (ring): 8 all-to-alls, one ring pass of 2 (2 + 6 hops) per attention
+        ("usp", {"mesh": (2, 4)}, {"alltoall_base_": 8} | _p2p(2 + 6)),
+        ("upipe", {"mesh": (2, 4)}, {"alltoall_base_": 6 * 2 + 6 * 8} | _p2p(8 * (2 + 6))),
     ],
 )
-def test_runs_under_fake_tensors_at_paper_scale(dist_pool, method, options, n_a2a):
+def test_runs_under_fake_tensors_at_paper_scale(dist_pool, method, options, counts):
     seq_local = 128 * 1024  # 1M tokens over 8 ranks
-    [(y, dx, wdtype, counts)] = dist_pool(8, fake=True).run(_fake_step, method, seq_local, options)
+    [(y, dx, wdtype, got)] = dist_pool(8, fake=True).run(_fake_step, method, seq_local, options)
     assert y == dx == (1, seq_local, 4096)
     assert wdtype == torch.bfloat16
-    assert counts == {"alltoall_base_": n_a2a}
+    assert got == counts

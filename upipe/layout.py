@@ -61,7 +61,9 @@ class SeqLayout:
         if self.inner < 1:
             raise ValueError(f"inner must be >= 1, got {self.inner}")
         if self.kind == "chunked" and self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1 for the chunked layout, got {self.chunk_size}")
+            raise ValueError(
+                f"chunk_size must be >= 1 for the chunked layout, got {self.chunk_size}"
+            )
 
     # -- rules --------------------------------------------------------------------------------
 
@@ -82,7 +84,8 @@ class SeqLayout:
                 )
         if seq_len % world:
             raise ValueError(
-                f"seq_len ({seq_len}) must be divisible by the CP degree ({world}); pad the sequence"
+                f"seq_len ({seq_len}) must be divisible by the CP degree ({world}); "
+                "pad the sequence"
             )
 
     def check_local(self, seq_local: int, world: int) -> None:

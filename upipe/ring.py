@@ -148,7 +148,7 @@ def ring_attention_backward(
     kv_comm, d_comm = RingComm(group), RingComm(group)
     kw = dict(scale=scale, kernel=kernel)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dkv = None  # fp32 (dk, dv) accumulators of the K/V block this rank holds
+    dkv = recv_d = None  # fp32 (dk, dv) accumulators of the K/V block this rank holds
     for step in range(kv_comm.world):
         if step + 1 < kv_comm.world:
             nxt = kv_comm.start([k, v])

@@ -21,9 +21,9 @@ import torch
 from torch.distributed import ProcessGroup
 
 from upipe.comm import group_size, head_to_seq, seq_to_head
-from upipe.ring import SequenceAttention
 from upipe.module import ContextParallelAttention, check_ulysses_heads
 from upipe.registry import register_method
+from upipe.ring import SequenceAttention
 from upipe.rope import apply_rope, apply_rope_inverse
 from upipe.staging import StagePlan, check_heads_per_stage, make_stage_plan
 

@@ -1,0 +1,194 @@
+"""FPDT (baselines/fpdt.py) and its host store (upipe/host.py).
+
+Per-rank bodies are module-level functions of this module: the spawned ranks unpickle them by
+importing ``test_fpdt``, whose top-level ``import baselines.fpdt`` registers the method there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from cases import Case, compare_with_reference
+from test_correctness import assert_close_to_reference
+
+import baselines.fpdt  # noqa: F401  registers "fpdt" (until it is in the entry points)
+from baselines.fpdt import FPDTAttention
+from experiments.comm_counter import CollectiveCounter
+from experiments.memory import MemoryTracker
+from upipe import build_method
+from upipe.host import HostStore
+from upipe.layout import SeqLayout
+
+# ---------------------------------------------------------------------------------------------
+# correctness against the single-device reference (tests/cases.py recipe, same tolerance rule)
+
+# (world, n_heads, n_kv_heads, seq, chunk sizes). Chunk sizes per case: several chunks with a
+# shorter last one (37 = 4*8 + 5; 30 = 3*8 + 6; 44 = 5*8 + 4 -> 8,8,8,8,8,4 on 4 ranks), one
+# dividing the sequence (6 | 30), and one >= the sequence (a single chunk: Ulysses' schedule).
+# 4 heads / 1 KV head on 2 ranks and 8/2 on 4 ranks replicate KV heads to the CP degree.
+MATRIX = [
+    (1, 8, 2, 37, (8, 64)),
+    (2, 8, 8, 30, (8, 12)),
+    (2, 8, 2, 30, (8, 30)),
+    (2, 4, 1, 30, (6, 64)),
+    (4, 8, 2, 44, (8, 12, 44)),
+    (4, 16, 4, 44, (8,)),
+]
+
+
+def _correctness_cases() -> list:
+    out = []
+    for world, h, hkv, seq, chunks in MATRIX:
+        for chunk in chunks:
+            for causal in (True, False):
+                for dtype in ("fp32", "bf16"):
+                    case = Case("fpdt", h, hkv, seq, causal=causal, dtype=dtype,
+                                options={"chunk_size": chunk})
+                    cid = (f"w{world}-h{h}kv{hkv}-s{seq}-c{chunk}-"
+                           f"{'causal' if causal else 'full'}-{dtype}")
+                    out.append(pytest.param(world, case, id=cid))
+    # the no-offload baseline runs the same schedule with chunks left on the device
+    for dtype in ("fp32", "bf16"):
+        case = Case("fpdt", 8, 2, 30, dtype=dtype, options={"chunk_size": 8, "offload": False})
+        out.append(pytest.param(2, case, id=f"w2-h8kv2-s30-c8-causal-{dtype}-no-offload"))
+    return out
+
+
+def _compare(case: Case) -> dict[str, float]:
+    return compare_with_reference(case)
+
+
+@pytest.mark.parametrize("world,case", _correctness_cases())
+def test_matches_reference(dist_pool, world, case):
+    results = dist_pool(world).run(_compare, case)
+    assert len(results) == world
+    assert_close_to_reference(results, case)
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration rules
+
+
+def test_options_layout_and_class_level_checks():
+    assert FPDTAttention.layout_for(hybrid=False, ulysses_degree=4, chunk_size=64) == SeqLayout(
+        "chunked", chunk_size=64)
+    FPDTAttention.check_config(32, 8, cp=8, seq_len=2**20, chunk_size=65536, offload=True)
+    with pytest.raises(ValueError, match=r"chunk_size \(12\) must be divisible by the CP degree"):
+        FPDTAttention.check_config(32, 8, cp=8, chunk_size=12)
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer, got 0"):
+        FPDTAttention.check_config(32, 8, cp=8, chunk_size=0)
+    with pytest.raises(ValueError, match=r"ring_degree > 1 applies to hybrid methods"):
+        FPDTAttention.check_config(32, 8, cp=8, ring_degree=2, chunk_size=64)
+    m = build_method("fpdt", 32, 8, 2, 8, chunk_size=16, offload=False)
+    assert m.options() == {"chunk_size": 16, "offload": False}
+    assert m.seq_layout == SeqLayout("chunked", chunk_size=16)
+    assert (m.host_context, m.pin_memory) is not None and m.pin_memory is True
+
+
+def _bad_chunk_sizes() -> list[tuple[str, int]]:
+    out = []
+    for chunk in (3, 0, 2.5):
+        with CollectiveCounter() as cc:
+            try:
+                build_method("fpdt", 32, 8, 2, 8, group=dist.group.WORLD, chunk_size=chunk)
+                out.append(("no ValueError", cc.total))
+            except ValueError as e:
+                out.append((str(e), cc.total))
+    return out
+
+
+def test_bad_chunk_size_raises_before_any_collective(dist_pool):
+    expected = ["chunk_size (3) must be divisible by the CP degree (2)",
+                "chunk_size must be a positive integer, got 0",
+                "chunk_size must be a positive integer, got 2.5"]
+    for results in dist_pool(2).run(_bad_chunk_sizes):
+        for (msg, n_collectives), text in zip(results, expected, strict=True):
+            assert text in msg
+            assert n_collectives == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# host store (CPU path)
+
+
+def test_host_store_counts_host_and_device_bytes():
+    with MemoryTracker() as mt:
+        store = HostStore(torch.device("cpu"), host_context=mt.host)
+        t = torch.arange(10.0)  # device 40 B
+        h = store.put(t)  # host 40 B
+        acc = store.zeros((10,), torch.float64)  # host 80 B
+        assert (mt.current_device_bytes, mt.current_host_bytes) == (40, 120)
+        d = store.get(h)  # a device copy, equal to t
+        assert torch.equal(d, t) and d.data_ptr() != h.data_ptr()
+        a = store.get(acc)
+        a.add_(d)
+        store.write(acc, a)  # in place: no allocation
+        assert torch.equal(acc, t.double())
+        assert (mt.current_device_bytes, mt.current_host_bytes) == (40 + 40 + 80, 120)
+        store.prefetch(h)  # CPU: nothing to overlap
+        store.sync()
+    off = HostStore(torch.device("cpu"), enabled=False)
+    assert off.put(t) is t and off.get(t) is t
+
+
+# ---------------------------------------------------------------------------------------------
+# all-to-all counts: 4 per chunk forward (q, k, v, out) and 4 per chunk backward (dO, dQ and,
+# per K/V chunk, dK, dV), so one chunk is Ulysses' 4 + 4 (tests/test_collectives.py)
+
+
+def _count(h, hkv, seq_local, chunk):
+    m = build_method("fpdt", 32, h, hkv, 8, group=dist.group.WORLD, chunk_size=chunk)
+    x = torch.randn(1, seq_local, 32, requires_grad=True)
+    with CollectiveCounter() as fwd:
+        y = m(x)
+    with CollectiveCounter() as bwd:
+        y.sum().backward()
+    return len(m.seq_layout.local_chunks(seq_local, m.cp)), dict(fwd.counts), dict(bwd.counts)
+
+
+@pytest.mark.parametrize(
+    "world,h,hkv,seq_local,chunk,n_chunks",
+    [
+        (2, 8, 2, 12, 24, 1),  # one chunk
+        (2, 8, 2, 12, 8, 3),  # divides 24
+        (2, 8, 8, 12, 10, 3),  # 10, 10, 4
+        (4, 8, 2, 6, 4, 6),  # KV heads replicated to 4
+        (4, 16, 4, 11, 8, 6),  # 8 x 5 + 4
+    ],
+)
+def test_all_to_all_count_is_four_per_chunk_each_way(dist_pool, world, h, hkv, seq_local,
+                                                     chunk, n_chunks):
+    for n, fwd, bwd in dist_pool(world).run(_count, h, hkv, seq_local, chunk):
+        assert n == n_chunks
+        assert fwd == {"alltoall_base_": 4 * n_chunks}
+        assert bwd == {"alltoall_base_": 4 * n_chunks}
+
+
+# ---------------------------------------------------------------------------------------------
+# emulation at paper scale (DESIGN.md §8): Llama3-8B attention, 8 ranks, 1M tokens, 64K chunks
+
+
+def _fake_step(seq_local, chunk):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # Module.to() cannot swap fake parameters
+    try:
+        with FakeTensorMode():
+            m = build_method("fpdt", 4096, 32, 8, 128, group=dist.group.WORLD, chunk_size=chunk)
+            x = torch.randn(1, seq_local, 4096, dtype=torch.bfloat16, requires_grad=True)
+            with CollectiveCounter() as cc:
+                y = m(x)
+                y.sum().backward()
+    finally:
+        torch.set_default_dtype(default)
+    return tuple(y.shape), tuple(x.grad.shape), m.wq.weight.grad.dtype, dict(cc.counts)
+
+
+def test_runs_under_fake_tensors_at_paper_scale(dist_pool):
+    seq_local, chunk = 2**20 // 8, 65536  # 16 chunks of 8K local tokens
+    [(y, dx, wdtype, counts)] = dist_pool(8, fake=True).run(_fake_step, seq_local, chunk)
+    assert y == dx == (1, seq_local, 4096)
+    assert wdtype == torch.bfloat16
+    assert counts == {"alltoall_base_": 2 * 4 * 16}

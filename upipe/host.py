@@ -1,0 +1,127 @@
+"""A small host-memory store for activation chunks (FPDT's offload; DESIGN.md §2, §8).
+
+FPDT (Yao et al., arXiv 2408.16978) keeps every sequence chunk of Q/K/V/output in host memory
+and brings back only the chunk(s) in use (DeepSpeed's ``SequenceChunk`` in
+``deepspeed/sequence/fpdt_layer.py``: pinned host buffers, copies on a side stream). This is the
+same idea behind one interface that also runs on CPU and under FakeTensorMode:
+
+* ``put(t) -> h``: a host copy of the device tensor ``t``. The handle ``h`` *is* the host tensor,
+  so a caller can keep it with ``ctx.save_for_backward`` (and activation checkpointing then drops
+  and recomputes it like any saved tensor, instead of leaking it on a ``ctx`` attribute).
+* ``get(h) -> t``: a device copy; ``write(h, t)`` overwrites ``h`` in place (accumulators);
+  ``zeros(...)``: a zeroed host accumulator; ``prefetch(h)``: start ``get``'s copy early;
+  ``sync()``: end of a forward/backward, order every pending copy before later work.
+
+Where the bytes are counted: host allocations are made inside ``host_context()`` (the harness
+passes its ``MemoryTracker.host``), so on a CPU run, where "device" and host are both CPU memory,
+the tracker still tells them apart; ``get``'s copy is made outside, a device allocation, as the
+H2D copy is on a GPU. With ``enabled=False`` tensors stay on the device (``put``/``get`` return
+their argument): the no-offload baseline.
+
+CUDA (not exercised on CPU CI): host buffers are pinned (``pin_memory``) so copies can be
+asynchronous; device->host copies and prefetches run on one side stream, FIFO, so a prefetch of a
+buffer never overtakes the copy that fills it; the compute stream waits only on the event of the
+copy it needs, and ``record_stream`` keeps a device buffer alive until the stream reading it is
+done with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+
+class HostStore:
+    """Puts tensors in host memory and brings them back to ``device``.
+
+    Args:
+        device: where ``get`` returns tensors (the compute device).
+        enabled: offload at all (False: tensors stay on the device).
+        host_context: zero-argument callable returning a context manager entered around every
+            host allocation (a tracker's ``host``).
+        pin_memory: pin host buffers of CUDA tensors (ignored without CUDA).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        enabled: bool = True,
+        host_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        pin_memory: bool = True,
+    ):
+        self.device, self.enabled = torch.device(device), enabled
+        self.host_context, self.pin_memory = host_context, pin_memory
+        self._cuda = self.enabled and self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        # id(host tensor) -> (host tensor, event of its last device->host copy)
+        self._pending: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}
+        # id(host tensor) -> (host tensor, device copy, event of the host->device copy)
+        self._prefetched: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}
+
+    def _empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        with self.host_context():
+            return torch.empty(shape, dtype=dtype, device="cpu",
+                               pin_memory=self._cuda and self.pin_memory)
+
+    def zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed accumulator in host memory (on the device when disabled)."""
+        if not self.enabled:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        return self._empty(shape, dtype).zero_()
+
+    def put(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``t`` (``t`` itself when disabled)."""
+        if not self.enabled:
+            return t
+        h = self._empty(t.shape, t.dtype)
+        self.write(h, t)
+        return h
+
+    def write(self, h: torch.Tensor, t: torch.Tensor) -> None:
+        """Overwrite the host tensor ``h`` with the device tensor ``t``."""
+        if h is t:  # disabled: ``get`` returned the stored tensor, updated in place
+            return
+        if not self._cuda:
+            h.copy_(t)
+            return
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)  # t is computed; earlier reads of h are enqueued
+        with torch.cuda.stream(self._stream):
+            h.copy_(t, non_blocking=True)
+            self._pending[id(h)] = (h, self._stream.record_event())
+        t.record_stream(self._stream)  # t's memory is not reused before the copy read it
+
+    def prefetch(self, h: torch.Tensor) -> None:
+        """Start copying ``h`` to the device so a later ``get(h)`` need not wait (CUDA only)."""
+        if not self._cuda or id(h) in self._prefetched:
+            return
+        with torch.cuda.stream(self._stream):  # after any copy into h: same stream, FIFO
+            d = h.to(self.device, non_blocking=True)
+            self._prefetched[id(h)] = (h, d, self._stream.record_event())
+
+    def get(self, h: torch.Tensor) -> torch.Tensor:
+        """A device copy of the host tensor ``h`` (``h`` itself when disabled)."""
+        if not self.enabled:
+            return h
+        if not self._cuda:
+            return h.clone()  # a "device" allocation: made outside host_context
+        current = torch.cuda.current_stream(self.device)
+        entry = self._prefetched.pop(id(h), None)
+        if entry is not None and entry[0] is h:
+            current.wait_event(entry[2])
+            entry[1].record_stream(current)
+            return entry[1]
+        pending = self._pending.get(id(h))
+        if pending is not None and pending[0] is h:
+            current.wait_event(pending[1])
+        return h.to(self.device, non_blocking=True)
+
+    def sync(self) -> None:
+        """Order every copy issued so far before later work on the current stream, and forget
+        the per-tensor events (so the store holds no tensor after a forward or backward)."""
+        if self._cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        self._pending.clear()
+        self._prefetched.clear()

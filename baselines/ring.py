@@ -1,8 +1,9 @@
 """``ring``: ring attention with the contiguous layout (Liu et al., arXiv 2310.01889).
 
 Project Q, K, V for the local shard, RoPE at global positions, then
-:func:`upipe.ring.ring_attention` over the CP group: K/V blocks travel the ring with P2P send/recv, each step's block is merged with
-the log-sum-exp merge, and the custom backward passes dK/dV around the ring. No head rule: heads
+:func:`upipe.ring.ring_attention` over the CP group: K/V blocks travel the ring with P2P
+send/recv, each step's block is merged with the log-sum-exp merge, and the custom backward
+passes dK/dV around the ring. No head rule: heads
 are never split, so any head count and GQA ratio work on any number of ranks; K/V travel with
 their own (GQA) head count.
 

@@ -192,3 +192,25 @@ def test_runs_under_fake_tensors_at_paper_scale(dist_pool):
     assert y == dx == (1, seq_local, 4096)
     assert wdtype == torch.bfloat16
     assert counts == {"alltoall_base_": 2 * 4 * 16}
+
+
+# ---------------------------------------------------------------------------------------------
+# tracked memory (experiments/memory.py) of one layer's forward + backward, batch 1, fp32
+
+DIM, H, HKV, D = 64, 8, 2, 16
+
+
+def _measure(method: str, seq_local: int, options: dict) -> dict[str, int]:
+    """Device peak above the step's inputs (params, x, dy) and host peak, on this rank."""
+    torch.manual_seed(0)
+    m = build_method(method, DIM, H, HKV, D, group=dist.group.WORLD, **options)
+    x = torch.randn(1, seq_local, DIM, requires_grad=True)
+    dy = torch.randn(1, seq_local, DIM)
+    with MemoryTracker() as mt:
+        m.host_context = mt.host  # only FPDT reads it
+        mt.track(m, x, dy)
+        base = mt.current_device_bytes
+        y = m(x)
+        y.backward(dy)
+        del y
+    return {"device": mt.peak_device_bytes - base, "host": mt.peak_host_bytes}

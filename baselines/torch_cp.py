@@ -132,7 +132,9 @@ class TorchCPAttention(ZigzagRingAttention):
 
     def __init__(self, *args, rotate_method: str = "allgather", **kwargs):
         if rotate_method not in ROTATE_METHODS:
-            raise ValueError(f"rotate_method must be one of {ROTATE_METHODS}, got {rotate_method!r}")
+            raise ValueError(
+                f"rotate_method must be one of {ROTATE_METHODS}, got {rotate_method!r}"
+            )
         self.rotate_method = rotate_method
         super().__init__(*args, **kwargs)
         self._meshes: dict = {}
@@ -172,7 +174,7 @@ class TorchCPAttention(ZigzagRingAttention):
         if reason is not None:  # before any collective, so no peer waits on this rank
             raise RuntimeError(reason)
         self.check_input(x)
-        q, k, v = self.project_qkv(x)  # (B, L, H, D), (B, L, Hkv, D) x 2, RoPE'd at global positions
+        q, k, v = self.project_qkv(x)  # (B, L, H, D), (B, L, Hkv, D) x 2; RoPE at zigzag positions
         g = self.n_heads // self.n_kv_heads
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k.repeat_interleave(g, 2),
                                                    v.repeat_interleave(g, 2)))

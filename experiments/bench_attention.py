@@ -2,8 +2,12 @@
 
     python -m experiments.bench_attention --nproc 4 --seq-lens 16K,64K \
         --methods ulysses,ds-ulysses,upipe:U=C,upipe:U=2C --out results/bench_attention
+    python -m experiments.bench_attention --methods ring,zigzag-ring,usp:R=2,upipe:R=2,fpdt:chunk=8K
 
-A cell is (method, heads per stage, sequence length, ranks, dtype, kernel). Each cell runs in its
+A cell is (method, heads per stage, ring degree, FPDT chunk, sequence length, ranks, dtype,
+kernel). Method options after a colon, comma-free and joined by ``+``: ``U=<n>|C|<n>C`` (UPipe's
+heads per stage), ``R=<n>`` (ring axis of a (ring, ulysses) mesh for usp/upipe),
+``chunk=<size>`` (FPDT's global chunk). Each cell runs in its
 own freshly spawned gloo process group, so a failure (or an OOM kill) becomes a row with its
 status and error text and the sweep goes on. Under torchrun (WORLD_SIZE set) the cells run in
 that one group instead, one after another.
@@ -13,7 +17,8 @@ time is the slowest rank's (DESIGN.md §7), reported as median and p20/p80. Memo
 ``experiments.memory.MemoryTracker`` on the first iteration (the warm-up one when there is one;
 the tracker makes collectives synchronous, so it must not overlap the timed ones):
 ``peak_device_bytes`` is absolute (parameters, input and output gradient included),
-``peak_attention_bytes`` is the peak above those; both the max over ranks.
+``peak_attention_bytes`` is the peak above those; ``peak_host_bytes`` the host (offloaded) peak
+(FPDT); all the max over ranks.
 
 Rows are appended to ``<out>/rows.jsonl`` (one per cell, with provenance taken by the process
 that ran the cell, and the machine's load average around it) and ``<out>/rows.csv`` is rewritten
@@ -38,14 +43,13 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
 
 import upipe
 from experiments.config import parse_size
 from experiments.memory import MemoryTracker
 from experiments.provenance import provenance
-from upipe.module import check_ulysses_heads
 from upipe.registry import get_method
-from upipe.staging import check_heads_per_stage
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -70,27 +74,50 @@ class Cell:
     nproc: int
     dtype: str
     kernel: str
+    ring_degree: int = 1  # usp/upipe: ring axis of the (ring, ulysses) mesh
+    chunk_size: int | None = None  # fpdt: global tokens per chunk
+
+    def options(self) -> dict:
+        """The method's constructor options (the mesh is built on the ranks)."""
+        opts = {"heads_per_stage": self.heads_per_stage, "chunk_size": self.chunk_size}
+        return {k: v for k, v in opts.items() if v is not None}
 
     def validate(self, shape: Shape) -> None:
-        get_method(self.method)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.seq_len % self.nproc:
             raise ValueError(f"seq_len ({self.seq_len}) must be divisible by nproc ({self.nproc})")
-        check_ulysses_heads(shape.n_heads, shape.n_kv_heads, self.nproc)
-        if self.heads_per_stage is not None:
-            check_heads_per_stage(shape.n_heads, self.nproc, self.heads_per_stage)
+        get_method(self.method).check_config(
+            shape.n_heads, shape.n_kv_heads, cp=self.nproc, ring_degree=self.ring_degree,
+            seq_len=self.seq_len, **self.options(),
+        )
 
 
-def parse_method(spec: str, nproc: int) -> tuple[str, int | None]:
-    """'ulysses' -> ('ulysses', None); 'upipe:U=2C' -> ('upipe', 2*nproc); 'upipe:U=8' -> 8."""
-    name, _, opt = spec.partition(":")
-    if not opt:
-        return name, None
-    m = re.fullmatch(r"U=(\d*)(C?)", opt)
-    if not m or not (m[1] or m[2]):
-        raise ValueError(f"method option must be U=<n>, U=C or U=<n>C, got {spec!r}")
-    return name, int(m[1] or 1) * (nproc if m[2] else 1)
+def parse_method(spec: str, nproc: int) -> tuple[str, dict]:
+    """'upipe:U=2C+R=2' -> ('upipe', {'heads_per_stage': 2*nproc, 'ring_degree': 2}).
+
+    Options: ``U=<n>``, ``U=C``, ``U=<n>C`` (C = nproc / R, the all-to-all degree), ``R=<n>``,
+    ``chunk=<size>`` (e.g. 8K).
+    """
+    name, _, opts = spec.partition(":")
+    out: dict = {}
+    for opt in filter(None, opts.split("+")):
+        key, _, val = opt.partition("=")
+        if key == "R" and val.isdigit():
+            out["ring_degree"] = int(val)
+        elif key == "chunk" and val:
+            out["chunk_size"] = parse_size(val)
+        elif key == "U" and (m := re.fullmatch(r"(\d*)(C?)", val)) and (m[1] or m[2]):
+            out["U"] = (int(m[1] or 1), bool(m[2]))
+        else:
+            raise ValueError(
+                f"method option must be U=<n>|C|<n>C, R=<n> or chunk=<size>, got {opt!r} "
+                f"in {spec!r}"
+            )
+    if "U" in out:
+        n, per_c = out.pop("U")
+        out["heads_per_stage"] = n * (nproc // out.get("ring_degree", 1) if per_c else 1)
+    return name, out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,10 +127,15 @@ def parse_method(spec: str, nproc: int) -> tuple[str, int | None]:
 def run_cell(cell: Cell, shape: Shape, warmup: int, iters: int) -> dict:
     """Build the method, run warm-up + timed steps; returns the cross-rank metrics (all ranks)."""
     dtype = DTYPES[cell.dtype]
-    opts = {} if cell.heads_per_stage is None else {"heads_per_stage": cell.heads_per_stage}
+    opts, group = cell.options(), dist.group.WORLD
+    if cell.ring_degree > 1:
+        opts["mesh"], group = init_device_mesh(
+            "cpu", (cell.ring_degree, cell.nproc // cell.ring_degree),
+            mesh_dim_names=("ring", "ulysses"),
+        ), None
     torch.manual_seed(0)
     m = upipe.build_method(cell.method, shape.dim, shape.n_heads, shape.n_kv_heads,
-                           shape.head_dim, group=dist.group.WORLD, causal=True,
+                           shape.head_dim, group=group, causal=True,
                            kernel=cell.kernel, **opts).to(dtype)
     x = torch.randn(1, cell.seq_len // cell.nproc, shape.dim, dtype=dtype, requires_grad=True)
     dy = torch.randn_like(x)
@@ -118,14 +150,16 @@ def run_cell(cell: Cell, shape: Shape, warmup: int, iters: int) -> dict:
         m(x).backward(dy)
         return time.perf_counter() - t0
 
-    times, mem = [], (0, 0)
+    times, mem = [], (0, 0, 0)
     for i in range(warmup + iters):
         if i == 0:
             with MemoryTracker() as mt:
+                if hasattr(m, "host_context"):  # offloading methods: count their host bytes
+                    m.host_context = mt.host
                 mt.track(m, x, dy)
                 base = mt.current_device_bytes
                 dt = step()
-            mem = (mt.peak_device_bytes, mt.peak_device_bytes - base)
+            mem = (mt.peak_device_bytes, mt.peak_device_bytes - base, mt.peak_host_bytes)
         else:
             dt = step()
         if i >= warmup:
@@ -140,6 +174,7 @@ def run_cell(cell: Cell, shape: Shape, warmup: int, iters: int) -> dict:
         "tokens_per_s_per_rank": cell.seq_len / cell.nproc / float(np.median(step_s)),
         "peak_device_bytes": max(mm[0] for _, mm in per_rank),
         "peak_attention_bytes": max(mm[1] for _, mm in per_rank),
+        "peak_host_bytes": max(mm[2] for _, mm in per_rank),
         "times_s": [float(t) for t in step_s],
         "memory_from": "warmup" if warmup else "timed",
     } | prov
@@ -185,20 +220,30 @@ def run_in_torchrun(cell: Cell, shape: Shape, warmup: int, iters: int) -> dict:
 # sweep, rows, table
 
 
+def method_label(row: dict) -> str:
+    """'upipe:U=4', 'usp:R=2', 'fpdt:chunk=8192' -- the method and its non-default options."""
+    opts = [f"{k}={int(row[c])}" for k, c in (("U", "heads_per_stage"), ("R", "ring_degree"),
+                                               ("chunk", "chunk_size"))
+            if c in row and not pd.isna(row[c]) and not (c == "ring_degree" and row[c] == 1)]
+    return row["method"] + (":" + "+".join(opts) if opts else "")
+
+
 def summary(df: pd.DataFrame) -> pd.DataFrame:
     """Compact table; UPipe (and every other method) relative to Ulysses at the same length."""
     metrics = ["time_median_s", "time_p20_s", "time_p80_s", "tokens_per_s_per_rank",
                "peak_device_bytes", "peak_attention_bytes"]
     df = df.reindex(columns=[*df.columns, *(c for c in metrics if c not in df)])
-    df["method"] = [m if pd.isna(u) else f"{m}:U={int(u)}"
-                    for m, u in zip(df.method, df.heads_per_stage, strict=True)]
+    extra = ("ring_degree", "chunk_size", "peak_host_bytes")
+    df = df.reindex(columns=[*df.columns, *(c for c in extra if c not in df)])
+    df["method"] = [method_label(r) for r in df.to_dict("records")]
     ref = df[(df.method == "ulysses") & (df.status == "ok")].set_index("seq_len")
     df["time_vs_ulysses"] = df.time_median_s / df.seq_len.map(ref.time_median_s)
     df["attn_mem_vs_ulysses"] = df.peak_attention_bytes / df.seq_len.map(ref.peak_attention_bytes)
     df["peak_MiB"] = df.peak_device_bytes / 2**20
     df["attn_MiB"] = df.peak_attention_bytes / 2**20
+    df["host_MiB"] = df.peak_host_bytes.fillna(0) / 2**20
     cols = ["method", "seq_len", "status", "time_median_s", "time_p20_s", "time_p80_s",
-            "tokens_per_s_per_rank", "peak_MiB", "attn_MiB", "time_vs_ulysses",
+            "tokens_per_s_per_rank", "peak_MiB", "attn_MiB", "host_MiB", "time_vs_ulysses",
             "attn_mem_vs_ulysses"]
     return df[cols].round(3)
 
@@ -234,8 +279,9 @@ def main(argv=None) -> int:
     seq_lens = [parse_size(s) for s in a.seq_lens.split(",")]
     for spec in a.methods.split(","):
         for seq in seq_lens:
-            name, u = parse_method(spec, a.nproc)
-            cells.append(Cell(name, u, seq, a.nproc, a.dtype, a.kernel))
+            name, opts = parse_method(spec, a.nproc)
+            cells.append(Cell(name, opts.pop("heads_per_stage", None), seq, a.nproc, a.dtype,
+                              a.kernel, **opts))
     rank0 = not torchrun or a.dry_run or dist.get_rank() == 0
     write = rank0 and not a.dry_run
     run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -248,6 +294,9 @@ def main(argv=None) -> int:
         except ValueError as e:
             res = {"status": "invalid", "error": str(e)}
         else:
+            reason = get_method(cell.method).unavailable_reason("cpu")
+            res = {"status": "skipped", "error": reason} if reason else None
+        if res is None:
             if a.dry_run:
                 print("would run", cell)
                 continue
@@ -262,7 +311,7 @@ def main(argv=None) -> int:
                "launcher": "torchrun" if torchrun else "spawn", **prov, **res}
         rows.append(row)
         if rank0:
-            print(f"[{row['status']}] {cell.method} U={cell.heads_per_stage} S={cell.seq_len}: "
+            print(f"[{row['status']}] {method_label(row)} S={cell.seq_len}: "
                   f"{row.get('time_median_s', '-')} s  {row.get('error', '')[-300:]}", flush=True)
         if write:
             with open(a.out / "rows.jsonl", "a") as f:

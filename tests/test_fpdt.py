@@ -6,11 +6,15 @@ importing ``test_fpdt``, whose top-level ``import baselines.fpdt`` registers the
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 from cases import Case, compare_with_reference
 from test_correctness import assert_close_to_reference
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.checkpoint import checkpoint
 
 import baselines.fpdt  # noqa: F401  registers "fpdt" (until it is in the entry points)
 from baselines.fpdt import FPDTAttention
@@ -83,7 +87,7 @@ def test_options_layout_and_class_level_checks():
     m = build_method("fpdt", 32, 8, 2, 8, chunk_size=16, offload=False)
     assert m.options() == {"chunk_size": 16, "offload": False}
     assert m.seq_layout == SeqLayout("chunked", chunk_size=16)
-    assert (m.host_context, m.pin_memory) is not None and m.pin_memory is True
+    assert m.host_context is contextlib.nullcontext and m.pin_memory is True
 
 
 def _bad_chunk_sizes() -> list[tuple[str, int]]:
@@ -132,6 +136,27 @@ def test_host_store_counts_host_and_device_bytes():
     assert off.put(t) is t and off.get(t) is t
 
 
+def test_activation_checkpointing_recomputes_host_chunks():
+    """The chunks go through save_for_backward, so non-reentrant checkpointing (the memory
+    stack's) drops them after the forward and recomputes them, instead of every layer's host
+    chunks living until its backward; gradients are unchanged."""
+    torch.manual_seed(0)
+    m = build_method("fpdt", 32, 4, 2, 8, chunk_size=8)
+    x = torch.randn(2, 20, 32, requires_grad=True)
+    dy = torch.randn(2, 20, 32)
+    m(x).backward(dy)
+    grads = [x.grad.clone(), *(p.grad.clone() for p in m.parameters())]
+    x.grad = None
+    m.zero_grad()
+    with MemoryTracker() as mt:
+        m.host_context = mt.host
+        y = checkpoint(m, x, use_reentrant=False)
+        assert mt.current_host_bytes == 0 < mt.peak_host_bytes
+        y.backward(dy)
+    for a, b in zip(grads, [x.grad, *(p.grad for p in m.parameters())], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same ops in the same order
+
+
 # ---------------------------------------------------------------------------------------------
 # all-to-all counts: 4 per chunk forward (q, k, v, out) and 4 per chunk backward (dO, dQ and,
 # per K/V chunk, dK, dV), so one chunk is Ulysses' 4 + 4 (tests/test_collectives.py)
@@ -170,8 +195,6 @@ def test_all_to_all_count_is_four_per_chunk_each_way(dist_pool, world, h, hkv, s
 
 
 def _fake_step(seq_local, chunk):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # Module.to() cannot swap fake parameters
     try:
@@ -195,22 +218,107 @@ def test_runs_under_fake_tensors_at_paper_scale(dist_pool):
 
 
 # ---------------------------------------------------------------------------------------------
-# tracked memory (experiments/memory.py) of one layer's forward + backward, batch 1, fp32
+# tracked memory (experiments/memory.py) of one layer's forward + backward, batch 1, fp32, on 2
+# ranks; every rank is symmetric, so rank 0's numbers are checked against every rank's
 
-DIM, H, HKV, D = 64, 8, 2, 16
+CP, DIM, H, HKV, D, B4 = 2, 64, 8, 2, 16, 4  # B4: fp32 itemsize (and the fp32 LSE/accumulators)
+HKV_A2A = max(HKV, CP)  # KV heads after replication to the CP degree (none here)
 
 
-def _measure(method: str, seq_local: int, options: dict) -> dict[str, int]:
+def _measure(method: str, seq_local: int, options: dict, grad: bool = True) -> dict[str, int]:
     """Device peak above the step's inputs (params, x, dy) and host peak, on this rank."""
     torch.manual_seed(0)
     m = build_method(method, DIM, H, HKV, D, group=dist.group.WORLD, **options)
-    x = torch.randn(1, seq_local, DIM, requires_grad=True)
+    x = torch.randn(1, seq_local, DIM, requires_grad=grad)
     dy = torch.randn(1, seq_local, DIM)
     with MemoryTracker() as mt:
         m.host_context = mt.host  # only FPDT reads it
         mt.track(m, x, dy)
         base = mt.current_device_bytes
-        y = m(x)
-        y.backward(dy)
+        with torch.set_grad_enabled(grad):
+            y = m(x)
+        if grad:
+            y.backward(dy)
         del y
     return {"device": mt.peak_device_bytes - base, "host": mt.peak_host_bytes}
+
+
+def _host_bytes(seq_local: int) -> int:
+    """FPDT's host peak on one rank (batch 1), read off baselines/fpdt.py.
+
+    Saved by the forward, per local token (every chunk's head-layout tensor holds c_i/C tokens
+    of H/C heads, i.e. n_i tokens' worth of all heads): q and the output in head layout
+    (H*D each), the output in sequence layout (H*D: the input of wo), k and v (H'*D each,
+    H' = KV heads after replication), the merged LSE (H values, fp32). The backward adds the
+    fp32 dK/dV accumulators (2*H'*D) for every chunk while all of the above is still saved.
+    """
+    saved = (3 * H + 2 * HKV_A2A) * D * B4 + H * 4
+    return seq_local * (saved + 2 * HKV_A2A * D * 4)
+
+
+def _interface_bytes(seq_local: int) -> int:
+    """The layer's O(L*dim) interface tensors made by the step: its output y and dx."""
+    return 2 * seq_local * DIM * B4
+
+
+# the weight gradients (fp32 accumulators in the backward), the same for every sequence length
+WEIGHT_GRADS = ((H + 2 * HKV) * D * DIM + DIM * H * D) * B4
+
+
+def test_memory_host_bytes_flat_device_and_chunk_proportional(dist_pool):
+    pool = dist_pool(CP)
+    run = lambda *a: pool.run(_measure, *a)  # noqa: E731
+    short, long = 128, 512  # local tokens: 4x
+    res = {
+        "fpdt": {L: run("fpdt", L, {"chunk_size": 64}) for L in (short, long)},
+        "ulysses": {L: run("ulysses", L, {}) for L in (short, long)},
+        "no-offload": {L: run("fpdt", L, {"chunk_size": 64, "offload": False})
+                       for L in (short, long)},
+        "big-chunk": run("fpdt", long, {"chunk_size": 256}),
+        "no-grad": run("fpdt", long, {"chunk_size": 64}, False),
+    }
+    for rows in [*res["fpdt"].values(), *res["ulysses"].values(), res["big-chunk"]]:
+        assert all(r == rows[0] for r in rows)  # symmetric ranks
+    one = {k: (v[0] if isinstance(v, list) else {L: r[0] for L, r in v.items()})
+           for k, v in res.items()}
+    fpdt, uly, no_off = one["fpdt"], one["ulysses"], one["no-offload"]
+
+    # (a) host bytes are exactly what is offloaded (deterministic on CPU: no kernel scratch is
+    # seen, every host allocation is one of the terms); without a backward only K/V are kept,
+    # plus the Q chunk in use (chunk 64 = 32 local tokens' worth)
+    for L in (short, long):
+        assert fpdt[L]["host"] == _host_bytes(L)
+        assert no_off[L]["host"] == 0
+    assert one["no-grad"]["host"] == (2 * long * HKV_A2A + 32 * H) * D * B4
+
+    # (b) without the interface tensors the device peak is the same at 4x the sequence: the
+    # working set is one chunk's (plus the weight gradients). 2% margin for any small per-chunk
+    # bookkeeping a future change may add (it is exactly flat now); Ulysses' grows ~4x (3.7x
+    # here: its head-layout Q/K/V/O all scale with L), and so does FPDT's without offload
+    resid = {L: fpdt[L]["device"] - _interface_bytes(L) for L in (short, long)}
+    assert abs(resid[long] - resid[short]) <= 0.02 * resid[short], resid
+    uly_resid = {L: uly[L]["device"] - _interface_bytes(L) for L in (short, long)}
+    assert uly_resid[long] >= 3 * uly_resid[short], uly_resid
+    off_resid = {L: no_off[L]["device"] - _interface_bytes(L) for L in (short, long)}
+    assert off_resid[long] >= 2 * off_resid[short], off_resid  # the chunks pile up on device
+    assert fpdt[long]["device"] < uly[long]["device"]
+
+    # (c) at a fixed length, what is left beyond the weight gradients is proportional to the
+    # chunk: 4x the chunk, 4x the working set (every working tensor is chunk-sized; 2% margin)
+    big = one["big-chunk"]["device"] - _interface_bytes(long) - WEIGHT_GRADS
+    small = resid[long] - WEIGHT_GRADS
+    assert small > 0 and abs(big - 4 * small) <= 0.02 * 4 * small, (small, big)
+
+
+def _measure_fake(seq_local: int, options: dict) -> dict[str, int]:
+    with FakeTensorMode():
+        return _measure("fpdt", seq_local, options)
+
+
+def test_emulation_predicts_the_real_run(dist_pool):
+    """Fake tensors on the fake process group give the real gloo run's peaks to the byte
+    (DESIGN.md §8), device and host."""
+    opts = {"chunk_size": 48}  # 128 local tokens -> chunks of 24, 24, 24, 24, 24, 8
+    real = dist_pool(CP).run(_measure, "fpdt", 128, opts)
+    (fake,) = dist_pool(CP, fake=True).run(_measure_fake, 128, opts)
+    assert fake == real[0]

@@ -2,17 +2,28 @@
 
 from upipe.comm import head_to_seq, head_to_seq_autograd, seq_to_head, seq_to_head_autograd
 from upipe.kernels import KERNELS, attention, attention_backward, attention_forward
+from upipe.layout import LAYOUTS, SeqLayout
+from upipe.merge import merge_attention
 from upipe.module import ContextParallelAttention
 from upipe.reference import LlamaAttention
 from upipe.registry import available_methods, build_method, get_method, register_method
+from upipe.ring import (
+    SequenceAttention,
+    ring_attention,
+    ring_attention_backward,
+    ring_attention_forward,
+)
 from upipe.rope import apply_rope, apply_rope_inverse, rope_tables
 from upipe.staging import StagePlan, make_stage_plan
 from upipe.untied import UPipeAttention, upipe_attention
 
 __all__ = [
     "KERNELS",
+    "LAYOUTS",
     "ContextParallelAttention",
     "LlamaAttention",
+    "SeqLayout",
+    "SequenceAttention",
     "StagePlan",
     "UPipeAttention",
     "apply_rope",
@@ -26,7 +37,11 @@ __all__ = [
     "head_to_seq",
     "head_to_seq_autograd",
     "make_stage_plan",
+    "merge_attention",
     "register_method",
+    "ring_attention",
+    "ring_attention_backward",
+    "ring_attention_forward",
     "rope_tables",
     "seq_to_head",
     "seq_to_head_autograd",

@@ -7,6 +7,10 @@ all-to-all back and write the U heads into one persistent (B, L, H, D) output bu
 head indices; the output projection runs once after the loop. Only the layer input, the buffer and
 the per-stage LSEs are saved for backward.
 
+On a 2-D (ring, ulysses) mesh the all-to-alls run over the ulysses axis and each stage's attention
+is zigzag ring attention over the ring axis (``upipe.ring.SequenceAttention``): the paper's
+multi-node configuration; a stage then also holds the K/V block in flight on the ring.
+
 Backward walks the same schedule: recompute K/V and Q from the saved input, form the stage's
 output-gradient heads from dy and the stage's columns of wo (so the full (B, L, H, D) output
 gradient never exists), all-to-all them and the stage's output heads, run the kernel backward

@@ -5,6 +5,7 @@ through the ``upipe.methods`` entry points without importing it).
 """
 
 from baselines.ds_ulysses import DSUlyssesAttention
+from baselines.fpdt import FPDTAttention
 from baselines.ring import RingAttention
 from baselines.ulysses import UlyssesAttention, ulysses_attention
 from baselines.usp import USPAttention
@@ -12,6 +13,7 @@ from baselines.zigzag_ring import ZigzagRingAttention
 
 __all__ = [
     "DSUlyssesAttention",
+    "FPDTAttention",
     "RingAttention",
     "USPAttention",
     "UlyssesAttention",

@@ -13,8 +13,9 @@ Forward, per chunk i (K/V of chunk i are projected when first needed: at step i 
 all before step 0 otherwise): project q, k, v of the local chunk from the layer input, RoPE,
 all-to-all to head layout (KV heads replicated to C when fewer), put all three in host memory.
 Then attention of q_i over the visible K/V chunks j (causal: j <= i, causal only when j == i;
-else all j), each fetched from host, merged in fp32 by log-sum-exp (upipe/merge.py); the merged
-output goes back by all-to-all and through ``wo`` into the chunk of y. Saved for backward: x and
+else all j), each fetched from host (chunk i's own still on the device, the next one prefetched),
+merged by log-sum-exp in fp32 (upipe/merge.py); the merged output goes back by all-to-all and
+through ``wo`` into the chunk of y, so no (L, H*D) output ever exists. Saved for backward: x and
 the weights on the device; q, k, v, the output (head and sequence layout) and LSE per chunk, in
 host memory (through ``save_for_backward``, so activation checkpointing drops and recomputes them
 like any saved tensor).
@@ -27,8 +28,11 @@ After chunk i, dQ_i goes back, RoPE is undone and dx_i, dWq accumulate; at the e
 dV_j goes back (KV replicas' gradients summed) into dx_j, dWk, dWv.
 
 Device working set: O(chunk) plus the layer's interface tensors x, y, dy, dx and the weights'
-gradients. Host bytes per rank (B batch, L local tokens, H' = max(Hkv, C)):
-B*L*[(3H + 2H')*D*b + 4H] saved (q, k, v, out twice, fp32 LSE) + B*L*2H'*D*4 in backward.
+gradients. Host bytes per rank (B batch, L local tokens, H' = max(Hkv, C), b the input's
+itemsize, a the accumulators' (4 for fp32/bf16)): B*L*[(3H + 2H')*D*b + 4H] saved (q, k, v, the
+output in both layouts, fp32 LSE) + B*L*2H'*D*a for the dK/dV accumulators in backward
+(tests/test_fpdt.py checks it to the byte). Llama3-8B attention, 1M tokens on 8 ranks, bf16,
+64K chunks: 4.5 GiB of host memory per rank and layer.
 All-to-alls: 4 per chunk forward (q, k, v, out) and 4 per chunk backward (dO, dQ, dK, dV).
 """
 
@@ -105,21 +109,35 @@ def _project_chunk(x, wq, wk, wv, plan: ChunkPlan, i: int, group):
     return q, k, v
 
 
-def _attend(q, ks, vs, plan: ChunkPlan, i: int, store: HostStore):
-    """Attention of query chunk i over its visible K/V chunks, merged by LSE.
+def _kv_chunks(plan: ChunkPlan, store: HostStore, ks, vs, i: int, diag=None):
+    """Yield (j, k_j, v_j) on the device for each K/V chunk query chunk i sees.
 
-    q (B, c_i, H/C, D); ks/vs: per chunk, host handles. Returns out (B, c_i, H/C, D) in the
-    accumulation dtype and lse (B, H/C, c_i) fp32.
+    ks/vs: per chunk, host handles. ``diag``: chunk i's (k, v) when still on the device (the
+    chunk just projected), used instead of a host round trip. The next pair is prefetched so
+    its copy overlaps this block's compute (CUDA).
     """
     order = plan.visible(i)
-    out = lse = None
     for n, j in enumerate(order):
-        if n + 1 < len(order):  # overlap the next chunk's copy with this block (CUDA)
+        if n + 1 < len(order):
             store.prefetch(ks[order[n + 1]])
             store.prefetch(vs[order[n + 1]])
-        o, o_lse = attention_forward(q, store.get(ks[j]), store.get(vs[j]),
-                                     causal=plan.causal and j == i, kernel=plan.kernel)
-        if out is None:
+        if j == i and diag is not None:
+            yield j, *diag
+        else:
+            yield j, store.get(ks[j]), store.get(vs[j])
+
+
+def _attend(q, ks, vs, plan: ChunkPlan, i: int, store: HostStore, diag=None):
+    """Attention of query chunk i over its visible K/V chunks, merged by LSE.
+
+    q (B, c_i, H/C, D). Returns out (B, c_i, H/C, D) in the accumulation dtype and lse
+    (B, H/C, c_i) fp32.
+    """
+    out = lse = None
+    for j, k, v in _kv_chunks(plan, store, ks, vs, i, diag):
+        o, o_lse = attention_forward(q, k, v, causal=plan.causal and j == i, kernel=plan.kernel)
+        del k, v
+        if out is None:  # the diagonal: every query sees at least itself, so lse is finite
             out, lse = o.to(_acc_dtype(o.dtype)), o_lse
         else:
             merge_attention(out, lse, o, o_lse)
@@ -132,13 +150,19 @@ class _FPDTFunction(torch.autograd.Function):
         y = x.new_empty(*x.shape[:2], wo.shape[0])
         qs, ks, vs, outs, seqs, lses = [], [], [], [], [], []
         for i in range(plan.n_chunks):
+            fresh = None  # chunk i's q, k, v when projected in this step: still on the device
             while len(ks) <= (i if plan.causal else plan.n_chunks - 1):
-                q, k, v = _project_chunk(x, wq, wk, wv, plan, len(ks), group)
+                j = len(ks)
+                q, k, v = _project_chunk(x, wq, wk, wv, plan, j, group)
                 qs.append(store.put(q))
                 ks.append(store.put(k))
                 vs.append(store.put(v))
+                fresh = (q, k, v) if j == i else fresh
                 del q, k, v
-            out, lse = _attend(store.get(qs[i]), ks, vs, plan, i, store)
+            q, diag = (fresh[0], fresh[1:]) if fresh else (store.get(qs[i]), None)
+            del fresh
+            out, lse = _attend(q, ks, vs, plan, i, store, diag)
+            del q, diag
             out = out.to(x.dtype)
             o_seq = head_to_seq(out, group)  # (B, n_i, H, D)
             off, n = plan.local_span(i)
@@ -221,12 +245,12 @@ class _Backward:
         do = self._output_grad(i, dy)
         q, out, lse = store.get(self.qs[i]), store.get(self.outs[i]), store.get(self.lses[i])
         dq = torch.zeros(q.shape, dtype=_acc_dtype(q.dtype), device=q.device)
-        for j in plan.visible(i):
+        for j, k, v in _kv_chunks(plan, store, self.ks, self.vs, i):
             # the merged (final) out/lse make each block's gradients exact on their own
             dq_j, dk_j, dv_j = attention_backward(
-                do, q, store.get(self.ks[j]), store.get(self.vs[j]), out, lse,
-                causal=plan.causal and j == i, kernel=plan.kernel,
+                do, q, k, v, out, lse, causal=plan.causal and j == i, kernel=plan.kernel
             )
+            del k, v
             dq.add_(dq_j)
             self._add_to_host(self.dks[j], dk_j)
             self._add_to_host(self.dvs[j], dv_j)

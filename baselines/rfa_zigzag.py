@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib
 
 import torch
-import torch.distributed as dist
 
 from baselines.zigzag_ring import ZigzagRingAttention
 from upipe.registry import register_method
@@ -91,8 +90,7 @@ class RFAZigzagAttention(ZigzagRingAttention):
     """ring-flash-attn zigzag ring; forward(x_local (B, L, dim)) -> (B, L, dim), CUDA fp16/bf16.
 
     Causal only. Head rules are the ring's (any GQA ratio on any number of ranks); the layout is
-    zigzag. ``group`` must list its ranks as 0..W-1 in order: ring-flash-attn's ``RingComm`` hands
-    group ranks to ``P2POp``, which reads them as global ranks.
+    zigzag. ``group`` is passed through (ring-flash-attn 0.1.8 maps group ranks to global ones).
     """
 
     def __init__(self, *args, **kwargs):
@@ -102,15 +100,6 @@ class RFAZigzagAttention(ZigzagRingAttention):
                 "causal must be True for 'rfa-zigzag': ring-flash-attn's zigzag ring asserts "
                 "causal (zigzag_ring_flash_attn.py); use 'torch-cp' or 'ring' for full attention"
             )
-        if dist.is_available() and dist.is_initialized():
-            ranks = dist.get_process_group_ranks(
-                self.group if self.group is not None else dist.group.WORLD
-            )
-            if ranks != list(range(len(ranks))):
-                raise ValueError(
-                    f"group for 'rfa-zigzag' must hold global ranks 0..W-1 in order, got {ranks}: "
-                    "ring-flash-attn addresses its peers by group rank"
-                )
         require_packages("rfa-zigzag", _PACKAGES, FLASH_EXTRA)
         from ring_flash_attn import zigzag_ring_flash_attn_func
 

@@ -49,6 +49,7 @@ from baselines.zigzag_ring import ZigzagRingAttention
 from upipe.registry import register_method
 
 ROTATE_METHODS = ("allgather", "alltoall")
+_ROTATE_ENUM = {"allgather": "ALL_GATHER", "alltoall": "ALL_TO_ALL"}  # torch's _RotateMethod
 _CPU_REASON = (
     "method 'torch-cp' needs a CUDA device: PyTorch's CP ring intercepts only the fused CUDA "
     "SDPA kernels (flash / efficient / cuDNN); on CPU SDPA dispatches to "
@@ -80,7 +81,8 @@ def torch_cp_active(causal: bool, rotate_method: str):
     opts = cp._cp_options
     saved = (opts.enable_load_balance, opts.rotate_method)
     opts.enable_load_balance = causal  # head-tail balancing; the ring refuses it when non-causal
-    cp.set_rotate_method(rotate_method)
+    # what set_rotate_method does, without its log line on every call
+    opts.rotate_method = getattr(cp._RotateMethod, _ROTATE_ENUM[rotate_method])
     if not already_on:
         cp._enable_context_parallel_dispatcher()
     try:
@@ -91,22 +93,28 @@ def torch_cp_active(causal: bool, rotate_method: str):
         opts.enable_load_balance, opts.rotate_method = saved
 
 
+def _sdpa_on_shards(q, k, v, mesh, causal: bool) -> torch.Tensor:
+    """Public SDPA on the shards as DTensors (Shard(2) over ``mesh``): torch's ring when the CP
+    dispatcher is on. (B, H, L, D) x 3 -> local out (B, H, L, D)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    dq, dk, dv = (DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in (q, k, v))
+    return F.scaled_dot_product_attention(dq, dk, dv, is_causal=causal).to_local()
+
+
 class _TorchRingSDPA(torch.autograd.Function):
     """torch's ring SDPA on local shards q, k, v (B, H, L, D) -> out (B, H, L, D).
 
-    Forward runs the public SDPA on DTensor views (Shard(2) over ``mesh``) inside
-    :func:`torch_cp_active` and keeps that small graph; backward replays it inside the same
-    context, so the fused backward op reaches torch's ring backward too.
+    Forward runs :func:`_sdpa_on_shards` inside :func:`torch_cp_active` and keeps that small
+    graph; backward replays it inside the same context, so the fused backward op reaches torch's
+    ring backward too. What the inner graph saves is what native CP saves (q, k, v, out, LSE).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, mesh, causal, rotate_method):
-        from torch.distributed.tensor import DTensor, Shard
-
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
         with torch.enable_grad(), torch_cp_active(causal, rotate_method):
-            dq, dk, dv = (DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in leaves)
-            out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=causal).to_local()
+            out = _sdpa_on_shards(*leaves, mesh, causal)
         ctx.graph = (leaves, out)
         ctx.causal, ctx.rotate_method = causal, rotate_method
         return out.detach()
@@ -118,6 +126,18 @@ class _TorchRingSDPA(torch.autograd.Function):
         with torch_cp_active(ctx.causal, ctx.rotate_method):
             grads = torch.autograd.grad(out, leaves, dout)
         return (*grads, None, None, None)
+
+
+def torch_ring_sdpa(q, k, v, mesh, *, causal: bool, rotate_method: str = "allgather"):
+    """torch's native CP ring attention on this rank's shards, differentiable.
+
+    q, k, v: (B, H, L, D) with equal head counts (expand GQA K/V first), the local tokens of a
+    head-tail (zigzag) layout when causal; ``mesh``: the 1-D CP DeviceMesh. Returns (B, H, L, D).
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _TorchRingSDPA.apply(q, k, v, mesh, causal, rotate_method)
+    with torch_cp_active(causal, rotate_method):  # no graph wanted (eval, inference)
+        return _sdpa_on_shards(q, k, v, mesh, causal)
 
 
 @register_method("torch-cp")
@@ -179,8 +199,8 @@ class TorchCPAttention(ZigzagRingAttention):
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k.repeat_interleave(g, 2),
                                                    v.repeat_interleave(g, 2)))
         if dist.is_available() and dist.is_initialized():
-            oh = _TorchRingSDPA.apply(qh, kh, vh, self._mesh(x.device.type), self.causal,
-                                      self.rotate_method)
+            oh = torch_ring_sdpa(qh, kh, vh, self._mesh(x.device.type), causal=self.causal,
+                                 rotate_method=self.rotate_method)
         else:  # one process, no group: torch's ring would be one local block anyway
             oh = F.scaled_dot_product_attention(qh, kh, vh, is_causal=self.causal)
         return self.wo(oh.transpose(1, 2).flatten(2))

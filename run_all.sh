@@ -2,7 +2,7 @@
 # Main job: reproduce the paper's artefacts into results/ (tables, plots, provenance).
 #
 #   ./run_all.sh                          CPU-scale counterpart of every artefact (gloo, 4 ranks;
-#                                         ~15 min on 2 cores), the default without GPUs
+#                                         ~25 min on 2 cores), the default without GPUs
 #   NPROC_PER_NODE=8 ./run_all.sh         paper-scale sweeps on this node's GPUs (NCCL)
 #   torchrun --nnodes 2 --nproc-per-node 8 ... -m experiments.cli sweep <name>
 #                                         multi-node: the sweep itself under torchrun

@@ -1,13 +1,17 @@
 """``upipe-bench``: run one cell, a declared sweep, a max-context search; plot; list.
 
     upipe-bench run --method upipe --model tiny --seq-len 8K --nproc 4 --stack alst --json
+    upipe-bench run --method usp --ring-degree 2 --nproc 4        # a 2 (ulysses) x 2 (ring) mesh
+    upipe-bench run --method fpdt --chunk-size 1K --nproc 4
     upipe-bench max-context --method ulysses --model tiny --nproc 4 --budget-mib 96 --json
     upipe-bench sweep table3_llama3_8b_h100x8-cpu [--dry-run]
     upipe-bench plot table3_llama3_8b_h100x8-cpu
     upipe-bench list [methods|presets|stacks|sweeps] [--json]
 
 Bad input (unknown method, preset, stack, sweep or override key; a length that does not
-shard) is reported with the valid choices and exit status 2 before any process starts. Under
+shard; an option the method does not take) is reported with the valid choices and exit status 2
+before any process starts. A method that cannot run on this machine (``list methods`` says
+why) gives a ``skipped`` row, exit status 1, without launching anything. Under
 torchrun (``WORLD_SIZE`` set) the cells run in the launched process group.
 """
 
@@ -33,10 +37,23 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _methods() -> list[str]:
-    from upipe.registry import available_methods
+def _methods() -> dict[str, dict]:
+    """Every registered method: whether it runs on this machine (else why), the options it
+    takes and whether it runs on a (ring, ulysses) mesh (``--ring-degree``)."""
+    import torch
 
-    return available_methods()
+    from experiments.config import METHOD_OPTIONS, takes_option
+    from upipe.registry import available_methods, get_method
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    out = {}
+    for name in available_methods():
+        cls = get_method(name)
+        reason = cls.unavailable_reason(device_type)
+        out[name] = {"available": reason is None, "reason": reason, "device": device_type,
+                     "options": [o for o in METHOD_OPTIONS if takes_option(cls, o)]
+                     + (["ring_degree"] if cls.supports_mesh else [])}
+    return out
 
 
 def _cell_args(p: argparse.ArgumentParser) -> None:
@@ -115,27 +132,34 @@ def cmd_run(a) -> int:
 
 
 def cmd_max_context(a) -> int:
-    from experiments.launch import run_cell
+    from experiments.launch import run_cell, unavailable_reason
     from experiments.maxctx import SearchSpec, search_max_context
 
     cell = _cell(a)
     spec = SearchSpec(start=a.start or cell.seq_len, block=a.block, limit=a.limit)
     spec.validate(cell.nproc)
     rank0 = _init_torchrun()
-    res = search_max_context(dataclasses.replace(cell, seq_len=spec.start), spec,
-                             lambda c: run_cell(c, timeout_s=a.timeout))
+    reason = unavailable_reason(cell)
+    if reason is None:
+        res = search_max_context(dataclasses.replace(cell, seq_len=spec.start), spec,
+                                 lambda c: run_cell(c, timeout_s=a.timeout))
+    else:  # as a sweep records it: no probes
+        res = {"status": "skipped", "max_seq_len": None, "first_failing_seq_len": None,
+               "n_probes": 0, "error": reason, "probes": []}
     if rank0:
         probes = [{k: p.get(k) for k in ("seq_len", "status", "peak_device_bytes")}
                   for p in res["probes"]]
         out = {k: v for k, v in res.items() if k != "probes"} | {
-            "method": cell.method, "heads_per_stage": cell.heads_per_stage, "model": cell.model,
+            "method": cell.method, "heads_per_stage": cell.heads_per_stage,
+            "ring_degree": cell.ring_degree, "chunk_size": cell.chunk_size, "model": cell.model,
             "nproc": cell.nproc, "stack": cell.stack, "budget_mib": cell.budget_mib,
             "probes": probes}
         if a.json:
             _print_json(out)
         else:
             print(f"max_seq_len {out['max_seq_len']}  first_failing_seq_len "
-                  f"{out['first_failing_seq_len']}  ({out['n_probes']} probes, {out['status']})")
+                  f"{out['first_failing_seq_len']}  ({out['n_probes']} probes, {out['status']})"
+                  + (f"\n{out['error']}" if out["error"] else ""))
     return 0 if res["status"] == "ok" else 1
 
 
@@ -207,8 +231,14 @@ def cmd_list(a) -> int:
             detail = items[name] if isinstance(items, dict) else None
             if what == "sweeps":
                 print(f"  {name:48s} [{detail['scale']}] {detail['description']}")
-            elif what == "presets":
+            elif what in ("presets", "stacks"):
                 print(f"  {name:12s} " + " ".join(f"{k}={v}" for k, v in detail.items()))
+            elif what == "methods":
+                opts = f"  (options: {', '.join(detail['options'])})" if detail["options"] else ""
+                where = "runs" if detail["available"] else "unavailable"
+                print(f"  {name:12s} {where} on {detail['device']}{opts}")
+                if detail["reason"]:
+                    print(f"  {'':12s}   {detail['reason']}")
             else:
                 print(f"  {name}")
     return 0

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 DEVICE, HOST = "device", "host"
+_P2P_OPS = frozenset({"send", "recv_", "recv_any_source_"})
 
 
 @dataclass
@@ -203,7 +204,7 @@ class MemoryTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if self._comm_aliases:
             self._settle_comm()
-        if self.settle_comm and func.namespace == "c10d":
+        if self.settle_comm and func.namespace == "c10d" and func._opname not in _P2P_OPS:
             args, kwargs = tree_map_only(torch.Tensor, self._comm_alias, (args, kwargs))
         out = func(*args, **kwargs)
         label = self.namespace_categories.get(func.namespace)
@@ -275,6 +276,10 @@ class MemoryTracker(TorchDispatchMode):
     # backend has let go. A Work the program keeps (async ops not yet waited) times out after
     # ``settle_timeout_s`` and its buffers stay counted, as they are really held. The waits stall
     # async overlap: time runs untracked.
+    #
+    # Point-to-point ops are not settled: a ring keeps its send and receive buffers itself until
+    # it waits (upipe.ring.RingComm), so they are counted for exactly as long as the program
+    # holds them, and settling would only time out on every in-flight send (0.25 s each).
 
     def _comm_alias(self, t: torch.Tensor) -> torch.Tensor:
         alias = torch.ops.aten.alias.default(t)

@@ -25,7 +25,7 @@ from matplotlib.ticker import FuncFormatter, MultipleLocator, NullLocator  # noq
 
 from experiments.report import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS  # noqa: E402
 
-STACK_ORDER = ("none", "ac", "offload", "alst")
+STACK_ORDER = ("none", "ac", "offload", "alst", "native")
 MiB, GiB = 2**20, 2**30
 DPI = 120
 SETTINGS = ("model", "nproc", "stack")  # a label names one of these only when it varies
@@ -44,11 +44,36 @@ def format_tokens(n: float) -> str:
     return str(n)
 
 
-def variant_label(method: str, heads_per_stage: float | None) -> str:
-    """('upipe', 8.0) -> 'upipe U=8'; ('ulysses', nan) -> 'ulysses'."""
-    if heads_per_stage is None or pd.isna(heads_per_stage):
-        return str(method)
-    return f"{method} U={int(heads_per_stage)}"
+def _given(v) -> bool:
+    return v is not None and not pd.isna(v)
+
+
+def variant_label(method: str, heads_per_stage: float | None = None,
+                  ring_degree: float | None = None, chunk_size: float | None = None,
+                  nproc: float | None = None) -> str:
+    """A method and the options that make it a distinct variant (NaN/None: not set).
+
+    ('upipe', 8.0) -> 'upipe U=8'; ('ulysses', nan) -> 'ulysses'; hybrids as Ulysses x ring
+    degrees, the paper's notation: ('usp', nan, 2, nan, 16) -> 'usp 8x2'; FPDT's chunk in
+    tokens: ('fpdt', nan, 1, 1024) -> 'fpdt c=1K'.
+    """
+    parts = [str(method)]
+    if _given(ring_degree) and ring_degree > 1:
+        ring = int(ring_degree)
+        parts.append(f"{int(nproc) // ring}x{ring}" if _given(nproc) else f"ring={ring}")
+    if _given(heads_per_stage):
+        parts.append(f"U={int(heads_per_stage)}")
+    if _given(chunk_size):
+        parts.append(f"c={format_tokens(chunk_size)}")
+    return " ".join(parts)
+
+
+VARIANT = ("method", "heads_per_stage", "ring_degree", "chunk_size")  # what variant_label reads
+
+
+def _column(df: pd.DataFrame, col: str) -> pd.Series:
+    """``df[col]``, or NaN where tables written before the column existed lack it."""
+    return df[col] if col in df.columns else pd.Series(np.nan, index=df.index)
 
 
 def _plain(col: str, v) -> str:
@@ -95,15 +120,26 @@ def _read(path: Path, columns: list[str]) -> pd.DataFrame:
 def _labelled(df: pd.DataFrame, vary: Sequence[str] = SETTINGS
               ) -> tuple[pd.DataFrame, list[str]]:
     """`df` with a `label` column (the variant, plus each `vary` column that takes several
-    values), sorted Ulysses first, then by method and U; returns it and the label order."""
-    df = df.assign(label=[variant_label(m, u) for m, u in
-                          zip(df["method"], df["heads_per_stage"], strict=True)])
+    values), sorted Ulysses first, then by method and U; returns it and the label order.
+
+    A `vary` column that is one value per variant (torch-cp on the ``native`` stack, the rest on
+    ``alst``) is named only on the variants that differ from the most common value."""
+    cols = [_column(df, c) for c in (*VARIANT, "nproc")]
+    df = df.assign(label=[variant_label(*v) for v in zip(*cols, strict=True)])
+    variant = df["label"].copy()
     for col in vary:
-        if df[col].nunique() > 1:
-            df["label"] += [f", {col} {_plain(col, v)}" for v in df[col]]
+        if df[col].nunique() < 2:
+            continue
+        marked = pd.Series(True, index=df.index)
+        if (df.groupby(variant)[col].nunique(dropna=False) == 1).all():
+            marked = df[col] != df[col].mode().iloc[0]
+        df.loc[marked, "label"] += [f", {col} {_plain(col, v)}" for v in df.loc[marked, col]]
     keys = df.assign(_first=df["method"] != "ulysses", _u=df["heads_per_stage"].fillna(-1),
+                     _r=_column(df, "ring_degree").fillna(1),
+                     _c=_column(df, "chunk_size").fillna(-1),
                      stack=df["stack"].map(_stack_rank))
-    df = df.loc[keys.sort_values(["_first", "method", "_u", *vary], kind="stable").index]
+    df = df.loc[keys.sort_values(["_first", "method", "_u", "_r", "_c", *vary],
+                                 kind="stable").index]
     return df.reset_index(drop=True), list(dict.fromkeys(df["label"]))
 
 
@@ -125,11 +161,23 @@ def _focus_length(df: pd.DataFrame, cols: list[str]) -> int:
 
 
 def _vs_ulysses(df: pd.DataFrame, value: str, keys: list[str]) -> np.ndarray:
-    """`value` of each row over Ulysses' (median) at the same `keys`; NaN where Ulysses has none."""
+    """`value` of each row over Ulysses' (median) at the same `keys`; NaN where Ulysses has none.
+
+    A method measured on a stack of its own (torch-cp on ``native``, as the paper runs it) is
+    compared with Ulysses at the other keys when Ulysses ran on one stack there."""
     ref = df[(df["method"] == "ulysses") & df["heads_per_stage"].isna()]
-    ref = ref.groupby(keys)[value].median().rename("_ref").reset_index()
-    merged = df[keys + [value]].merge(ref, on=keys, how="left")  # a left merge keeps row order
-    return (merged[value] / merged["_ref"]).to_numpy()
+
+    def ratio(on: list[str], ref: pd.DataFrame) -> pd.Series:
+        med = ref.groupby(on)[value].median().rename("_ref").reset_index()
+        merged = df[on + [value]].merge(med, on=on, how="left")  # a left merge keeps row order
+        return merged[value] / merged["_ref"]
+
+    out = ratio(keys, ref)
+    if "stack" in keys:
+        loose = [k for k in keys if k != "stack"]
+        one_stack = ref.groupby(loose)["stack"].transform("nunique") == 1
+        out = out.fillna(ratio(loose, ref[one_stack]))
+    return out.to_numpy()
 
 
 @contextmanager

@@ -23,15 +23,15 @@ import pandas as pd
 
 ROWS, MAXCTX = "rows.csv", "max_context.csv"
 # first columns of rows.csv; the rest follow in the order the rows first name them
-ROW_COLUMNS = ["sweep", "cell_id", "method", "heads_per_stage", "model", "seq_len", "nproc",
-               "stack", "dtype", "kernel", "budget_mib", "overrides", "status",
-               "time_median_s", "time_p20_s", "time_p80_s", "tokens_per_s_per_gpu", "mfu",
-               "peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
-               "peak_attention_bytes", "peak_other_bytes", "device_memory_bytes", "device",
-               "error"]
-MAXCTX_COLUMNS = ["sweep", "method", "heads_per_stage", "model", "nproc", "stack", "dtype",
-                  "budget_mib", "status", "max_seq_len", "first_failing_seq_len", "granularity",
-                  "n_probes", "device", "error"]
+ROW_COLUMNS = ["sweep", "cell_id", "method", "heads_per_stage", "ring_degree", "chunk_size",
+               "model", "seq_len", "nproc", "stack", "dtype", "kernel", "budget_mib",
+               "overrides", "status", "time_median_s", "time_p20_s", "time_p80_s",
+               "tokens_per_s_per_gpu", "mfu", "peak_device_bytes", "peak_host_bytes",
+               "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes",
+               "device_memory_bytes", "device", "error"]
+MAXCTX_COLUMNS = ["sweep", "method", "heads_per_stage", "ring_degree", "chunk_size", "model",
+                  "nproc", "stack", "dtype", "budget_mib", "status", "max_seq_len",
+                  "first_failing_seq_len", "granularity", "n_probes", "device", "error"]
 
 
 def write_json(path: Path, obj) -> None:
@@ -61,8 +61,10 @@ def load_rows(sweep_dir: Path) -> pd.DataFrame:
     if not records:
         return pd.DataFrame(columns=ROW_COLUMNS)
     df = _frame(records, ROW_COLUMNS)
-    return df.sort_values(["method", "heads_per_stage", "seq_len", "stack"],
-                          na_position="first", kind="stable").reset_index(drop=True)
+    # rows written before ring_degree / chunk_size existed lack those columns
+    keys = [k for k in ("method", "heads_per_stage", "ring_degree", "chunk_size", "seq_len",
+                        "stack") if k in df.columns]
+    return df.sort_values(keys, na_position="first", kind="stable").reset_index(drop=True)
 
 
 def load_searches(sweep_dir: Path) -> pd.DataFrame:

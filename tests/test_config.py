@@ -18,6 +18,16 @@ from experiments.config import (
 from experiments.maxctx import SearchSpec, search_max_context
 from experiments.sweep import Sweep
 from experiments.sweeps import SWEEPS, cpu_sweeps, get_sweep
+from upipe.registry import available_methods
+
+
+def needs(*methods: str):
+    """Skip, naming them, while methods are not registered yet (upipe.available_methods())."""
+    missing = sorted(set(methods) - set(available_methods()))
+    return pytest.mark.skipif(bool(missing), reason=f"method(s) {missing} not registered")
+
+
+SWEEP_METHODS = sorted({c.method for s in SWEEPS.values() for c in s.cells()})
 
 
 @pytest.mark.parametrize("text, n", [("131072", 131072), ("128K", 131072), ("1M", 2**20),
@@ -63,7 +73,7 @@ def test_overrides_are_typed_and_checked():
 @pytest.mark.parametrize("fields, msg", [
     ({"method": "nope"}, r"method must be one of \[.*'upipe'"),
     ({"model": "gpt5"}, r"model must be one of \[.*'tiny'"),
-    ({"stack": "zero3"}, r"stack must be one of \['none', 'ac', 'offload', 'alst'\]"),
+    ({"stack": "zero3"}, r"stack must be one of \['none', 'ac', 'offload', 'alst', 'native'\]"),
     ({"seq_len": 1001}, r"seq_len \(1001\) must be >= 2 and divisible by nproc \(4\)"),
     ({"nproc": 3, "seq_len": 3072}, r"n_heads \(16\) must be divisible by the CP degree \(3\)"),
     ({"heads_per_stage": 6}, r"heads_per_stage"),
@@ -78,6 +88,70 @@ def test_cell_validation_names_field_and_rule(fields, msg):
         cell.validate()
 
 
+@pytest.mark.parametrize("fields, msg", [
+    # the hybrid mesh: only methods that run on one, and it must tile the ranks
+    ({"method": "ulysses", "ring_degree": 2}, r"ring_degree > 1 applies to hybrid methods"),
+    ({"method": "usp", "ring_degree": 3}, r"ring_degree \(3\) must divide the CP degree \(4\)"),
+    ({"method": "usp", "ring_degree": 0}, r"ring_degree must be >= 1"),
+    # hybrids check heads against the Ulysses degree nproc / ring_degree (12 / 2 = 6)
+    ({"method": "usp", "nproc": 12, "ring_degree": 2, "seq_len": 3072},
+     r"n_heads \(16\) must be divisible by the CP degree \(6\)"),
+    ({"method": "upipe", "nproc": 8, "ring_degree": 2, "heads_per_stage": 2}, r"heads_per_stage"),
+    # chunk_size: FPDT's only, positive
+    ({"method": "ulysses", "chunk_size": 1024}, r"chunk_size applies to .*only, not 'ulysses'"),
+    ({"method": "upipe", "chunk_size": 0}, r"chunk_size must be positive"),
+    # zigzag: two chunks per rank
+    ({"method": "zigzag-ring", "seq_len": 4100},
+     r"seq_len \(4100\) must be divisible by 2 x the CP degree \(8\)"),
+    ({"method": "usp", "ring_degree": 2, "seq_len": 4100}, r"2 x the CP degree \(8\)"),
+])
+def test_cell_validation_of_method_options(fields, msg):
+    missing = sorted({fields["method"]} - set(available_methods()))
+    if missing:
+        pytest.skip(f"method(s) {missing} not registered")
+    with pytest.raises(ValueError, match=msg):
+        Cell(**fields).validate()
+
+
+@needs("fpdt")
+def test_chunk_size_must_split_over_the_ranks():
+    with pytest.raises(ValueError, match=r"chunk_size \(1022\) must be divisible by the CP "
+                                         r"degree \(4\)"):
+        Cell("fpdt", chunk_size=1022).validate()
+    Cell("fpdt", chunk_size=1024, seq_len=3072).validate()
+
+
+@needs("usp", "zigzag-ring", "ring")
+def test_method_rules_come_from_the_method():
+    """Ring methods have no head rule; hybrids check heads over the Ulysses degree only."""
+    Cell("ring", nproc=3, seq_len=3072).validate()  # 16 heads over 3 ranks: fine for a ring
+    Cell("zigzag-ring", nproc=3, seq_len=3072).validate()
+    Cell("usp", nproc=6, ring_degree=3, seq_len=3072).validate()  # Ulysses over 2 ranks
+    Cell("upipe", nproc=8, ring_degree=2, heads_per_stage=4).validate()  # U % 4 over 4 ranks
+    with pytest.raises(ValueError, match=r"n_heads \(16\) must be divisible"):
+        Cell("ulysses", nproc=6, seq_len=3072).validate()
+
+
+def test_method_options_feed_model_and_validation():
+    assert Cell("upipe").method_options() == {}
+    assert Cell("upipe", heads_per_stage=8).method_options() == {"heads_per_stage": 8}
+    assert Cell("fpdt", chunk_size=1024).method_options() == {"chunk_size": 1024}
+
+
+def test_cell_ids_of_committed_results_do_not_change():
+    """Fields added later (ring_degree, chunk_size) stay out of the id at their defaults, so
+    results/ written before them still resume (an id from results/table3_llama3_8b_h100x8-cpu)."""
+    old = Cell("ulysses", "tiny", seq_len=2048, nproc=4, stack="alst", dtype="fp32", warmup=1,
+               iters=2)
+    assert old.cell_id() == "ulysses-tiny-2K-p4-alst-fp32-473210fc"
+    usp = Cell("usp", ring_degree=2)
+    fpdt = Cell("fpdt", chunk_size=1024)
+    assert usp.cell_id().startswith("usp-R2-tiny-4K-p4-alst-fp32-")
+    assert fpdt.cell_id().startswith("fpdt-c1K-tiny-4K-p4-alst-fp32-")
+    assert fpdt.cell_id() != Cell("fpdt", chunk_size=2048).cell_id()
+    assert Cell.from_dict(usp.to_dict()) == usp
+
+
 def test_cell_id_is_stable_and_distinct():
     a = Cell("upipe", heads_per_stage=8)
     assert a.cell_id() == Cell("upipe", heads_per_stage=8).cell_id()
@@ -89,6 +163,7 @@ def test_cell_id_is_stable_and_distinct():
     assert Cell.from_dict(a.to_dict()) == a
 
 
+@needs(*SWEEP_METHODS)
 def test_every_declared_sweep_expands_to_valid_cells():
     """The dry run of run_all.sh: every cell of every sweep validates."""
     for sweep in SWEEPS.values():
@@ -99,6 +174,26 @@ def test_every_declared_sweep_expands_to_valid_cells():
         assert paper.name + "-cpu" in names  # every artefact has a CPU counterpart
     with pytest.raises(ValueError, match="sweep must be one of"):
         get_sweep("table9")
+
+
+def test_paper_tables_compare_the_papers_methods():
+    """DESIGN.md §6: every method of the comparison, each on its stack, searched for its max
+    context; Table 4 adds the two-node hybrids (8 x 2)."""
+    def variants(name):
+        return {(c.method, c.stack, c.ring_degree, c.chunk_size) for c in get_sweep(name).cells()}
+
+    t3 = variants("table3_llama3_8b_h100x8")
+    assert {("torch-cp", "native", 1, None), ("zigzag-ring", "alst", 1, None),
+            ("ulysses", "alst", 1, None), ("fpdt", "alst", 1, 65536),
+            ("upipe", "alst", 1, None)} <= t3
+    t4 = variants("table4_qwen3_32b_h100x16")
+    assert t3 | {("usp", "alst", 2, None), ("upipe", "alst", 2, None)} <= t4
+    for name in ("table3_llama3_8b_h100x8", "table4_qwen3_32b_h100x16"):
+        sweep = get_sweep(name)
+        assert {c.method for c in sweep.search_cells()} == {c.method for c in sweep.cells()}
+    cpu = variants("table3_llama3_8b_h100x8-cpu") | variants("table4_qwen3_32b_h100x16-cpu")
+    assert {("fpdt", "alst", 1, 1024), ("usp", "alst", 2, None), ("upipe", "alst", 2, None),
+            ("torch-cp", "native", 1, None), ("zigzag-ring", "alst", 1, None)} <= cpu
 
 
 def test_sweep_expansion_and_searches():
@@ -114,6 +209,9 @@ def test_sweep_expansion_and_searches():
     searches = sweep.search_cells()
     assert [(c.method, c.heads_per_stage, c.seq_len) for c in searches] == [
         ("ulysses", None, 4096), ("upipe", 8, 4096)]
+    sized = Sweep("s", "sizes", "cpu", base={"nproc": 4, "seq_len": "8K"},
+                  axes={"variant": [{"method": "fpdt", "chunk_size": "1K"}]})
+    assert (sized.cells()[0].seq_len, sized.cells()[0].chunk_size) == (8192, 1024)
     bad = Sweep("b", "bad", "cpu", base={"nproc": 4},
                 axes={"variant": [{"method": "upipe", "heads_per_stage": 6}]})
     assert len(bad.validate()) == 1
@@ -122,9 +220,12 @@ def test_sweep_expansion_and_searches():
 
 
 def test_stack_levels_build_on_each_other():
-    assert [s.checkpoint for s in STACKS.values()] == [False, True, True, True]
-    assert [s.offload for s in STACKS.values()] == [False, False, True, True]
+    ladder = [STACKS[k] for k in ("none", "ac", "offload", "alst")]
+    assert [s.checkpoint for s in ladder] == [False, True, True, True]
+    assert [s.offload for s in ladder] == [False, False, True, True]
     assert STACKS["alst"].tiled and STACKS["alst"].chunked_loss
+    # PyTorch-native CP as the paper runs it: checkpointing and chunked loss only
+    assert STACKS["native"] == dataclasses.replace(STACKS["ac"], chunked_loss=True)
 
 
 # -- max-context search logic, against a deterministic fake probe ------------------------------

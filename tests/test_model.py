@@ -116,3 +116,22 @@ def test_offloaded_model_holds_host_bytes_for_middle_blocks():
         loss.backward()
     # blocks 1..3 of 5 offload their (1, SEQ, dim) fp32 input; first and last stay on device
     assert host == mt.peak_host_bytes == 3 * SEQ * CFG.dim * 4
+
+
+def test_set_offload_reaches_attention_that_offloads_itself():
+    """FPDT moves its chunks to host inside the attention; set_offload hands it the tracker's
+    host context as it does the blocks, so those bytes are host bytes (stack ``ac``: the blocks
+    offload nothing). It computes the same step as the reference attention."""
+    pytest.importorskip("baselines.fpdt", reason="baselines/fpdt.py not there yet")
+    ref_loss, _ = _loss_and_grads("ac")
+    torch.manual_seed(0)
+    model = Transformer(CFG, "fpdt", STACKS["ac"], method_options={"chunk_size": 100})
+    tokens = torch.randint(0, CFG.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    with MemoryTracker() as mt:
+        model.set_offload(host_context=mt.host, pin_memory=False)
+        assert all(m.host_context == mt.host and not m.pin_memory
+                   for m in model.attention_modules)
+        loss = model(tokens, shifted_labels(tokens))
+        loss.backward()
+    assert mt.peak_host_bytes > 0
+    torch.testing.assert_close(loss.detach(), ref_loss)

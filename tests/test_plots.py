@@ -14,6 +14,7 @@ from PIL import Image
 
 from experiments.plots import (
     PLOTS,
+    _labelled,
     _read,
     _throughput,
     _vs_ulysses,
@@ -89,6 +90,11 @@ def test_format_helpers():
     assert variant_label("upipe", 8.0) == "upipe U=8"
     assert variant_label("ulysses", math.nan) == "ulysses"
     assert variant_label("ulysses", None) == "ulysses"
+    # hybrids as Ulysses x ring (the paper's 8x2), FPDT by its chunk; NaN = not set
+    assert variant_label("usp", math.nan, 2.0, math.nan, 16) == "usp 8x2"
+    assert variant_label("upipe", 4.0, 2, None, 4) == "upipe 2x2 U=4"
+    assert variant_label("upipe", math.nan, 1.0, math.nan, 4) == "upipe"
+    assert variant_label("fpdt", None, 1, 1024.0, 4) == "fpdt c=1K"
 
 
 def test_every_plot_drawn_and_closed(tmp_path):
@@ -146,6 +152,26 @@ def test_tables_read_back(tmp_path):
     assert "none" in set(rows["stack"])
     assert rows["extra"].isna().all()
     assert rows.loc[rows["status"] == "error", "time_median_s"].isna().all()
+
+
+def test_new_variants_get_their_own_labels(tmp_path):
+    """Tables with hybrid and chunked variants (and old rows without those columns) draw a line
+    per variant; torch-cp, on its own stack, is compared with Ulysses on the stack it ran."""
+    rows = [_row("ulysses", None, s) for s in (2048, 4096)]
+    rows += [_row(m, None, s, mem_factor=f) | extra for m, f, extra in (
+        ("usp", 1.1, {"ring_degree": 2}), ("upipe", 0.7, {"ring_degree": 2}),
+        ("upipe", 0.8, {"ring_degree": 1}), ("fpdt", 0.9, {"chunk_size": 1024}),
+        ("torch-cp", 1.3, {"stack": "native"})) for s in (2048, 4096)]
+    _write(tmp_path, rows)
+    df, labels = _labelled(_read(tmp_path / ROWS, ROW_COLUMNS))
+    # the stack is one per variant: named where it differs from the rest's
+    assert labels == ["ulysses", "fpdt c=1K", "torch-cp, stack native", "upipe", "upipe 2x2",
+                      "usp 2x2"]
+    tp = _throughput(_read(tmp_path / ROWS, ROW_COLUMNS))
+    ratio = _vs_ulysses(tp, "tps", ["seq_len", "model", "nproc", "stack"])
+    assert not np.isnan(ratio).any()  # torch-cp (native) against Ulysses (alst)
+    assert set(draw_plots(tmp_path, ["memory_vs_seq", "throughput_vs_ulysses"])) == {
+        "memory_vs_seq", "throughput_vs_ulysses"}
 
 
 def test_throughput_and_ratio_vs_ulysses():

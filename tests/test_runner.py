@@ -9,12 +9,14 @@ import sys
 
 import pandas as pd
 import pytest
+import torch
 
 from experiments.config import Cell
 from experiments.launch import run_cell
 from experiments.maxctx import SearchSpec
 from experiments.runner import SweepRunner
 from experiments.sweep import Sweep
+from upipe.registry import available_methods
 
 OVERRIDES = (("n_layers", "3"), ("dim", "64"), ("n_heads", "8"), ("n_kv_heads", "2"),
              ("head_dim", "8"), ("ffn_dim", "96"), ("vocab_size", "128"))
@@ -22,10 +24,48 @@ BASE = {"model": "tiny", "nproc": 2, "stack": "alst", "warmup": 1, "iters": 1,
         "overrides": OVERRIDES}
 
 
+def needs(*methods: str):
+    """Skip, naming them, while methods are not registered yet (upipe.available_methods())."""
+    missing = sorted(set(methods) - set(available_methods()))
+    return pytest.mark.skipif(bool(missing), reason=f"method(s) {missing} not registered")
+
+
 def test_invalid_cell_is_a_row_without_a_launch():
     row = run_cell(Cell("upipe", heads_per_stage=3, **BASE))
     assert row["status"] == "invalid" and "heads_per_stage" in row["error"]
     assert "wall_s" not in row
+
+
+@needs("torch-cp")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch-cp runs where CUDA is present")
+def test_unavailable_method_is_a_skipped_row_without_a_launch(tmp_path):
+    """torch-cp needs CUDA: on CPU its cell and its max-context search are recorded as skipped,
+    with the method's reason, and nothing is launched."""
+    row = run_cell(Cell("torch-cp", seq_len=512, **(BASE | {"stack": "native"})))
+    assert row["status"] == "skipped" and "CUDA" in row["error"]
+    assert "wall_s" not in row  # no launch
+    sweep = Sweep("skip", "unavailable", "cpu", base=BASE | {"stack": "native"},
+                  axes={"variant": [{"method": "torch-cp"}], "seq_len": [512]},
+                  search=SearchSpec(start=1024, block=256, limit=2048), timeout_s=60)
+    paths = SweepRunner(sweep, tmp_path, progress=False)()
+    mc = pd.read_csv(paths["max_context_csv"])
+    assert list(mc.status) == ["skipped"] and mc.n_probes[0] == 0 and "CUDA" in mc.error[0]
+    assert list(pd.read_csv(paths["rows_csv"]).status) == ["skipped"]  # the grid cell only
+
+
+@needs("usp", "fpdt")
+def test_hybrid_and_fpdt_cells_run_end_to_end():
+    """A 2 x 2 USP mesh and FPDT on 4 ranks through the launcher, as a sweep runs them. FPDT
+    offloads its chunks to host itself: on the ``ac`` stack (no block offload) its host bytes
+    are the only ones, and the tracker counts them."""
+    two_layers = (("n_layers", "2"), *OVERRIDES[1:])  # the cost is per layer: keep it short
+    base = BASE | {"nproc": 4, "seq_len": 512, "warmup": 0, "overrides": two_layers}
+    usp = run_cell(Cell("usp", ring_degree=2, **base), timeout_s=300)
+    assert usp["status"] == "ok", usp["error"]
+    assert usp["ring_degree"] == 2 and usp["tokens_per_s_per_gpu"] > 0
+    fpdt = run_cell(Cell("fpdt", chunk_size=256, **(base | {"stack": "ac"})), timeout_s=300)
+    assert fpdt["status"] == "ok", fpdt["error"]
+    assert fpdt["chunk_size"] == 256 and fpdt["peak_host_bytes"] > 0
 
 
 def test_runtime_failure_and_timeout_become_rows():
@@ -127,6 +167,14 @@ def test_cli_list_and_dry_run():
     r = _cli("list", "--json")
     cat = json.loads(r.stdout)
     assert {"upipe", "ulysses"} <= set(cat["methods"]) and "llama3-8b" in cat["presets"]
+    assert cat["methods"]["ulysses"]["available"] and cat["methods"]["ulysses"]["reason"] is None
+    assert cat["methods"]["upipe"]["options"] == ["heads_per_stage", "ring_degree"]
+    if "torch-cp" in cat["methods"] and cat["methods"]["torch-cp"]["device"] == "cpu":
+        assert not cat["methods"]["torch-cp"]["available"]
+        assert "CUDA" in cat["methods"]["torch-cp"]["reason"]
     r = _cli("sweep", "--dry-run", "table3_llama3_8b_h100x8", "table3_llama3_8b_h100x8-cpu")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "24 cells, 3 max-context searches" in r.stdout and "INVALID" not in r.stdout
+    # 6 methods x 8 lengths, each searched; the CPU one: 6 x 3 and three searches
+    assert "48 cells, 6 max-context searches" in r.stdout, r.stdout + r.stderr
+    assert "18 cells, 3 max-context searches" in r.stdout
+    if {"torch-cp", "fpdt"} <= set(cat["methods"]):  # else INVALID until they are registered
+        assert r.returncode == 0 and "INVALID" not in r.stdout, r.stdout + r.stderr

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from experiments.config import Cell, MiB
 from experiments.measure import measure_cell
 from experiments.train import build
+from upipe.registry import available_methods
 
 # 3 layers (the middle one offloaded), 8 heads over 2 KV heads (replicated at CP=4), 96 tokens.
 OVERRIDES = (("n_layers", "3"), ("dim", "64"), ("n_heads", "8"), ("n_kv_heads", "2"),
@@ -49,6 +50,25 @@ def test_cp_training_matches_single_device(dist_pool, reference_losses, world, m
     for rank_losses in losses:
         torch.testing.assert_close(rank_losses, reference_losses[stack], rtol=1e-5, atol=0)
     assert reference_losses[stack][2] < reference_losses[stack][0]  # it trains
+
+
+# The other methods at the paper's stack, 4 ranks: the ring ones (zigzag layout), the hybrids on
+# a 2 x 2 (ring, ulysses) mesh, FPDT with 3 chunks of 32 tokens.
+OTHER_METHODS = [("zigzag-ring", {}), ("usp", {"ring_degree": 2}),
+                 ("upipe", {"ring_degree": 2}), ("fpdt", {"chunk_size": 32})]
+
+
+@pytest.mark.parametrize("method, options", OTHER_METHODS,
+                         ids=[m + "".join(f"-{k}{v}" for k, v in o.items())
+                              for m, o in OTHER_METHODS])
+def test_other_methods_train_like_single_device(dist_pool, reference_losses, method, options):
+    """As above (same tolerance, same reason): their layouts shard tokens and labels alike, and
+    their attention is exact, so the step is the single-device step up to round-off."""
+    if method not in available_methods():
+        pytest.skip(f"method {method!r} not registered")
+    cell = dataclasses.replace(BASE, method=method, nproc=4, stack="alst", **options)
+    for rank_losses in dist_pool(4).run(_losses, cell):
+        torch.testing.assert_close(rank_losses, reference_losses["alst"], rtol=1e-5, atol=0)
 
 
 def test_stack_levels_agree_on_one_device(reference_losses):

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from cases import Case, compare_with_reference
 from test_correctness import assert_close_to_reference
+from test_fake import _fake_step
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
@@ -194,24 +195,11 @@ def test_all_to_all_count_is_four_per_chunk_each_way(dist_pool, world, h, hkv, s
 # emulation at paper scale (DESIGN.md §8): Llama3-8B attention, 8 ranks, 1M tokens, 64K chunks
 
 
-def _fake_step(seq_local, chunk):
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # Module.to() cannot swap fake parameters
-    try:
-        with FakeTensorMode():
-            m = build_method("fpdt", 4096, 32, 8, 128, group=dist.group.WORLD, chunk_size=chunk)
-            x = torch.randn(1, seq_local, 4096, dtype=torch.bfloat16, requires_grad=True)
-            with CollectiveCounter() as cc:
-                y = m(x)
-                y.sum().backward()
-    finally:
-        torch.set_default_dtype(default)
-    return tuple(y.shape), tuple(x.grad.shape), m.wq.weight.grad.dtype, dict(cc.counts)
-
-
 def test_runs_under_fake_tensors_at_paper_scale(dist_pool):
     seq_local, chunk = 2**20 // 8, 65536  # 16 chunks of 8K local tokens
-    [(y, dx, wdtype, counts)] = dist_pool(8, fake=True).run(_fake_step, seq_local, chunk)
+    [(y, dx, wdtype, counts)] = dist_pool(8, fake=True).run(
+        _fake_step, "fpdt", seq_local, {"chunk_size": chunk}
+    )
     assert y == dx == (1, seq_local, 4096)
     assert wdtype == torch.bfloat16
     assert counts == {"alltoall_base_": 2 * 4 * 16}

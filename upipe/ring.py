@@ -125,7 +125,7 @@ def ring_attention_forward(
                 _part(q, qp), _part(k, kvp), _part(v, kvp), causal=blk_causal, **kw
             )
             if out is None:  # step 0 covers every query: start from it (no -inf arithmetic)
-                out, lse = o_b.float(), lse_b.clone()
+                out, lse = o_b.float(), lse_b
             else:
                 merge_attention(_part(out, qp), _part(lse, qp, dim=2), o_b, lse_b)
             del o_b, lse_b

@@ -1,36 +1,127 @@
-"""Count collectives by intercepting the c10d ops at the dispatcher.
+"""Count collectives, and the bytes they move, by intercepting the c10d ops at the dispatcher.
 
 torch.distributed's functions (``all_to_all_single``, ``send``, ``all_gather``...) dispatch
 ``c10d.*`` ops, so a ``TorchDispatchMode`` sees every collective of every library (ours,
-DeepSpeed's) without patching, on gloo, nccl and the fake process group alike.
+DeepSpeed's) without patching, on gloo, nccl and the fake process group alike. Only shapes and
+dtypes are read, never data, so the bytes are counted under FakeTensorMode too.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+import torch
+from torch._C._distributed_c10d import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# op name -> (schema argument holding the payload, rule for the bytes this rank sends). The
+# payload is the buffer the collective moves: the gathered output of an all-gather, the input of
+# a reduce-scatter and of an all-to-all, the tensor of an all-reduce, send, recv and broadcast.
+_BYTES: dict[str, tuple[str, str]] = {
+    "_allgather_base_": ("output_tensor", "ring"),
+    "allgather_into_tensor_coalesced_": ("outputs", "ring"),
+    "allgather_": ("output_tensors", "ring"),
+    "_reduce_scatter_base_": ("input_tensor", "ring"),
+    "reduce_scatter_tensor_coalesced_": ("inputs", "ring"),
+    "reduce_scatter_": ("input_tensors", "ring"),
+    "allreduce_": ("tensors", "all_reduce"),
+    "allreduce_coalesced_": ("tensors", "all_reduce"),
+    "alltoall_base_": ("input", "ring"),
+    "alltoall_": ("input_tensors", "ring"),
+    "send": ("tensors", "all"),
+    "recv_": ("tensors", "none"),
+    "recv_any_source_": ("tensors", "none"),
+    "broadcast_": ("tensors", "root"),
+}
+
+
+def _sent(rule: str, payload: int, p: int, is_root: bool) -> int:
+    """Bytes one rank sends for a ``payload``-byte collective over ``p`` ranks.
+
+    The ring-algorithm factors of nccl-tests' PERFORMANCE.md ("bus bandwidth",
+    github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md): each rank sends (P-1)/P of the
+    gathered output (all-gather), of its input (reduce-scatter, all-to-all), and 2(P-1)/P of the
+    tensor for an all-reduce (a reduce-scatter, then an all-gather). For an all-to-all this is
+    exact with even splits, where the chunk a rank keeps is 1/P of its input. Broadcast: the
+    root sends the tensor once, the others are counted as sending nothing (a ring or tree relays
+    it, but only the root's bytes are new on the wire). Integer arithmetic, floored per call.
+    """
+    if rule == "ring":
+        return payload * (p - 1) // p
+    if rule == "all_reduce":
+        return payload * 2 * (p - 1) // p
+    if rule == "root":
+        return payload if is_root else 0
+    return payload if rule == "all" else 0
+
+
+def _nbytes(x) -> int:
+    """Bytes of a tensor or a (nested) list of tensors, from shape and dtype only."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    return 0
+
+
+def _process_group(value) -> ProcessGroup:
+    # The c10d ops take the group boxed as a ScriptObject, which exposes no methods.
+    return value if isinstance(value, ProcessGroup) else ProcessGroup.unbox(value)
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Counts c10d ops by name (e.g. ``alltoall_base_``) while active.
+    """Counts c10d ops by name (e.g. ``alltoall_base_``) and their bytes while active.
+
+    Attributes:
+        counts: number of calls per op name.
+        bytes_sent: bytes this rank sends per op name, with the ring factors of ``_sent`` (e.g. an
+            all-gather of an N-byte output over P ranks: N * (P-1) // P). Integers, exact up to
+            the floor of each call's fraction.
+        payload_bytes: size of the buffer each call moves, per op name (all-gather: the output;
+            reduce-scatter and all-to-all: the input; all-reduce, send, recv, broadcast: the
+            tensor).
+
+    Ops without a byte rule (barrier, gather, ...) are counted in ``counts`` only.
 
     Usage::
 
         with CollectiveCounter() as cc:
             y = attn(x)
-        cc.counts["alltoall_base_"]
+        cc.counts["alltoall_base_"], cc.bytes_sent["alltoall_base_"]
     """
 
     def __init__(self):
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.bytes_sent: Counter[str] = Counter()
+        self.payload_bytes: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func.namespace == "c10d":
-            self.counts[func.__name__.split(".")[0]] += 1
-        return func(*args, **(kwargs or {}))
+            name = func.__name__.split(".")[0]
+            self.counts[name] += 1
+            if name in _BYTES:
+                self._count_bytes(name, func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _count_bytes(self, name, func, args, kwargs) -> None:
+        # trailing defaulted arguments may be left out of args: strict=False
+        schema = func._schema.arguments
+        bound = {a.name: v for a, v in zip(schema, args, strict=False)} | kwargs
+        group = next(_process_group(bound[a.name]) for a in schema
+                     if str(a.type).endswith("c10d.ProcessGroup"))
+        is_root = bound.get("root_rank") == group.rank()
+        payload_arg, rule = _BYTES[name]
+        payload = _nbytes(bound[payload_arg])
+        self.payload_bytes[name] += payload
+        self.bytes_sent[name] += _sent(rule, payload, group.size(), is_root)
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+    @property
+    def total_bytes_sent(self) -> int:
+        """Bytes this rank sent over all collectives."""
+        return sum(self.bytes_sent.values())

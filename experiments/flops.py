@@ -9,6 +9,9 @@ recomputation is not counted (MFU, not hardware FLOPs utilisation).
 
 from __future__ import annotations
 
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
 from experiments.config import ModelConfig
 
 # Dense bf16 tensor-core peak per GPU (vendor datasheets: H100 SXM and H200 989.5 TFLOP/s,
@@ -40,3 +43,25 @@ def mfu(flops: float, step_s: float, n_gpus: int, device_name: str, dtype: str) 
     """Model FLOPs utilisation of a step taking ``step_s`` seconds on ``n_gpus`` devices."""
     peak = peak_flops(device_name, dtype)
     return None if peak is None else flops / step_s / (n_gpus * peak)
+
+
+class CountedFlops(TorchDispatchMode):
+    """Total FLOPs of the ops run while active, by torch's own per-op formulas
+    (``torch.utils.flop_counter.flop_registry``, which ``register_flop_formula`` extends).
+
+    ``torch.utils.flop_counter.FlopCounterMode`` counts the same ops but also tracks modules
+    with global hooks, which fail on DeepSpeed's ``TiledMLP`` (it calls the MLP under no_grad
+    on inputs that require grad); only the total is needed here.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out

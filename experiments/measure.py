@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -46,26 +47,86 @@ class _OnBackward(torch.autograd.Function):
         return grad, None
 
 
-def label_modules(modules: list[nn.Module], tracker: MemoryTracker, name: str) -> list:
-    """Attribute everything ``modules`` allocate, in forward and backward, to ``name``.
+def label_modules(
+    modules: list[nn.Module], tracker: MemoryTracker, name: str, *,
+    push: Callable[[str], None] | None = None, pop: Callable[[], None] | None = None,
+    backward_name: str | None = None,
+) -> list:
+    """Label everything ``modules`` allocate, in forward and backward; returns the hook handles.
+
+    By default the label is the tracker's category ``name``. ``push``/``pop`` replace the
+    tracker's ``push_category``/``pop_category`` (e.g. ``push_phase``/``pop_phase`` to record
+    each module's forward and backward peaks); ``backward_name`` (default ``name``) is the label
+    pushed while a module's backward runs, ``name`` the one while its forward runs.
 
     Forward: pre/post hooks push and pop the label. Backward: an identity node on the output
     pushes it (the module's backward starts there) and one on the input pops it (it ends
     there). Under activation checkpointing the nodes of the original forward are the ones
-    backward runs, so recomputation does not unbalance the labels.
+    backward runs, so recomputation does not unbalance the labels: a recomputed forward pushes
+    and pops ``name`` again, nested in whatever label is current then (e.g. inside its own
+    backward's label when the checkpoint wraps the labelled module itself).
     """
+    push = tracker.push_category if push is None else push
+    pop = tracker.pop_category if pop is None else pop
+    bwd_name = name if backward_name is None else backward_name
 
     def pre(_, args):
-        tracker.push_category(name)
-        return (_OnBackward.apply(args[0], tracker.pop_category), *args[1:])
+        push(name)
+        return (_OnBackward.apply(args[0], pop), *args[1:])
 
     def post(_, args, out):
-        tracker.pop_category()
-        return _OnBackward.apply(out, lambda: tracker.push_category(name))
+        pop()
+        if out is None:  # the forward raised; nothing to mark
+            return None
+        return _OnBackward.apply(out, lambda: push(bwd_name))
 
     handles = []
     for m in modules:
-        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+        # always_call: a non-reentrant checkpoint stops its recomputation with an exception as
+        # soon as the last saved tensor is recomputed (early stop), possibly inside the module;
+        # without the pop then, the pushed label would stay on for the rest of the backward.
+        handles += [m.register_forward_pre_hook(pre),
+                    m.register_forward_hook(post, always_call=True)]
+    return handles
+
+
+class _Restore:
+    """A handle whose ``remove()`` drops an instance attribute that shadows a method."""
+
+    def __init__(self, obj, name: str):
+        self.obj, self.name = obj, name
+
+    def remove(self) -> None:
+        self.obj.__dict__.pop(self.name, None)
+
+
+def label_fsdp_reductions(model: nn.Module, tracker: MemoryTracker) -> list:
+    """Count what FSDP2's post-backward allocates as model states (category "model").
+
+    FSDP2 makes the sharded gradients (the reduce-scatter's output) with plain ops in each
+    unit's post-backward, where no label of ours is active; running the post-backward under the
+    "model" category attributes them when they are allocated, so the breakdown is right at every
+    moment (and in every phase of the emulator), not only at one peak. Returns handles whose
+    ``remove()`` restores FSDP2's method. Reaches into FSDP2's per-module state (private API,
+    stable from torch 2.5 to 2.13).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    handles = []
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = m._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue
+        original = group.post_backward
+
+        def post_backward(*args, _original=original, **kwargs):
+            with tracker.category("model"):
+                return _original(*args, **kwargs)
+
+        group.post_backward = post_backward
+        handles.append(_Restore(group, "post_backward"))
     return handles
 
 
@@ -99,23 +160,24 @@ def memory_steps(state: TrainState, steps: int, device: torch.device) -> tuple[d
     # Settling waits for gloo's comm thread to drop its buffers (experiments/memory.py); NCCL
     # holds them until the stream is done, which the allocator figure accounts for.
     tracker = MemoryTracker(settle_comm=backend == "gloo", namespace_categories={"fsdp": "model"})
-    losses = []
+    # the losses are kept in a buffer made before tracking: a kept loss tensor would add its
+    # bytes to the next step's peak (the emulator, which runs one step, has none)
+    losses = torch.zeros(steps, device=device)
     model, opt = state.model, state.optimizer
     handles = label_modules(model.attention_modules, tracker, "attention")
+    handles += label_fsdp_reductions(model, tracker)
     model.set_offload(host_context=tracker.host)
     try:
         with tracker:
             tracker.track(model, state.tokens, state.labels, category="model")
-            for _ in range(steps):
+            for i in range(steps):
                 loss_sum = model(state.tokens, state.labels)
                 (loss_sum / state.n_label_tokens).backward()
                 with tracker.category("model"):  # AdamW's states
                     opt.step()
-                # gradients (FSDP2 allocates them with plain ops in backward) are model states
-                tracker.recategorize_peak([p.grad for p in model.parameters()
-                                           if p.grad is not None], "model")
                 opt.zero_grad(set_to_none=True)
-                losses.append(loss_sum.detach())
+                losses[i] = loss_sum.detach()
+                del loss_sum
     finally:
         for h in handles:
             h.remove()
@@ -133,7 +195,7 @@ def memory_steps(state: TrainState, steps: int, device: torch.device) -> tuple[d
     if device.type == "cuda":
         mem["allocator_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         mem["allocator_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-    return mem, losses
+    return mem, list(losses.unbind())
 
 
 def timed_steps(state: TrainState, iters: int, device: torch.device) -> tuple[list, list]:

@@ -17,6 +17,11 @@ private API, and it classifies bytes by device, so host-offloaded activations (C
 "device" tensors of a CPU run (also CPU tensors) cannot be told apart. Here allocations made
 inside ``tracker.host()`` are host bytes, everything else device bytes, on any device.
 
+Two optional refinements: ``round_bytes=512`` counts each device storage as the CUDA caching
+allocator does (so the tracked peak can be compared with ``torch.cuda.max_memory_allocated``),
+and phases (``tracker.phase("forward")``, nested) record the device peak of each stretch of the
+program, independently of the categories that split the bytes.
+
 Usage (enter the tracker *inside* ``FakeTensorMode`` so that it sees the fake ops, not the meta
 ops fake mode runs underneath)::
 
@@ -48,7 +53,7 @@ _P2P_OPS = frozenset({"send", "recv_", "recv_any_source_"})
 class Allocation:
     """One live storage: its size when counted, where it lives, who made it."""
 
-    nbytes: int
+    nbytes: int  # as counted: device sizes rounded up to the tracker's round_bytes
     kind: str  # DEVICE or HOST
     category: str
     desc: str  # "op: dtype[shape]" of the tensor that first exposed the storage
@@ -90,16 +95,28 @@ class MemoryTracker(TorchDispatchMode):
         current_by_category, peak_by_category: device bytes per label of ``category()``
             ("other" outside any).
         breakdown_at_peak: {category: device bytes} at the moment of the device peak.
+        peak_by_phase: {phase key: the highest device bytes seen while that key was current};
+            a key is the tuple of ``phase()`` names open (``()`` outside any). Exclusive: bytes
+            reached inside a nested phase count for the nested key only, so the inclusive peak
+            of phase ``p`` is the max over the keys that start with ``p``.
+        breakdown_by_phase: {phase key: {category: device bytes}} when that key's peak was set.
         peak_allocations: the live ``Allocation`` list at the device peak, when constructed with
             ``snapshot_peak=True`` (for explaining a peak; costs a list copy per new peak).
     """
 
     def __init__(
         self, snapshot_peak: bool = False, settle_comm: bool = True, settle_timeout_s: float = 0.25,
-        namespace_categories: dict[str, str] | None = None,
+        namespace_categories: dict[str, str] | None = None, round_bytes: int = 1,
     ):
         super().__init__()
+        if round_bytes < 1:
+            raise ValueError(f"round_bytes must be >= 1, got {round_bytes}")
         self.snapshot_peak = snapshot_peak
+        # Device storages count as ceil(nbytes / round_bytes) * round_bytes. With 512 this is
+        # what torch.cuda.max_memory_allocated counts: the CUDA caching allocator rounds every
+        # request up to a multiple of kMinBlockSize = 512 bytes (round_size in
+        # c10/cuda/CUDACachingAllocator.cpp). Host storages are never rounded.
+        self.round_bytes = round_bytes
         # op namespace -> category for its outputs (e.g. {"fsdp": "model"}: FSDP2's all-gather
         # and reduce-scatter buffers are model-state traffic wherever they run)
         self.namespace_categories = dict(namespace_categories or {})
@@ -116,6 +133,10 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_by_category: dict[str, int] = defaultdict(int)
         self.breakdown_at_peak: dict[str, int] = {}
         self.peak_allocations: list[Allocation] = []
+        self._phase_stack: list[str] = []
+        self._phase_key: tuple[str, ...] = ()  # tuple(self._phase_stack), kept built
+        self.peak_by_phase: dict[tuple[str, ...], int] = {}
+        self.breakdown_by_phase: dict[tuple[str, ...], dict[str, int]] = {}
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -174,6 +195,31 @@ class MemoryTracker(TorchDispatchMode):
             self._category_stack.pop()
 
     @contextlib.contextmanager
+    def phase(self, name: str):
+        """Record the device peak of the code inside under the key ``(*outer phases, name)``."""
+        self.push_phase(name)
+        try:
+            yield self
+        finally:
+            self.pop_phase()
+
+    def push_phase(self, name: str) -> None:
+        """``phase(name)`` entered by hand (for autograd hooks that cannot use ``with``).
+
+        The new key's peak starts at (or is raised to) the current device bytes, so a phase that
+        allocates nothing still has an entry: the bytes live while it ran.
+        """
+        self._phase_stack.append(name)
+        self._phase_key = tuple(self._phase_stack)
+        self._raise_phase_peak()
+
+    def pop_phase(self) -> None:
+        """Close the innermost phase (at the root: nothing to close)."""
+        if self._phase_stack:
+            self._phase_stack.pop()
+            self._phase_key = tuple(self._phase_stack)
+
+    @contextlib.contextmanager
     def host(self):
         """Count allocations made inside as host (offloaded) bytes instead of device bytes."""
         self._kind_stack.append(HOST)
@@ -183,10 +229,11 @@ class MemoryTracker(TorchDispatchMode):
             self._kind_stack.pop()
 
     def reset_peak(self) -> None:
-        """Restart every peak from the current live bytes."""
+        """Restart every peak from the current live bytes; phase peaks restart empty."""
         self.peak = dict(self.current)
         self.peak_bytes = self.current_bytes
         self.peak_by_category = defaultdict(int, self.current_by_category)
+        self.peak_by_phase, self.breakdown_by_phase = {}, {}
         self._snapshot()
 
     def live_allocations(self) -> list[Allocation]:
@@ -302,10 +349,7 @@ class MemoryTracker(TorchDispatchMode):
             return
         key = id(s)
         if key in self._live:  # seen: only a resize (out= ops, storage resize_) changes bytes
-            alloc = self._live[key][0]
-            if s.nbytes() != alloc.nbytes:
-                self._count(alloc, s.nbytes() - alloc.nbytes)
-                alloc.nbytes = s.nbytes()
+            self._resize(self._live[key][0], s)
             return
         if key in skip:  # a view of / in-place on an untracked input: not an allocation here
             return
@@ -314,7 +358,8 @@ class MemoryTracker(TorchDispatchMode):
     def _add_storage(self, s, op: str, t: torch.Tensor | None) -> None:
         key = id(s)
         desc = op if t is None else f"{op}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
-        alloc = Allocation(s.nbytes(), self._kind_stack[-1], self._category_stack[-1], desc)
+        kind = self._kind_stack[-1]
+        alloc = Allocation(self._counted(kind, s.nbytes()), kind, self._category_stack[-1], desc)
         # The callback runs while the storage object is being destroyed, before its id can be
         # reused, so keying by id is safe; it holds the tracker only weakly.
         self_ref = weakref.ref(self)
@@ -325,12 +370,22 @@ class MemoryTracker(TorchDispatchMode):
     def _on_resize(self, s) -> None:
         key = id(s)
         if key in self._live:
-            alloc = self._live[key][0]
-            if s.nbytes() != alloc.nbytes:
-                self._count(alloc, s.nbytes() - alloc.nbytes)
-                alloc.nbytes = s.nbytes()
+            self._resize(self._live[key][0], s)
         elif s.nbytes() > 0:
             self._add_storage(s, "resize_", None)
+
+    def _counted(self, kind: str, nbytes: int) -> int:
+        """What a storage of ``nbytes`` counts as: device sizes rounded up to ``round_bytes``."""
+        if kind == HOST:
+            return nbytes
+        return -(-nbytes // self.round_bytes) * self.round_bytes
+
+    def _resize(self, alloc: Allocation, s) -> None:
+        """Count the change of a tracked storage's size (rounded like its allocation was)."""
+        nbytes = self._counted(alloc.kind, s.nbytes())
+        if nbytes != alloc.nbytes:
+            self._count(alloc, nbytes - alloc.nbytes)
+            alloc.nbytes = nbytes
 
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
@@ -343,6 +398,8 @@ class MemoryTracker(TorchDispatchMode):
             self.current_by_category[alloc.category] += delta
         if delta <= 0:
             return
+        if alloc.kind == DEVICE:
+            self._raise_phase_peak()
         cat = alloc.category
         self.peak_by_category[cat] = max(self.peak_by_category[cat], self.current_by_category[cat])
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
@@ -351,6 +408,13 @@ class MemoryTracker(TorchDispatchMode):
         if self.current[DEVICE] > self.peak[DEVICE]:
             self.peak[DEVICE] = self.current[DEVICE]
             self._snapshot()
+
+    def _raise_phase_peak(self) -> None:
+        # runs on every device allocation: one lookup and compare; the copy only on a new peak
+        key, cur = self._phase_key, self.current[DEVICE]
+        if cur > self.peak_by_phase.get(key, -1):
+            self.peak_by_phase[key] = cur
+            self.breakdown_by_phase[key] = {k: v for k, v in self.current_by_category.items() if v}
 
     def _snapshot(self) -> None:
         self.breakdown_at_peak = {k: v for k, v in self.current_by_category.items() if v}

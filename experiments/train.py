@@ -67,11 +67,12 @@ def attention_mesh(cell: Cell, device: torch.device) -> DeviceMesh | None:
 
 
 def build_model(cell: Cell, cfg: ModelConfig, mesh: DeviceMesh | None,
-                device: torch.device) -> Transformer:
+                device: torch.device, hybrid: DeviceMesh | None = None) -> Transformer:
     """The model with FSDP2 applied over ``mesh`` (None: one process, plain module).
 
     The attention runs over the same 1-D "cp" mesh, or over a 2-D (ring, ulysses) mesh of the
-    same ranks for hybrids (``attention_mesh``); FSDP2 always shards over all ranks.
+    same ranks for hybrids (``hybrid``, by default ``attention_mesh``); FSDP2 always shards over
+    all ranks.
 
     On CPU the full model is built (seeded) and then sharded, so every CP degree starts from the
     same weights as a single-device run (the equivalence test needs that). On CUDA it is built
@@ -80,7 +81,8 @@ def build_model(cell: Cell, cfg: ModelConfig, mesh: DeviceMesh | None,
     """
     stack = STACKS[cell.stack]
     group = mesh.get_group("cp") if mesh is not None else None
-    hybrid = attention_mesh(cell, device) if mesh is not None else None
+    if hybrid is None and mesh is not None:
+        hybrid = attention_mesh(cell, device)
     torch.manual_seed(cell.seed)
     meta = device.type == "cuda" and mesh is not None
     with torch.device("meta" if meta else device):
@@ -106,18 +108,30 @@ def build_model(cell: Cell, cfg: ModelConfig, mesh: DeviceMesh | None,
     return model
 
 
-def build(cell: Cell, cfg: ModelConfig, distributed: bool = True) -> TrainState:
-    """Everything a rank needs for ``cell``; under torch.distributed the world is the CP group."""
+def make_meshes(cell: Cell, device: torch.device) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The 1-D "cp" mesh over the launched world and the hybrids' (ring, ulysses) mesh.
+
+    Made apart from ``build`` because a DeviceMesh cannot be created under FakeTensorMode (it
+    reads rank values): the emulator makes them first, then builds the model fake.
+    """
+    world = dist.get_world_size()
+    if world != cell.nproc:
+        raise ValueError(f"nproc ({cell.nproc}) must equal the launched world size ({world})")
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))
+    return mesh, attention_mesh(cell, device)
+
+
+def build(cell: Cell, cfg: ModelConfig, distributed: bool = True,
+          meshes: tuple[DeviceMesh, DeviceMesh | None] | None = None) -> TrainState:
+    """Everything a rank needs for ``cell``; under torch.distributed the world is the CP group
+    (``meshes``: from ``make_meshes``, made here when not given)."""
     device = current_device()
-    mesh = None
+    mesh = hybrid = None
     if distributed:
-        world = dist.get_world_size()
-        if world != cell.nproc:
-            raise ValueError(f"nproc ({cell.nproc}) must equal the launched world size ({world})")
-        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))
+        mesh, hybrid = meshes if meshes is not None else make_meshes(cell, device)
     elif cell.nproc != 1:
         raise ValueError(f"nproc must be 1 without torch.distributed, got {cell.nproc}")
-    model = build_model(cell, cfg, mesh, device)
+    model = build_model(cell, cfg, mesh, device, hybrid)
     # AdamW as in Llama 3 pre-training (betas 0.9/0.95, weight decay 0.1); foreach on both
     # devices so CPU and GPU run the same update.
     optimizer = torch.optim.AdamW(model.parameters(), lr=cell.lr, betas=(0.9, 0.95),

@@ -1,4 +1,5 @@
-"""The sequence <-> head all-to-all: exact layout and bit-exact round trips on 2 and 4 ranks."""
+"""The sequence <-> head all-to-all: exact layout and bit-exact round trips on 2 and 4 ranks;
+and the byte accounting of ``CollectiveCounter`` (experiments/comm_counter.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from experiments.comm_counter import CollectiveCounter
 from upipe.comm import head_to_seq, head_to_seq_autograd, seq_to_head, seq_to_head_autograd
 
 
@@ -43,3 +45,61 @@ def test_all_to_all_layout_and_round_trip_bit_exact(dist_pool, world, shape, dty
 def test_single_process_is_identity():
     x = torch.randn(1, 4, 2, 3)
     assert seq_to_head(x, None) is x and head_to_seq(x, None) is x
+
+
+def _collective_bytes():
+    """One of each collective on 2 ranks, with payloads of distinct sizes and dtypes."""
+    rank = dist.get_rank()
+    with CollectiveCounter() as cc:
+        dist.all_to_all_single(torch.empty(12), torch.ones(12))  # input 48 B
+        dist.all_gather_into_tensor(torch.empty(12, dtype=torch.bfloat16),
+                                    torch.ones(6, dtype=torch.bfloat16))  # output 24 B
+        dist.reduce_scatter_tensor(torch.empty(4, dtype=torch.float64),
+                                   torch.ones(8, dtype=torch.float64))  # input 64 B
+        dist.all_reduce(torch.ones(7))  # 28 B
+        dist.broadcast(torch.ones(4), src=0)  # 16 B
+        # rank 0 sends 12 B to rank 1, which answers with 20 B (recv before send: no deadlock)
+        if rank == 0:
+            dist.send(torch.ones(3), 1)
+            dist.recv(torch.empty(5), 1)
+        else:
+            dist.recv(torch.empty(3), 0)
+            dist.send(torch.ones(5), 0)
+        dist.barrier()
+    return dict(cc.counts), dict(cc.bytes_sent), dict(cc.payload_bytes), cc.total_bytes_sent
+
+
+def test_collective_bytes_on_two_ranks(dist_pool):
+    # P = 2: a ring sends (P-1)/P = 1/2 of the payload, an all-reduce 2(P-1)/P = 1 times it.
+    ring = {"alltoall_base_": 24, "_allgather_base_": 12, "_reduce_scatter_base_": 32,
+            "allreduce_": 28}
+    payload = {"alltoall_base_": 48, "_allgather_base_": 24, "_reduce_scatter_base_": 64,
+               "allreduce_": 28, "broadcast_": 16}
+    p2p_sent = [{"send": 12, "recv_": 0}, {"send": 20, "recv_": 0}]
+    p2p_payload = [{"send": 12, "recv_": 20}, {"send": 20, "recv_": 12}]
+    broadcast_sent = [16, 0]  # only the root sends
+    for r, (counts, sent, moved, total) in enumerate(dist_pool(2).run(_collective_bytes)):
+        assert counts == dict.fromkeys([*payload, "send", "recv_", "barrier"], 1), f"rank {r}"
+        assert sent == ring | {"broadcast_": broadcast_sent[r]} | p2p_sent[r], f"rank {r}"
+        assert moved == payload | p2p_payload[r], f"rank {r}"
+        assert total == sum(sent.values()), f"rank {r}"
+
+
+def _fake_all_gather_bytes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    world = dist.get_world_size()
+    with FakeTensorMode():  # paper-scale shapes, nothing allocated
+        local = torch.empty(1, 128 * 1024, 4096, dtype=torch.bfloat16)  # 1 GiB per rank
+        with CollectiveCounter() as cc:
+            dist.all_gather_into_tensor(local.new_empty(world, *local.shape[1:]), local)
+            dist.all_reduce(torch.empty(3))  # 12 B: 2 * 7/8 * 12 = 21
+    return world, dict(cc.bytes_sent), dict(cc.payload_bytes)
+
+
+def test_all_gather_bytes_under_fake_group(dist_pool):
+    [(world, sent, moved)] = dist_pool(8, fake=True).run(_fake_all_gather_bytes)
+    gib = 1 << 30
+    assert world == 8
+    assert moved == {"_allgather_base_": 8 * gib, "allreduce_": 12}
+    assert sent == {"_allgather_base_": 7 * gib, "allreduce_": 21}

@@ -131,10 +131,33 @@ def test_host_store_counts_host_and_device_bytes():
         store.write(acc, a)  # in place: no allocation
         assert torch.equal(acc, t.double())
         assert (mt.current_device_bytes, mt.current_host_bytes) == (40 + 40 + 80, 120)
-        store.prefetch(h)  # CPU: nothing to overlap
-        store.sync()
+        store.prefetch(h)
+        store.sync()  # drops the unused prefetched copy
     off = HostStore(torch.device("cpu"), enabled=False)
     assert off.put(t) is t and off.get(t) is t
+    off.prefetch(t)  # disabled: nothing to copy
+    assert off.get(t) is t
+
+
+def test_host_store_cpu_prefetch_allocates_at_prefetch_time():
+    """Off CUDA, prefetch makes the device copy at once (as the side-stream copy does on a GPU),
+    so the tracker sees the prefetched chunk from prefetch until the copy is used."""
+    with MemoryTracker() as mt:
+        store = HostStore(torch.device("cpu"), host_context=mt.host)
+        h = store.put(torch.arange(10.0))  # host 40 B; the source's 40 B device are freed
+        assert (mt.current_device_bytes, mt.current_host_bytes) == (0, 40)
+        store.prefetch(h)
+        assert (mt.current_device_bytes, mt.current_host_bytes) == (40, 40)
+        store.prefetch(h)  # already prefetched: no second copy
+        assert mt.current_device_bytes == 40
+        h.add_(1)  # after the prefetch: not in the copy (as on CUDA; the doc's caveat)
+        d = store.get(h)  # hands over the prefetched copy: no new allocation
+        assert mt.current_device_bytes == 40
+        assert torch.equal(d, torch.arange(10.0)) and d.data_ptr() != h.data_ptr()
+        del d  # the store kept no reference
+        assert mt.current_device_bytes == 0
+        d = store.get(h)  # consumed: the next get makes a fresh copy, of the current h
+        assert mt.current_device_bytes == 40 and torch.equal(d, h)
 
 
 def test_activation_checkpointing_recomputes_host_chunks():

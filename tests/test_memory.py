@@ -17,7 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.checkpoint import checkpoint
 
+from experiments.measure import label_modules
 from experiments.memory import MemoryTracker
 from upipe import build_method
 
@@ -131,6 +133,176 @@ def test_backward_runs_in_calling_thread_and_is_seen():
         assert "mm.default" in mt.ops[n_forward:]  # dL/dw = x^T @ dL/dy
         assert mt.tracks(w.grad)
         assert mt.current_bytes >= 2 * w.numel() * 4 + x.numel() * 4
+
+
+def test_device_rounding_like_the_caching_allocator():
+    """round_bytes=512: every device storage counts as whole 512 B blocks, host ones as is."""
+    spare = torch.empty(0)  # made outside: untracked until resize_ grows it
+    with MemoryTracker(round_bytes=512) as mt:
+        a = torch.empty(1)  # 4 B -> 512
+        b = torch.empty(250)  # 1000 B -> 1024
+        c = torch.empty(128)  # 512 B: already whole
+        z = torch.empty(0)  # 0 B -> 0
+        assert mt.current_device_bytes == 2048
+        assert sorted(x.nbytes for x in mt.live_allocations()) == [0, 512, 512, 1024]
+        with mt.host():
+            h = torch.empty(1)  # host: 4 B, not rounded
+        assert (mt.current_device_bytes, mt.current_host_bytes) == (2048, 4)
+        del c
+        assert mt.current_device_bytes == 1536  # a free returns exactly what was counted
+        torch.add(torch.ones(4), 1, out=z)  # out= grows z to 16 B -> 512 (the ones: freed)
+        assert mt.current_device_bytes == 2048
+        st = b.untyped_storage()
+        st.resize_(0)  # FSDP2's free of an unsharded parameter
+        assert mt.current_device_bytes == 1024
+        st.resize_(1030)  # 1030 B -> 1536
+        assert mt.current_device_bytes == 2560
+        spare.untyped_storage().resize_(4)  # an untracked storage grown: a new 512 B block
+        assert mt.current_device_bytes == 3072
+        assert mt.peak_device_bytes == 3072
+        del spare, b, st, z
+        assert mt.current_device_bytes == 512
+        del a, h
+        assert (mt.current_device_bytes, mt.current_host_bytes) == (0, 0)
+    with pytest.raises(ValueError, match="round_bytes"):
+        MemoryTracker(round_bytes=0)
+
+
+def test_phase_peaks_and_breakdowns():
+    """Each phase key keeps the highest device bytes seen while it was the innermost key."""
+    with MemoryTracker() as mt:
+        a = torch.empty(100)  # 400, at the root key ()
+        with mt.phase("step"):  # ("step",) starts at 400
+            with mt.category("attention"):
+                b = torch.empty(50)  # 600
+            with mt.phase("fwd"):  # ("step", "fwd") starts at 600
+                c = torch.empty(250)  # 1600: its peak
+                del c
+                d = torch.empty(25)  # 700: below the peak, nothing changes
+                with mt.host():
+                    h = torch.empty(1000)  # host bytes are not device bytes
+            with mt.phase("idle"):  # allocates nothing: keeps the bytes live while it ran
+                pass
+            del b  # 500, attention drops to 0 (left out of the breakdowns)
+            e = torch.empty(100)  # 900 in ("step",): above its 600
+        mt.pop_phase()  # at the root: a no-op, like pop_category
+        assert mt.peak_by_phase == {
+            (): 400, ("step",): 900, ("step", "fwd"): 1600, ("step", "idle"): 700,
+        }
+        assert mt.breakdown_by_phase == {
+            (): {"other": 400},
+            ("step",): {"other": 900},
+            ("step", "fwd"): {"other": 1400, "attention": 200},
+            ("step", "idle"): {"other": 500, "attention": 200},
+        }
+        mt.reset_peak()
+        assert mt.peak_by_phase == {} and mt.breakdown_by_phase == {}
+        f = torch.empty(1)  # 904: refills the current (root) key only
+        mt.push_phase("late")
+        assert mt.peak_by_phase == {(): 904, ("late",): 904}
+        assert mt.breakdown_by_phase[("late",)] == {"other": 904}
+        mt.pop_phase()
+        del a, d, e, f, h
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self, k: float):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        return x * self.k  # saves nothing; backward allocates one grad * k
+
+
+class _SinDouble(torch.nn.Module):
+    def forward(self, x):
+        return torch.sin(x * 2)  # sin saves x * 2; backward allocates cos(x * 2) and grad * cos
+
+
+def _label_phases(modules, mt, name):
+    return label_modules(modules, mt, f"{name}:fwd", push=mt.push_phase, pop=mt.pop_phase,
+                         backward_name=f"{name}:bwd")
+
+
+def _run_labelled(model, labelled, x, dy) -> tuple[dict, dict]:
+    """Forward and backward of ``model`` with ``labelled`` labelled by phase ("m:fwd"/"m:bwd")
+    and by category ("attention"); x and dy are tracked first (800 B at the root key).
+
+    Returns (peak_by_phase, breakdown_by_phase), after checking that the labels are balanced:
+    a new allocation lands at the root key and in category "other".
+    """
+    mt = MemoryTracker()
+    handles = label_modules(labelled, mt, "m:fwd", push=mt.push_phase, pop=mt.pop_phase,
+                            backward_name="m:bwd")
+    handles += label_modules(labelled, mt, "attention")  # the default: categories
+    try:
+        with mt:
+            mt.track(x, dy)
+            y = model(x)
+            y.backward(dy)
+            peaks, breakdowns = dict(mt.peak_by_phase), dict(mt.breakdown_by_phase)
+            mt.reset_peak()
+            other = mt.current_by_category["other"]
+            g = torch.empty(1)
+            assert list(mt.peak_by_phase) == [()]
+            assert mt.current_by_category["other"] == other + 4
+            del y, g
+    finally:
+        for h in handles:
+            h.remove()
+    return peaks, breakdowns
+
+
+def test_label_modules_phases_and_categories():
+    """Forward and backward phase keys of one module, beside its category label."""
+    model = torch.nn.Sequential(_Scale(2), _Scale(3))
+    x, dy = torch.randn(100, requires_grad=True), torch.randn(100)  # 400 B each, "model"
+    peaks, breakdowns = _run_labelled(model, [model[0]], x, dy)
+    # forward: y0 = 2x (1200, m:fwd), y1 = 3 y0 (1600, root); y0 dies with the forward (1200).
+    # backward: g1 = 3 dy (1600, root); m:bwd starts there and makes x.grad = 2 g1 (2000)
+    assert peaks == {(): 1600, ("m:fwd",): 1200, ("m:bwd",): 2000}
+    assert breakdowns == {
+        (): {"model": 800, "attention": 400, "other": 400},  # at y1
+        ("m:fwd",): {"model": 800, "attention": 400},
+        ("m:bwd",): {"model": 800, "attention": 400, "other": 800},
+    }
+    assert torch.equal(x.grad, dy * 6)
+
+
+class _CheckpointedBlock(torch.nn.Module):
+    """Checkpoints inside its forward, as experiments/model.py's blocks do."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _SinDouble()
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("wraps", ["block", "checkpoint"])
+def test_label_modules_phases_under_checkpointing(wraps):
+    """Recomputation belongs to the backward key. ``checkpoint``: the checkpoint wraps the
+    labelled module, so its hooks run again on recomputation, which stops early (at the last
+    saved tensor, inside the module): the labels must stay balanced all the same."""
+    x, dy = torch.randn(100, requires_grad=True), torch.randn(100)
+    if wraps == "block":
+        model = _CheckpointedBlock()
+        labelled = [model]
+    else:
+        inner = _SinDouble()
+        labelled = [inner]
+
+        def model(t):
+            return checkpoint(inner, t, use_reentrant=False)
+
+    peaks, _ = _run_labelled(model, labelled, x, dy)
+    # forward: 2x (1200), sin (1600); 2x is not kept (1200). backward: recomputed 2x (1600),
+    # cos(2x) (2000), dy * cos (2400)
+    expected = {(): 800, ("m:fwd",): 1600, ("m:bwd",): 2400}
+    if wraps == "checkpoint":  # the recomputation's own forward key, inside the backward's
+        expected[("m:bwd", "m:fwd")] = 1600
+    assert peaks == expected
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ same idea behind one interface that also runs on CPU and under FakeTensorMode:
   so a caller can keep it with ``ctx.save_for_backward`` (and activation checkpointing then drops
   and recomputes it like any saved tensor, instead of leaking it on a ``ctx`` attribute).
 * ``get(h) -> t``: a device copy; ``write(h, t)`` overwrites ``h`` in place (accumulators);
-  ``zeros(...)``: a zeroed host accumulator; ``prefetch(h)``: start ``get``'s copy early;
+  ``zeros(...)``: a zeroed host accumulator; ``prefetch(h)``: make ``get``'s copy early;
   ``sync()``: end of a forward/backward, order every pending copy before later work.
 
 Where the bytes are counted: host allocations are made inside ``host_context()`` (the harness
@@ -17,6 +17,13 @@ passes its ``MemoryTracker.host``), so on a CPU run, where "device" and host are
 the tracker still tells them apart; ``get``'s copy is made outside, a device allocation, as the
 H2D copy is on a GPU. With ``enabled=False`` tensors stay on the device (``put``/``get`` return
 their argument): the no-offload baseline.
+
+Prefetch follows the same memory timeline on every device: ``prefetch(h)`` allocates the device
+copy at once and the store holds it until ``get(h)`` hands it over (or ``sync()`` drops it). On
+CUDA that is what overlapping the copy needs; on CPU and under FakeTensorMode nothing is
+overlapped, but making the copy at prefetch time means a CPU run and the fake-tensor emulation
+count the prefetched chunk's bytes, alive alongside the chunk in use, as a GPU run holds them.
+As on CUDA, a ``write(h, ...)`` after ``prefetch(h)`` is not seen by the prefetched copy.
 
 CUDA (not exercised on CPU CI): host buffers are pinned (``pin_memory``) so copies can be
 asynchronous; device->host copies and prefetches run on one side stream, FIFO, so a prefetch of a
@@ -57,8 +64,10 @@ class HostStore:
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         # id(host tensor) -> (host tensor, event of its last device->host copy)
         self._pending: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}
-        # id(host tensor) -> (host tensor, device copy, event of the host->device copy)
-        self._prefetched: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}
+        # id(host tensor) -> (host tensor, device copy, event of the host->device copy; None
+        # off CUDA, where the copy is complete when made)
+        self._prefetched: dict[int, tuple[torch.Tensor, torch.Tensor,
+                                          torch.cuda.Event | None]] = {}
 
     def _empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         with self.host_context():
@@ -94,22 +103,34 @@ class HostStore:
         t.record_stream(self._stream)  # t's memory is not reused before the copy read it
 
     def prefetch(self, h: torch.Tensor) -> None:
-        """Start copying ``h`` to the device so a later ``get(h)`` need not wait (CUDA only)."""
-        if not self._cuda or id(h) in self._prefetched:
+        """Make the device copy of ``h`` now, for the next ``get(h)`` to return.
+
+        CUDA: the copy runs on the side stream, so ``get`` need not wait for it. Elsewhere it is
+        made synchronously, only so the copy is alive (and counted) from here on, as on CUDA.
+        No-op when disabled or when ``h`` is already prefetched.
+        """
+        if not self.enabled or id(h) in self._prefetched:
+            return
+        if not self._cuda:
+            self._prefetched[id(h)] = (h, h.clone(), None)  # a "device" allocation, as in get
             return
         with torch.cuda.stream(self._stream):  # after any copy into h: same stream, FIFO
             d = h.to(self.device, non_blocking=True)
             self._prefetched[id(h)] = (h, d, self._stream.record_event())
 
     def get(self, h: torch.Tensor) -> torch.Tensor:
-        """A device copy of the host tensor ``h`` (``h`` itself when disabled)."""
+        """A device copy of the host tensor ``h`` (``h`` itself when disabled): the prefetched
+        copy if there is one (the store lets go of it), else a new one."""
         if not self.enabled:
             return h
-        if not self._cuda:
-            return h.clone()  # a "device" allocation: made outside host_context
-        current = torch.cuda.current_stream(self.device)
         entry = self._prefetched.pop(id(h), None)
-        if entry is not None and entry[0] is h:
+        if entry is not None and entry[0] is not h:  # a guard: the entry keeps h (its id) alive
+            entry = None
+        if not self._cuda:
+            # a "device" allocation (made outside host_context), like the prefetched one
+            return entry[1] if entry is not None else h.clone()
+        current = torch.cuda.current_stream(self.device)
+        if entry is not None:
             current.wait_event(entry[2])
             entry[1].record_stream(current)
             return entry[1]

@@ -15,11 +15,20 @@ Kernels (selected by name):
   The readable reference every other kernel is tested against. GQA via a reshape, no repeat.
 * ``"flash-attn"`` -- Dao-AILab flash-attn 2 (CUDA only), behind an import check.
 * ``"auto"`` -- ``"sdpa"`` (the project's default on CPU and CUDA).
+
+``kernel_dispatch`` changes the choice for code running inside it: kernels picked as if the
+tensors lived on another device type, and named kernels replaced by other implementations. The
+emulator (``experiments/emulate.py``) uses both: its fake tensors live on the CPU but must take
+the CUDA path (the CUDA aten ops' meta functions give the CUDA output shapes), and a kernel
+whose library is absent here (flash-attn) is replaced by a model of what it allocates.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -31,6 +40,46 @@ def check_kernel(name: str) -> str:
     if name not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
     return "sdpa" if name == "auto" else name
+
+
+# (forward, backward): forward(q, k, v, causal, scale) -> (out, lse);
+# backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)
+KernelImpl = tuple[Callable, Callable]
+
+# (device type the kernels are chosen for or None: the tensors', {kernel name: replacement})
+_DISPATCH: contextvars.ContextVar[tuple[str | None, dict[str, KernelImpl]]] = (
+    contextvars.ContextVar("upipe_kernel_dispatch", default=(None, {})))
+
+
+@contextlib.contextmanager
+def kernel_dispatch(device_type: str | None = None,
+                    overrides: dict[str, KernelImpl] | None = None):
+    """Inside, pick kernels as if tensors were on ``device_type`` and use ``overrides[name]``
+    instead of the kernel ``name`` (names as resolved: ``"auto"`` is ``"sdpa"``)."""
+    token = _DISPATCH.set((device_type, dict(overrides or {})))
+    try:
+        yield
+    finally:
+        _DISPATCH.reset(token)
+
+
+def kernel_functions(kernel: str, device_type: str) -> KernelImpl:
+    """The (forward, backward) pair the dispatch runs for ``kernel`` on ``device_type``,
+    ignoring ``kernel_dispatch`` overrides (a replacement may wrap the real pair)."""
+    kernel = check_kernel(kernel)
+    if kernel == "math":
+        return _math_forward, _math_backward
+    if kernel == "flash-attn":
+        return _flash_attn_forward, _flash_attn_backward
+    if device_type == "cuda":
+        return _sdpa_cuda_forward, _sdpa_cuda_backward
+    return _sdpa_cpu_forward, _sdpa_cpu_backward
+
+
+def _resolve(kernel: str, t: torch.Tensor) -> KernelImpl:
+    device_type, overrides = _DISPATCH.get()
+    impl = overrides.get(kernel)
+    return impl if impl is not None else kernel_functions(kernel, device_type or t.device.type)
 
 
 def flash_attn_available() -> bool:
@@ -68,17 +117,8 @@ def attention_forward(
         denominator of the scaled scores).
     """
     kernel = check_kernel(kernel)
-    scale = _default_scale(q, scale)
-    if kernel == "math":
-        return _math_forward(q, k, v, causal, scale)
-    if kernel == "flash-attn":
-        return _flash_attn_forward(q, k, v, causal, scale)
-    if q.device.type == "cuda":
-        return _sdpa_cuda_forward(q, k, v, causal, scale)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
-    )
-    return out.transpose(1, 2), lse
+    forward, _ = _resolve(kernel, q)
+    return forward(q, k, v, causal, _default_scale(q, scale))
 
 
 def attention_backward(
@@ -99,13 +139,22 @@ def attention_backward(
     shapes of (q, k, v): for GQA, dk/dv are already summed over each KV head's query heads.
     """
     kernel = check_kernel(kernel)
-    scale = _default_scale(q, scale)
-    if kernel == "math":
-        return _math_backward(dout, q, k, v, out, lse, causal, scale)
-    if kernel == "flash-attn":
-        return _flash_attn_backward(dout, q, k, v, out, lse, causal, scale)
-    if q.device.type == "cuda":
-        return _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale)
+    _, backward = _resolve(kernel, q)
+    return backward(dout, q, k, v, out, lse, causal, _default_scale(q, scale))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU SDPA
+
+
+def _sdpa_cpu_forward(q, k, v, causal, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
+    )
+    return out.transpose(1, 2), lse
+
+
+def _sdpa_cpu_backward(dout, q, k, v, out, lse, causal, scale):
     t = lambda x: x.transpose(1, 2)  # noqa: E731  BSHD <-> BHSD views
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         t(dout), t(q), t(k), t(v), t(out), lse, 0.0, causal, scale=scale

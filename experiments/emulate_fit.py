@@ -1,0 +1,194 @@
+"""Paper-scale predictions from exact emulations at small sizes (the emulator's fast path).
+
+Why this is exact at the target, not a curve fit: on one *lattice* of sequence lengths (every
+tile, chunk and kernel padding divides evenly) every tensor the step allocates has a size that
+is affine in the local sequence length L, and every loop runs a number of iterations affine in
+L; middle blocks (all but the first and last) run identical code. So the live bytes at the
+peak of each *phase* of the step (a block's forward or backward, its attention or MLP, the
+loss, the optimizer) are affine in L and in the number of layers N, up to where another event
+of the same phase takes over. The fit therefore works phase by phase:
+
+- emulate the cell exactly (``experiments.emulate.measure_fake``) at lattice lengths
+  S = 2Q, 3Q, 4Q with N = 4 and 5 layers (blocks renamed by role: first, mid_first, mid,
+  mid_last, last);
+- per phase, require the three lengths to be exactly collinear in bytes (integers) and the
+  N = 5 run's extra middle block to lie exactly between its neighbours; phases that fail are
+  listed in ``fit_nonaffine_phases`` (the prediction is then not trusted: ``exact=True``);
+- predict every phase at (S, N) by the two lines, the peak as their maximum; host bytes and
+  communication bytes by the same bilinear rule, FLOPs quadratic in S (attention) and linear
+  in N.
+
+Lattice: Q = lcm(P x dim (the tiled MLP's shards of dim tokens), 2 x P x 128 (zigzag halves
+and the flash kernels' 128-row blocks), the method's chunk size). Off the lattice (e.g.
+Qwen3-32B's dim 5120 over 16 ranks at multiples of 64K tokens) the MLP's shards are a little
+shorter than dim: the lines are still evaluated at S, exact for the phases whose tensors scale
+with S (attention, loss, checkpoints), approximate by part of one shard's scratch in the MLP's.
+tests/test_emulate.py checks predictions against exact emulations of the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from experiments.config import Cell, takes_option
+from experiments.emulate import Hardware, Measurement, measure_fake
+from upipe.registry import get_method
+
+N_SAMPLE = (4, 5)  # layers in the sample runs: first, two (three) middle blocks, last
+K_SAMPLE = (2, 3, 4)  # sample lengths in lattice quanta
+ROLES = ("first", "mid_first", "mid", "mid_last", "last")
+
+
+def lattice(cell: Cell, dim: int) -> int:
+    """The global-token quantum Q on which every allocation of the step is affine in S."""
+    q = math.lcm(cell.nproc * dim, 2 * cell.nproc * 128)
+    chunk = cell.chunk_size
+    cls = get_method(cell.method)
+    if chunk is None and takes_option(cls, "chunk_size"):  # the method's default chunk
+        chunk = inspect.signature(cls).parameters["chunk_size"].default
+    return math.lcm(q, chunk) if chunk else q
+
+
+def _role(i: int, n: int) -> str:
+    if i == 0:
+        return "first"
+    if i == n - 1:
+        return "last"
+    return "mid_first" if i == 1 else "mid_last" if i == n - 2 else "mid"
+
+
+def canonical(key: tuple[str, ...], n_layers: int) -> tuple[str, ...]:
+    """A phase key with block indices replaced by roles (``layers.7:bwd`` -> ``mid:bwd``)."""
+    out = []
+    for name in key:
+        if name.startswith("layers."):
+            idx, _, rest = name[len("layers."):].partition(":")
+            name = f"{_role(int(idx), n_layers)}:{rest}"
+        out.append(name)
+    return tuple(out)
+
+
+def _line(xs, ys) -> tuple[Fraction, Fraction] | None:
+    """(slope, intercept) through the points if they are exactly collinear, else None."""
+    slope = Fraction(ys[1] - ys[0], xs[1] - xs[0])
+    for x, y in zip(xs[2:], ys[2:], strict=True):
+        if Fraction(y - ys[0]) != slope * (x - xs[0]):
+            return None
+    return slope, ys[0] - slope * xs[0]
+
+
+def _quadratic(xs, ys) -> tuple[Fraction, Fraction, Fraction]:
+    """(a, b, c) of a + b x + c x^2 through three points."""
+    (x0, x1, x2), (y0, y1, y2) = xs, ys
+    d01, d12 = Fraction(y1 - y0, x1 - x0), Fraction(y2 - y1, x2 - x1)
+    c = (d12 - d01) / (x2 - x0)
+    b = d01 - c * (x0 + x1)
+    return y0 - b * x0 - c * x0 * x0, b, c
+
+
+@dataclass
+class Fit:
+    """Exact emulations at ``seq_lens`` for N = 4 and 5 layers, and predictions from them."""
+
+    seq_lens: tuple[int, ...]
+    samples: dict[int, list[Measurement]]  # layers -> measurements at seq_lens
+    nonaffine: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self._phases = {n: [_phases(m, n) for m in ms] for n, ms in self.samples.items()}
+
+    def _bilinear(self, get, seq_len: int, n_layers: int, label: str) -> int:
+        """``get(measurement, phases)`` at (seq_len, n_layers): a line in S per sample depth,
+        then a line in N. A series that is not exactly collinear is recorded in ``nonaffine``
+        and continued from its last two points."""
+        at_n = []
+        for n in N_SAMPLE:
+            ys = [get(m, ph) for m, ph in zip(self.samples[n], self._phases[n], strict=True)]
+            line = _line(self.seq_lens, ys)
+            if line is None:
+                self.nonaffine.append(label)
+                line = _line(self.seq_lens[-2:], ys[-2:])
+            at_n.append(line[0] * seq_len + line[1])
+        return int(round(at_n[0] + (n_layers - N_SAMPLE[0]) * (at_n[1] - at_n[0])))
+
+    def predict(self, seq_len: int, n_layers: int) -> Measurement:
+        every = [ph for n in N_SAMPLE for ph in self._phases[n]]
+        keys = sorted(set.intersection(*(set(ph) for ph in every)))
+        peaks = {k: self._bilinear(lambda m, ph, k=k: ph[k][0], seq_len, n_layers,
+                                   " > ".join(k)) for k in keys}
+        top = max(peaks, key=peaks.get)
+        cats = sorted(set().union(*(ph[top][1] for ph in every)))
+        breakdown = {c: self._bilinear(lambda m, ph, c=c: ph[top][1].get(c, 0), seq_len,
+                                       n_layers, f"{' > '.join(top)} [{c}]") for c in cats}
+        host = self._bilinear(lambda m, ph: m.peak_host_bytes, seq_len, n_layers, "host")
+        ops = sorted(set().union(*(m.comm_bytes for n in N_SAMPLE for m in self.samples[n])))
+        comm = {op: self._bilinear(lambda m, ph, op=op: m.comm_bytes.get(op, 0), seq_len,
+                                   n_layers, f"comm {op}") for op in ops}
+        flops_n = []
+        for n in N_SAMPLE:
+            a, b, c = _quadratic(self.seq_lens, [m.flops for m in self.samples[n]])
+            flops_n.append(a + b * seq_len + c * seq_len * seq_len)
+        flops = int(round(flops_n[0] + (n_layers - N_SAMPLE[0]) * (flops_n[1] - flops_n[0])))
+        self.nonaffine = sorted(set(self.nonaffine))
+        return Measurement(peaks[top], host, breakdown, {top: peaks[top]}, {top: breakdown},
+                           flops, comm)
+
+    def summary(self) -> dict:
+        return {"emulation": "fit", "fit_seq_lens": list(self.seq_lens),
+                "fit_layers": list(N_SAMPLE), "fit_nonaffine_phases": list(self.nonaffine)}
+
+
+def _phases(m: Measurement, n_layers: int) -> dict[tuple[str, ...], tuple[int, dict]]:
+    """Phase peaks by canonical key, with their breakdowns; the N = 5 run's "mid" block is
+    checked by ``_check_mid`` and left out here."""
+    out: dict[tuple[str, ...], tuple[int, dict]] = {}
+    for key, peak in m.phase_peaks.items():
+        ck = canonical(key, n_layers)
+        if any(name.startswith("mid:") for name in ck):
+            continue
+        out[ck] = (peak, m.phase_breakdowns.get(key, {}))
+    return out
+
+
+def _check_mid(m: Measurement, n_layers: int) -> list[str]:
+    """Phases of the middle block of a 5-layer run that are not exactly halfway between the
+    blocks before and after it (the affine-in-depth assumption)."""
+    bad = []
+    for key, peak in m.phase_peaks.items():
+        ck = canonical(key, n_layers)
+        if not any(name.startswith("mid:") for name in ck):
+            continue
+        before = tuple(n.replace("mid:", "mid_first:") for n in ck)
+        after = tuple(n.replace("mid:", "mid_last:") for n in ck)
+        lo = max((v for k, v in m.phase_peaks.items() if canonical(k, n_layers) == before),
+                 default=None)
+        hi = max((v for k, v in m.phase_peaks.items() if canonical(k, n_layers) == after),
+                 default=None)
+        if lo is None or hi is None or 2 * peak != lo + hi:
+            bad.append(" > ".join(ck) + " (depth)")
+    return bad
+
+
+_CACHE: dict[tuple, Fit] = {}
+
+
+def fitted(cell: Cell, hw: Hardware) -> Fit:
+    """The fit for ``cell``'s family (every field but seq_len), computed once per process."""
+    key = (dataclasses.replace(cell, seq_len=0, extra={}), hw)
+    if key not in _CACHE:
+        cfg = cell.validate()
+        q = lattice(cell, cfg.dim)
+        seq_lens = tuple(k * q for k in K_SAMPLE)
+        samples: dict[int, list[Measurement]] = {}
+        bad: list[str] = []
+        for n in N_SAMPLE:
+            small = dataclasses.replace(cfg, n_layers=n)
+            samples[n] = [measure_fake(dataclasses.replace(cell, seq_len=s), small, hw)
+                          for s in seq_lens]
+        bad += _check_mid(samples[5][-1], 5)
+        _CACHE[key] = Fit(seq_lens, samples, bad)
+    return _CACHE[key]

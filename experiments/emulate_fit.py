@@ -9,7 +9,7 @@ loss, the optimizer) are affine in L and in the number of layers N, up to where 
 of the same phase takes over. The fit therefore works phase by phase:
 
 - emulate the cell exactly (``experiments.emulate.measure_fake``) at lattice lengths
-  S = 2Q, 3Q, 4Q with N = 4 and 5 layers (blocks renamed by role: first, mid_first, mid,
+  S = 2Q, 3Q, 4Q (chunked methods: 3Q-5Q) with N = 4 and 5 layers (blocks renamed by role: first, mid_first, mid,
   mid_last, last);
 - per phase, require the three lengths to be exactly collinear in bytes (integers) and the
   N = 5 run's extra middle block to lie exactly between its neighbours; phases that fail are
@@ -39,17 +39,25 @@ from experiments.emulate import Hardware, Measurement, measure_fake
 from upipe.registry import get_method
 
 N_SAMPLE = (4, 5)  # layers in the sample runs: first, two (three) middle blocks, last
-K_SAMPLE = (2, 3, 4)  # sample lengths in lattice quanta
+# sample lengths in lattice quanta; a chunked method (FPDT) needs 3 chunks to be in its
+# steady state: with 2, the last chunk's prefetch pattern is that of the first
+K_SAMPLE = (2, 3, 4)
+K_SAMPLE_CHUNKED = (3, 4, 5)
 ROLES = ("first", "mid_first", "mid", "mid_last", "last")
+
+
+def _chunk(cell: Cell) -> int | None:
+    """The cell's sequence chunk (its method's default when unset), or None: not chunked."""
+    cls = get_method(cell.method)
+    if not takes_option(cls, "chunk_size"):
+        return None
+    return cell.chunk_size or inspect.signature(cls).parameters["chunk_size"].default
 
 
 def lattice(cell: Cell, dim: int) -> int:
     """The global-token quantum Q on which every allocation of the step is affine in S."""
     q = math.lcm(cell.nproc * dim, 2 * cell.nproc * 128)
-    chunk = cell.chunk_size
-    cls = get_method(cell.method)
-    if chunk is None and takes_option(cls, "chunk_size"):  # the method's default chunk
-        chunk = inspect.signature(cls).parameters["chunk_size"].default
+    chunk = _chunk(cell)
     return math.lcm(q, chunk) if chunk else q
 
 
@@ -182,7 +190,7 @@ def fitted(cell: Cell, hw: Hardware) -> Fit:
     if key not in _CACHE:
         cfg = cell.validate()
         q = lattice(cell, cfg.dim)
-        seq_lens = tuple(k * q for k in K_SAMPLE)
+        seq_lens = tuple(k * q for k in (K_SAMPLE_CHUNKED if _chunk(cell) else K_SAMPLE))
         samples: dict[int, list[Measurement]] = {}
         bad: list[str] = []
         for n in N_SAMPLE:

@@ -164,7 +164,7 @@ def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware) -> Measurement:
     with fake_world(cell.nproc):
         meshes = make_meshes(cell, device)  # outside fake mode: meshes read rank values
         with FakeTensorMode(), _kernels(hw):
-            state = build(cell, cfg, meshes=meshes)
+            state = build(cell, cfg, meshes=meshes, device=device)
             model, opt = state.model, state.optimizer
             _init_optimizer_states(state)
             tracker = MemoryTracker(settle_comm=False, namespace_categories={"fsdp": "model"},
@@ -224,6 +224,8 @@ def _row_metrics(cell: Cell, cfg: ModelConfig, hw: Hardware, m: Measurement) -> 
         "device": f"emulated {hw.device} ({hw.gpu_mem_gib:g} GiB)",
         "peak_device_bytes": m.peak_device_bytes, "tracked_peak_device_bytes": m.peak_device_bytes,
         "peak_host_bytes": m.peak_host_bytes, "host_pinned": cell.seq_len <= PIN_MAX_TOKENS,
+        # where in the step the peak is: the phase labels at that moment, outermost first
+        "peak_phase": " > ".join(max(m.phase_peaks, key=m.phase_peaks.get)),
         "peak_model_bytes": b.get("model", 0), "peak_attention_bytes": b.get("attention", 0),
         "peak_other_bytes": sum(v for k, v in b.items() if k not in ("model", "attention")),
         "device_budget_bytes": device_budget, "host_budget_bytes": host_budget,

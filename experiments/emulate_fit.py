@@ -185,8 +185,11 @@ _CACHE: dict[tuple, Fit] = {}
 
 
 def fitted(cell: Cell, hw: Hardware) -> Fit:
-    """The fit for ``cell``'s family (every field but seq_len), computed once per process."""
-    key = (dataclasses.replace(cell, seq_len=0, extra={}), hw)
+    """The fit for ``cell``'s family, computed once per process. The family is every field but
+    those that change nothing in one step's allocations: the length (the fit's variable), the
+    step counts, the budget (it decides the status, after) and labels."""
+    key = (dataclasses.replace(cell, seq_len=0, warmup=0, iters=0, budget_mib=None, extra={}),
+           hw.device)  # the budgets only decide statuses
     if key not in _CACHE:
         cfg = cell.validate()
         q = lattice(cell, cfg.dim)

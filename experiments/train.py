@@ -122,10 +122,12 @@ def make_meshes(cell: Cell, device: torch.device) -> tuple[DeviceMesh, DeviceMes
 
 
 def build(cell: Cell, cfg: ModelConfig, distributed: bool = True,
-          meshes: tuple[DeviceMesh, DeviceMesh | None] | None = None) -> TrainState:
+          meshes: tuple[DeviceMesh, DeviceMesh | None] | None = None,
+          device: torch.device | None = None) -> TrainState:
     """Everything a rank needs for ``cell``; under torch.distributed the world is the CP group
-    (``meshes``: from ``make_meshes``, made here when not given)."""
-    device = current_device()
+    (``meshes``: from ``make_meshes``, made here when not given; ``device``: default
+    ``current_device()``, the emulator's is the CPU even where CUDA is present)."""
+    device = device or current_device()
     mesh = hybrid = None
     if distributed:
         mesh, hybrid = meshes if meshes is not None else make_meshes(cell, device)

@@ -1,0 +1,42 @@
+"""Emulated peak vs the CUDA allocator's (DESIGN.md §8; needs a GPU, skipped without one).
+
+The same cell runs twice in this process on the ``fake`` process group of P ranks: once with
+real CUDA tensors (the collectives are shape-correct no-ops, the memory is real:
+``torch.cuda.max_memory_allocated``), once emulated (fake tensors, ``Hardware(device="cuda")``:
+CUDA kernel models and 512-byte rounding). World size 1 and an 8-rank cell; target within 5%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from experiments.config import Cell
+from experiments.emulate import Hardware, emulate_cell, fake_world
+
+pytestmark = pytest.mark.gpu
+
+
+def _allocator_peak(cell: Cell) -> int:
+    from experiments.measure import measure_cell
+
+    with fake_world(cell.nproc):
+        row = measure_cell(cell, cell.validate())
+    return row["allocator_peak_allocated_bytes"]
+
+
+@pytest.mark.parametrize("method,nproc,seq_len", [("upipe", 1, 2**15), ("ulysses", 1, 2**15),
+                                                  ("upipe", 8, 2**17), ("ulysses", 8, 2**17),
+                                                  ("zigzag-ring", 8, 2**17)])
+def test_emulated_peak_is_within_5_percent_of_the_allocator(method, nproc, seq_len):
+    cell = Cell(method=method, model="llama3-8b", nproc=nproc, seq_len=seq_len, dtype="bf16",
+                overrides=(("n_layers", "4"),), warmup=1, iters=0)
+    real = _allocator_peak(cell)
+    torch.cuda.empty_cache()
+    emulated = emulate_cell(dataclasses.replace(cell), Hardware(device="cuda"), exact=True)
+    ratio = emulated["peak_device_bytes"] / real
+    print(f"{method} P={nproc} S={seq_len}: emulated {emulated['peak_device_bytes']} / "
+          f"allocator {real} = {ratio:.4f}")
+    assert abs(ratio - 1) < 0.05

@@ -1,0 +1,48 @@
+"""CI's guard on the maximum supported context (results/baselines/max_context.csv).
+
+The table is recomputed (every method emulated on Llama3-8B / 8 x 80 GiB and Qwen3-32B /
+16 x 80 GiB, and UPipe's real CPU search on the tiny preset; experiments/baseline.py) and each
+row compared with the committed one: a method whose maximum context fell below its baseline
+fails the test with the old and new values.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from experiments.baseline import PATH, UPDATE, compare, compute, entries, read
+
+
+def _table(rows):
+    return pd.DataFrame(rows, columns=["name", "max_seq_len", "status", "error"])
+
+
+def test_compare_reports_drops_lost_rows_and_gains():
+    old = _table([("a", 1024, "ok", ""), ("b", 2048, "ok", ""), ("c", None, "skipped", "why"),
+                  ("d", 512, "ok", "")])
+    new = _table([("a", 960, "ok", ""), ("b", 4096, "ok", ""), ("c", None, "skipped", "why")])
+    bad, better = compare(old, new)
+    assert bad == ["a: max context 1024 -> 960 (status ok)", "d: row missing (baseline 512)"]
+    assert better == ["b: max context 2048 -> 4096"]
+    new = _table([("a", None, "error", "boom"), ("b", 2048, "ok", ""), ("c", None, "skipped", ""),
+                  ("d", 512, "ok", "")])
+    bad, _ = compare(old, new)
+    assert bad == ["a: max context 1024 -> None (status error: boom)"]
+
+
+def test_baseline_covers_every_entry():
+    table = read()
+    assert list(table["name"]) == [e.name for e in entries()]
+    emulated = table[table["mode"] == "emulated"]
+    # every method that can be emulated here has a length; the rest say why they have none
+    assert emulated.loc[emulated["status"] == "ok", "max_seq_len"].notna().all()
+    assert (emulated.loc[emulated["status"] != "ok", "error"].str.len() > 0).all()
+
+
+def test_max_context_has_not_regressed():
+    bad, better = compare(read(), compute(workers=2))
+    for line in better:
+        print("improved (update the baseline to keep it):", line)
+    assert not bad, ("maximum context regressed:\n  " + "\n  ".join(bad)
+                     + f"\nIf the change is intended, update the baseline with `{UPDATE}` and "
+                       f"commit {PATH.relative_to(PATH.parents[2])}.")

@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # Main job: reproduce the paper's artefacts into results/ (tables, plots, provenance).
 #
-#   ./run_all.sh                          CPU-scale counterpart of every artefact (gloo, 4 ranks;
-#                                         ~25 min on 2 cores), the default without GPUs
+#   ./run_all.sh                          without GPUs (the default): the CPU-scale counterpart
+#                                         of every artefact (gloo, 4 ranks; ~25 min on 2 cores)
+#                                         and the emulated twin of every paper-scale sweep
+#                                         (paper shapes and lengths through the emulator on the
+#                                         paper's 8x H100 80 GB nodes: memory and max context)
 #   NPROC_PER_NODE=8 ./run_all.sh         paper-scale sweeps on this node's GPUs (NCCL)
+#   SCALE=emulated ./run_all.sh           only the emulated twins
 #   torchrun --nnodes 2 --nproc-per-node 8 ... -m experiments.cli sweep <name>
 #                                         multi-node: the sweep itself under torchrun
 #
 # Environment:
-#   ONLY=<sweep>[,<sweep>]  run only these sweeps (names: upipe-bench list sweeps)
+#   ONLY=<sweep>[,<sweep>]  run only these sweeps, of any scale (names: upipe-bench list sweeps)
 #   DRY_RUN=1               expand and validate every cell, run nothing
 #   OUT=<dir>               results root (default results/)
-#   SCALE=cpu|paper         which sweeps (default: paper when NPROC_PER_NODE is set, else cpu)
+#   SCALE=<scale>[,<scale>] which sweeps: cpu, paper, emulated (default: paper when
+#                           NPROC_PER_NODE is set, else cpu,emulated)
 #   RETRY_FAILED=1          re-run cells whose row is an error or a timeout (others resume)
 #   UPIPE_VENV and the rest: see scripts/bootstrap.sh
 # Extra arguments go to `upipe-bench sweep` (e.g. --timeout 600).
@@ -22,8 +27,13 @@ cd "$root"
 
 OUT="${OUT:-results}"
 DRY_RUN="${DRY_RUN:-0}"
-if [[ -n "${NPROC_PER_NODE:-}" ]]; then SCALE="${SCALE:-paper}"; else SCALE="${SCALE:-cpu}"; fi
-case "$SCALE" in cpu|paper) ;; *) echo "run_all.sh: SCALE must be cpu or paper, got $SCALE" >&2; exit 2;; esac
+if [[ -n "${NPROC_PER_NODE:-}" ]]; then SCALE="${SCALE:-paper}"; else SCALE="${SCALE:-cpu,emulated}"; fi
+IFS=',' read -r -a scales <<< "$SCALE"
+for scale in "${scales[@]}"; do
+    case "$scale" in cpu|paper|emulated) ;;
+        *) echo "run_all.sh: SCALE must be cpu, paper, emulated or a comma-separated list of them, got $SCALE" >&2; exit 2;;
+    esac
+done
 
 # Ranks share the CPU cores: one OpenMP thread each unless the caller chose otherwise.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -33,22 +43,35 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 venv="$("$root/scripts/bootstrap.sh")"
 export VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH"
 
-if [[ -n "${ONLY:-}" ]]; then
-    IFS=',' read -r -a sweeps <<< "$ONLY"
-else
-    mapfile -t sweeps < <(python -c "
-from experiments.sweeps import cpu_sweeps, paper_sweeps
-for s in ($SCALE""_sweeps()): print(s.name)")
-fi
+# "<scale> <sweep>" lines: ONLY's sweeps at their own scale, else every sweep of each SCALE.
+plan="$(python - "$SCALE" "${ONLY:-}" <<'EOF'
+import sys
+from experiments.sweeps import SWEEPS, get_sweep
+scales, only = sys.argv[1].split(","), [n for n in sys.argv[2].split(",") if n]
+try:
+    chosen = [get_sweep(n) for n in only] or [s for s in SWEEPS.values() if s.scale in scales]
+except ValueError as e:
+    sys.exit(f"run_all.sh: ONLY: {e}")
+for s in chosen:
+    print(s.scale, s.name)
+EOF
+)" || exit 2
 
 args=(--out "$OUT")
 [[ "$DRY_RUN" == 1 ]] && args+=(--dry-run)
 [[ "${RETRY_FAILED:-0}" == 1 ]] && args+=(--retry-failed)
-[[ "$SCALE" == paper && -n "${NPROC_PER_NODE:-}" ]] && args+=(--nproc "$NPROC_PER_NODE")
 
-echo "run_all.sh: $SCALE scale, ${#sweeps[@]} sweep(s): ${sweeps[*]}" >&2
+sweeps=()
 start=$SECONDS
-python -m experiments.cli sweep "${sweeps[@]}" "${args[@]}" "$@"
+for scale in cpu paper emulated; do  # one CLI call per scale: --nproc is for the GPU sweeps
+    mapfile -t group < <(awk -v s="$scale" '$1 == s {print $2}' <<< "$plan")
+    (( ${#group[@]} )) || continue
+    sweeps+=("${group[@]}")
+    extra=()
+    [[ "$scale" == paper && -n "${NPROC_PER_NODE:-}" ]] && extra+=(--nproc "$NPROC_PER_NODE")
+    echo "run_all.sh: $scale scale, ${#group[@]} sweep(s): ${group[*]}" >&2
+    python -m experiments.cli sweep "${group[@]}" "${args[@]}" "${extra[@]}" "$@"
+done
 [[ "$DRY_RUN" == 1 ]] && exit 0
 
 echo "run_all.sh: done in $((SECONDS - start)) s. Tables and plots:"

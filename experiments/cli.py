@@ -1,12 +1,24 @@
-"""``upipe-bench``: run one cell, a declared sweep, a max-context search; plot; list.
+"""``upipe-bench``: run or emulate one cell, a declared sweep, a max-context search; plot; list.
 
     upipe-bench run --method upipe --model tiny --seq-len 8K --nproc 4 --stack alst --json
     upipe-bench run --method usp --ring-degree 2 --nproc 4        # a 2 (ulysses) x 2 (ring) mesh
     upipe-bench run --method fpdt --chunk-size 1K --nproc 4
     upipe-bench max-context --method ulysses --model tiny --nproc 4 --budget-mib 96 --json
+    upipe-bench emulate --method upipe --model llama3-8b --world 8 --seq-len 3M --json
+    upipe-bench max-context --emulate --method upipe --model llama3-8b --world 8
+    upipe-bench emulate --method usp --model qwen3-32b --mesh 8x2 --seq-len 1M
     upipe-bench sweep table3_llama3_8b_h100x8-cpu [--dry-run]
     upipe-bench plot table3_llama3_8b_h100x8-cpu
     upipe-bench list [methods|presets|stacks|sweeps] [--json]
+
+``--stack`` defaults to the stack the paper runs the method on (``config.paper_stack``:
+``native`` for torch-cp, ``alst`` for every other method), for every command.
+
+``emulate`` and ``max-context --emulate`` run the paper-scale emulator
+(``experiments.emulate``, DESIGN.md §8): one process plays rank 0 of a ``--world``-rank job on
+fake tensors and reports the peak device and host bytes against the emulated hardware's
+budgets (``--gpu-mem`` minus ``--reserve``; ``--host-mem`` over the node's ranks), the
+breakdown, FLOPs and communication per step. No GPU is needed, and no time is measured.
 
 Bad input (unknown method, preset, stack, sweep or override key; a length that does not
 shard; an option the method does not take) is reported with the valid choices and exit status 2
@@ -18,6 +30,7 @@ torchrun (``WORLD_SIZE`` set) the cells run in the launched process group.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -25,16 +38,20 @@ import os
 import sys
 from pathlib import Path
 
-from experiments.config import DTYPES, PRESETS, STACKS, Cell, parse_overrides, parse_size
+from experiments.cli_args import (
+    EMULATED_WORLD,
+    add_cell_args,
+    add_hardware_args,
+    add_world_args,
+    cell_from_args,
+    hardware_from_args,
+    search_spec_from_args,
+    size,
+)
+from experiments.config import PRESETS, STACKS
 
 RESULTS = Path("results")
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+GiB = 2**30
 
 
 def _methods() -> dict[str, dict]:
@@ -54,42 +71,6 @@ def _methods() -> dict[str, dict]:
                      "options": [o for o in METHOD_OPTIONS if takes_option(cls, o)]
                      + (["ring_degree"] if cls.supports_mesh else [])}
     return out
-
-
-def _cell_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", required=True, help="registry name (upipe-bench list methods)")
-    p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
-    p.add_argument("--seq-len", type=_size, default=4096, help="global tokens: 131072, 128K, 1M")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="ranks = CP degree (default: the torchrun world, else 4)")
-    p.add_argument("--stack", default="alst", help=f"memory stack: {', '.join(STACKS)}")
-    p.add_argument("--heads-per-stage", type=int, default=None, help="UPipe's U")
-    p.add_argument("--ring-degree", type=int, default=1,
-                   help="hybrids (usp, upipe): ring axis of a (ring, ulysses) mesh; "
-                        "Ulysses degree = nproc / ring degree")
-    p.add_argument("--chunk-size", type=_size, default=None,
-                   help="fpdt, ds-fpdt: global tokens per chunk (64K; default: the method's)")
-    p.add_argument("--dtype", default="fp32", help=f"one of {', '.join(DTYPES)}")
-    p.add_argument("--kernel", default="auto", help="attention kernel")
-    p.add_argument("--budget-mib", type=float, default=None,
-                   help="per-rank device budget (CPU: tracked bytes; GPU: allocator limit)")
-    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="model field override, repeatable (e.g. n_layers=2)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--iters", type=int, default=2)
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per launch")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _cell(a: argparse.Namespace) -> Cell:
-    nproc = a.nproc or int(os.environ.get("WORLD_SIZE", 4))
-    cell = Cell(method=a.method, model=a.model, seq_len=a.seq_len, nproc=nproc, stack=a.stack,
-                heads_per_stage=a.heads_per_stage, ring_degree=a.ring_degree,
-                chunk_size=a.chunk_size, dtype=a.dtype, kernel=a.kernel,
-                overrides=parse_overrides(a.override), budget_mib=a.budget_mib,
-                warmup=a.warmup, iters=a.iters)
-    cell.validate()
-    return cell
 
 
 def _init_torchrun() -> bool:
@@ -115,51 +96,108 @@ def _print_json(obj) -> None:
 def cmd_run(a) -> int:
     from experiments.launch import run_cell
 
-    cell = _cell(a)
+    cell = cell_from_args(a)
     rank0 = _init_torchrun()
     row = run_cell(cell, timeout_s=a.timeout)
     if rank0:
         if a.json:
             _print_json(row)
         else:
-            keys = ["status", "method", "seq_len", "nproc", "stack", "time_median_s",
-                    "tokens_per_s_per_gpu", "peak_device_bytes", "peak_host_bytes",
-                    "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes", "error"]
-            for k in keys:
-                if row.get(k) not in (None, ""):
-                    print(f"{k:24s} {row[k]}")
+            _print_row(row, ["status", "method", "seq_len", "nproc", "stack", "time_median_s",
+                             "tokens_per_s_per_gpu", "peak_device_bytes", "peak_host_bytes",
+                             "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes",
+                             "error"])
+    return 0 if row["status"] in ("ok", "oom") else 1
+
+
+def _print_row(row: dict, keys: list[str]) -> None:
+    """``key value`` lines for the keys the row has; byte counts also in GiB."""
+    for k in keys:
+        v = row.get(k)
+        if v in (None, "") or isinstance(v, dict) and not v:
+            continue
+        unit = ""
+        if k.endswith("_bytes") and isinstance(v, int) and v:
+            unit = f"  ({v / GiB:.2f} GiB)" if v >= GiB else f"  ({v / 2**20:.2f} MiB)"
+        print(f"{k:24s} {json.dumps(v) if isinstance(v, dict) else v}{unit}")
+
+
+EMULATE_KEYS = ["status", "method", "model", "seq_len", "nproc", "ring_degree", "stack", "dtype",
+                "emulation", "peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
+                "peak_attention_bytes", "peak_other_bytes", "peak_phase", "device_budget_bytes",
+                "host_budget_bytes", "host_pinned", "model_tflops_per_step",
+                "comm_bytes_per_step", "comm_bytes_by_op", "emulation_s", "error"]
+
+
+@contextlib.contextmanager
+def _emulating():
+    """Around an emulation: stdout carries only our output (``--json``). The emulator runs
+    CPU code on fake tensors, so DeepSpeed (tiled MLP, ds-ulysses) is told its accelerator is
+    the CPU; left to probe, it warns on stdout when it finds no GPU."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    sys.stdout.flush()
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+def cmd_emulate(a) -> int:
+    from experiments.emulate import emulate_cell
+
+    hw = hardware_from_args(a)
+    cell = cell_from_args(a, emulated=True)
+    with _emulating():
+        row = emulate_cell(cell, hw, exact=bool(a.exact))
+    if a.json:
+        _print_json(row)
+    else:
+        _print_row(row, EMULATE_KEYS)
     return 0 if row["status"] in ("ok", "oom") else 1
 
 
 def cmd_max_context(a) -> int:
-    from experiments.launch import run_cell, unavailable_reason
-    from experiments.maxctx import SearchSpec, search_max_context
+    from experiments.maxctx import search_max_context, summarize
 
-    cell = _cell(a)
-    spec = SearchSpec(start=a.start or cell.seq_len, block=a.block, limit=a.limit)
-    spec.validate(cell.nproc)
-    rank0 = _init_torchrun()
-    reason = unavailable_reason(cell)
+    hw = hardware_from_args(a, enabled=a.emulate, why="max-context --emulate")
+    if a.emulate:
+        from experiments.emulate import emulate_cell, emulation_unavailable
+
+        cell = cell_from_args(a, emulated=True)
+        reason = emulation_unavailable(cell, hw)
+
+        def run(c):
+            return emulate_cell(c, hw, exact=bool(a.exact))
+    else:
+        from experiments.launch import run_cell, unavailable_reason
+
+        cell = cell_from_args(a)
+        reason = unavailable_reason(cell)
+
+        def run(c):
+            return run_cell(c, timeout_s=a.timeout)
+    spec = search_spec_from_args(a, cell, a.emulate)
+    rank0 = True if a.emulate else _init_torchrun()
     if reason is None:
-        res = search_max_context(dataclasses.replace(cell, seq_len=spec.start), spec,
-                                 lambda c: run_cell(c, timeout_s=a.timeout))
+        with _emulating() if a.emulate else contextlib.nullcontext():
+            res = search_max_context(dataclasses.replace(cell, seq_len=spec.start), spec, run)
     else:  # as a sweep records it: no probes
         res = {"status": "skipped", "max_seq_len": None, "first_failing_seq_len": None,
-               "n_probes": 0, "error": reason, "probes": []}
+               "granularity": cell.nproc * spec.block, "n_probes": 0, "error": reason,
+               "probes": []}
     if rank0:
-        probes = [{k: p.get(k) for k in ("seq_len", "status", "peak_device_bytes")}
-                  for p in res["probes"]]
-        out = {k: v for k, v in res.items() if k != "probes"} | {
-            "method": cell.method, "heads_per_stage": cell.heads_per_stage,
-            "ring_degree": cell.ring_degree, "chunk_size": cell.chunk_size, "model": cell.model,
-            "nproc": cell.nproc, "stack": cell.stack, "budget_mib": cell.budget_mib,
-            "probes": probes}
+        probe_keys = ["seq_len", "status", "peak_device_bytes"] + (
+            ["peak_host_bytes"] if a.emulate else [])
+        probes = [{k: p.get(k) for k in probe_keys} for p in res["probes"]]
+        out = summarize(cell, res, hw) | {"probes": probes}
         if a.json:
             _print_json(out)
         else:
             print(f"max_seq_len {out['max_seq_len']}  first_failing_seq_len "
-                  f"{out['first_failing_seq_len']}  ({out['n_probes']} probes, {out['status']})"
+                  f"{out['first_failing_seq_len']}  ({out['n_probes']} probes, {out['status']}"
+                  f"{', ' + out['mode'] if a.emulate else ''})"
                   + (f"\n{out['error']}" if out["error"] else ""))
+            if out.get("peak_device_bytes") is not None:
+                print(f"at max_seq_len: peak device {out['peak_device_bytes'] / GiB:.2f} GiB, "
+                      f"host {out['peak_host_bytes'] / GiB:.2f} GiB per rank")
     return 0 if res["status"] == "ok" else 1
 
 
@@ -170,13 +208,17 @@ def cmd_sweep(a) -> int:
     sweeps = [get_sweep(n) for n in a.names]
     if a.nproc:
         sweeps = [s.with_overrides(nproc=a.nproc) for s in sweeps]
+    if "WORLD_SIZE" in os.environ and any(s.scale == "emulated" for s in sweeps):
+        raise ValueError("emulated sweeps run in one process (the emulator plays every rank): "
+                         "run them without torchrun")
     status = 0
     for sweep in sweeps:
         bad = sweep.validate()
         if a.dry_run:
             cells, searches = sweep.cells(), sweep.search_cells()
+            hw = "" if sweep.hardware is None else f", emulated on {sweep.hardware}"
             print(f"{sweep.name}: {len(cells)} cells, {len(searches)} max-context searches"
-                  f" -> {a.out / sweep.name}/")
+                  f"{hw} -> {a.out / sweep.name}/")
             for c in cells:
                 print(f"  run    {c.cell_id()}")
             for c in searches:
@@ -186,8 +228,9 @@ def cmd_sweep(a) -> int:
             status |= 2 if bad else 0
             continue
         rank0 = _init_torchrun()
-        paths = SweepRunner(sweep, a.out, retry_failed=a.retry_failed,
-                            progress=not a.no_progress, timeout_s=a.timeout)()
+        with _emulating() if sweep.scale == "emulated" else contextlib.nullcontext():
+            paths = SweepRunner(sweep, a.out, retry_failed=a.retry_failed,
+                                progress=not a.no_progress, timeout_s=a.timeout)()
         if rank0:
             print(f"{sweep.name}: done")
             for name, path in paths.items():
@@ -230,7 +273,7 @@ def cmd_list(a) -> int:
         for name in items:
             detail = items[name] if isinstance(items, dict) else None
             if what == "sweeps":
-                print(f"  {name:48s} [{detail['scale']}] {detail['description']}")
+                print(f"  {name:50s} [{detail['scale']}] {detail['description']}")
             elif what in ("presets", "stacks"):
                 print(f"  {name:12s} " + " ".join(f"{k}={v}" for k, v in detail.items()))
             elif what == "methods":
@@ -248,13 +291,30 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="upipe-bench", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run one cell")
-    _cell_args(run)
+    add_cell_args(run)
     run.set_defaults(fn=cmd_run)
+    em = sub.add_parser("emulate", help="emulate one cell at paper scale (no GPU needed)")
+    add_cell_args(em, dtype="bf16", nproc_default=f"{EMULATED_WORLD}, one node of the paper",
+               measured=False)
+    add_world_args(em)
+    add_hardware_args(em)
+    em.set_defaults(fn=cmd_emulate)
     mc = sub.add_parser("max-context", help="search the longest context that trains")
-    _cell_args(mc)
-    mc.add_argument("--start", type=_size, default=None, help="first length (default --seq-len)")
-    mc.add_argument("--block", type=_size, default=512, help="granularity = nproc * block")
-    mc.add_argument("--limit", type=_size, default=2**24, help="longest length probed")
+    add_cell_args(mc, dtype=None)
+    add_world_args(mc)
+    mc.add_argument("--start", type=size, default=None,
+                    help="first length (default --seq-len; with --emulate 1M, rounded to the "
+                         "granularity)")
+    mc.add_argument("--block", type=size, default=None,
+                    help="granularity = nproc * block (default 512)")
+    mc.add_argument("--granularity", type=size, default=None, metavar="TOKENS",
+                    help="global tokens between the last passing and the first failing length"
+                         " (default nproc * --block; with --emulate 64K)")
+    mc.add_argument("--limit", type=size, default=2**24, help="longest length probed")
+    mc.add_argument("--emulate", action="store_true",
+                    help="probe with the emulator against the emulated hardware instead of "
+                         f"running (--dtype defaults to bf16, --world to {EMULATED_WORLD})")
+    add_hardware_args(mc, required="--emulate")
     mc.set_defaults(fn=cmd_max_context, iters=0)
     sw = sub.add_parser("sweep", help="run declared sweeps into <out>/<name>/")
     sw.add_argument("names", nargs="+", help="sweep names (upipe-bench list sweeps)")

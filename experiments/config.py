@@ -172,6 +172,13 @@ STACKS: dict[str, StackConfig] = {
 DTYPES = ("fp32", "bf16")
 
 
+def paper_stack(method: str) -> str:
+    """The memory stack the paper runs ``method`` on (DESIGN.md §6): PyTorch's native CP
+    (``torch-cp``) on its own ``native`` stack (checkpointing and the chunked loss, no tiling or
+    offload), every other method on the ALST stack."""
+    return "native" if method == "torch-cp" else "alst"
+
+
 # ---------------------------------------------------------------------------------------------
 # the cell
 

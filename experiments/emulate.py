@@ -230,7 +230,10 @@ def _row_metrics(cell: Cell, cfg: ModelConfig, hw: Hardware, m: Measurement) -> 
         "peak_other_bytes": sum(v for k, v in b.items() if k not in ("model", "attention")),
         "device_budget_bytes": device_budget, "host_budget_bytes": host_budget,
         "device_memory_bytes": device_budget,
-        "flops_per_step": m.flops, "model_tflops_per_step": step_flops(cfg, cell.seq_len) / 1e12,
+        # this rank's FLOPs counted per op (recomputation included, attention dense, as torch's
+        # formulas count it) beside the shared model-FLOPs formula over all ranks
+        "rank_flops_per_step": m.flops,
+        "model_tflops_per_step": step_flops(cfg, cell.seq_len) / 1e12,
         "comm_bytes_per_step": sum(m.comm_bytes.values()), "comm_bytes_by_op": m.comm_bytes,
     } | {f"hw_{k}": v for k, v in dataclasses.asdict(hw).items()}
 

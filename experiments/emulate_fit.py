@@ -8,15 +8,16 @@ peak of each *phase* of the step (a block's forward or backward, its attention o
 loss, the optimizer) are affine in L and in the number of layers N, up to where another event
 of the same phase takes over. The fit therefore works phase by phase:
 
-- emulate the cell exactly (``experiments.emulate.measure_fake``) at lattice lengths
-  S = 2Q, 3Q, 4Q (chunked methods: 3Q-5Q) with N = 4 and 5 layers (blocks renamed by role: first, mid_first, mid,
-  mid_last, last);
-- per phase, require the three lengths to be exactly collinear in bytes (integers) and the
-  N = 5 run's extra middle block to lie exactly between its neighbours; phases that fail are
+- emulate the cell exactly (``experiments.emulate.measure_fake``) at three lattice lengths
+  S = kQ, (k+1)Q, (k+2)Q (the smallest k with two MLP shards per rank and, for chunked
+  methods, three chunks) with N = 4 layers, and at the first two with N = 5 (blocks renamed
+  by role: first, mid_first, mid, mid_last, last);
+- per phase, require the three 4-layer lengths to be exactly collinear in bytes (integers)
+  and the N = 5 run's extra middle block to lie exactly between its neighbours; phases that fail are
   listed in ``fit_nonaffine_phases`` (the prediction is then not trusted: ``exact=True``);
 - predict every phase at (S, N) by the two lines, the peak as their maximum; host bytes and
-  communication bytes by the same bilinear rule, FLOPs quadratic in S (attention) and linear
-  in N.
+  communication bytes by the same bilinear rule, FLOPs as A(S) + N B(S) with A linear and B
+  quadratic in S (attention).
 
 Lattice: Q = lcm(P x dim (the tiled MLP's shards of dim tokens), 2 x P x 128 (zigzag halves
 and the flash kernels' 128-row blocks), the method's chunk size). Off the lattice (e.g.
@@ -39,10 +40,9 @@ from experiments.emulate import Hardware, Measurement, measure_fake
 from upipe.registry import get_method
 
 N_SAMPLE = (4, 5)  # layers in the sample runs: first, two (three) middle blocks, last
-# sample lengths in lattice quanta; a chunked method (FPDT) needs 3 chunks to be in its
-# steady state: with 2, the last chunk's prefetch pattern is that of the first
-K_SAMPLE = (2, 3, 4)
-K_SAMPLE_CHUNKED = (3, 4, 5)
+MIN_TILES = 2  # per rank: with one, the tiled MLP calls the MLP directly (another code path)
+# FPDT's steady state needs 3 chunks: with 2, the last chunk's prefetch is that of the first
+MIN_CHUNKS = 3
 ROLES = ("first", "mid_first", "mid", "mid_last", "last")
 
 
@@ -52,6 +52,14 @@ def _chunk(cell: Cell) -> int | None:
     if not takes_option(cls, "chunk_size"):
         return None
     return cell.chunk_size or inspect.signature(cls).parameters["chunk_size"].default
+
+
+def _first_quantum(cell: Cell, q: int, dim: int) -> int:
+    """The smallest k such that k * q holds MIN_TILES MLP shards per rank and MIN_CHUNKS
+    chunks: the fit's three lengths are k, k + 1 and k + 2 quanta."""
+    k = math.ceil(MIN_TILES * cell.nproc * dim / q)
+    chunk = _chunk(cell)
+    return max(k, math.ceil(MIN_CHUNKS * chunk / q)) if chunk else k
 
 
 def lattice(cell: Cell, dim: int) -> int:
@@ -103,7 +111,7 @@ class Fit:
     """Exact emulations at ``seq_lens`` for N = 4 and 5 layers, and predictions from them."""
 
     seq_lens: tuple[int, ...]
-    samples: dict[int, list[Measurement]]  # layers -> measurements at seq_lens
+    samples: dict[int, list[Measurement]]  # 4 layers: at seq_lens; 5 layers: the first two
     nonaffine: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -116,12 +124,27 @@ class Fit:
         at_n = []
         for n in N_SAMPLE:
             ys = [get(m, ph) for m, ph in zip(self.samples[n], self._phases[n], strict=True)]
-            line = _line(self.seq_lens, ys)
+            xs = self.seq_lens[:len(ys)]
+            line = _line(xs, ys)
             if line is None:
                 self.nonaffine.append(label)
-                line = _line(self.seq_lens[-2:], ys[-2:])
+                line = _line(xs[-2:], ys[-2:])
             at_n.append(line[0] * seq_len + line[1])
         return int(round(at_n[0] + (n_layers - N_SAMPLE[0]) * (at_n[1] - at_n[0])))
+
+    def _flops(self, seq_len: int, n_layers: int) -> int:
+        """FLOPs F(S, N) = A(S) + N B(S): A linear (the loss head; embedding lookups, FSDP and
+        the optimizer count none), B quadratic (a block: attention is quadratic in S). The
+        3 + 2 samples determine the 5 coefficients exactly."""
+        f4 = [m.flops for m in self.samples[N_SAMPLE[0]]]
+        f5 = [m.flops for m in self.samples[N_SAMPLE[1]]]
+        a4, b4, c4 = _quadratic(self.seq_lens, f4)  # A + 4B
+        per_layer = [y5 - y4 for y4, y5 in zip(f4, f5)]  # B at the first two lengths
+        (x0, x1), c = self.seq_lens[:2], c4 / N_SAMPLE[0]
+        b = Fraction(per_layer[1] - per_layer[0], x1 - x0) - c * (x0 + x1)
+        a = per_layer[0] - b * x0 - c * x0 * x0
+        at_4 = a4 + b4 * seq_len + c4 * seq_len * seq_len
+        return int(round(at_4 + (n_layers - N_SAMPLE[0]) * (a + b * seq_len + c * seq_len**2)))
 
     def predict(self, seq_len: int, n_layers: int) -> Measurement:
         every = [ph for n in N_SAMPLE for ph in self._phases[n]]
@@ -136,11 +159,7 @@ class Fit:
         ops = sorted(set().union(*(m.comm_bytes for n in N_SAMPLE for m in self.samples[n])))
         comm = {op: self._bilinear(lambda m, ph, op=op: m.comm_bytes.get(op, 0), seq_len,
                                    n_layers, f"comm {op}") for op in ops}
-        flops_n = []
-        for n in N_SAMPLE:
-            a, b, c = _quadratic(self.seq_lens, [m.flops for m in self.samples[n]])
-            flops_n.append(a + b * seq_len + c * seq_len * seq_len)
-        flops = int(round(flops_n[0] + (n_layers - N_SAMPLE[0]) * (flops_n[1] - flops_n[0])))
+        flops = self._flops(seq_len, n_layers)
         self.nonaffine = sorted(set(self.nonaffine))
         return Measurement(peaks[top], host, breakdown, {top: peaks[top]}, {top: breakdown},
                            flops, comm)
@@ -193,13 +212,14 @@ def fitted(cell: Cell, hw: Hardware) -> Fit:
     if key not in _CACHE:
         cfg = cell.validate()
         q = lattice(cell, cfg.dim)
-        seq_lens = tuple(k * q for k in (K_SAMPLE_CHUNKED if _chunk(cell) else K_SAMPLE))
+        k = _first_quantum(cell, q, cfg.dim)
+        seq_lens = (k * q, (k + 1) * q, (k + 2) * q)
         samples: dict[int, list[Measurement]] = {}
         bad: list[str] = []
-        for n in N_SAMPLE:
+        for n, lengths in zip(N_SAMPLE, (seq_lens, seq_lens[:2]), strict=True):
             small = dataclasses.replace(cfg, n_layers=n)
             samples[n] = [measure_fake(dataclasses.replace(cell, seq_len=s), small, hw)
-                          for s in seq_lens]
-        bad += _check_mid(samples[5][-1], 5)
+                          for s in lengths]
+        bad += _check_mid(samples[N_SAMPLE[1]][-1], N_SAMPLE[1])
         _CACHE[key] = Fit(seq_lens, samples, bad)
     return _CACHE[key]

@@ -134,14 +134,15 @@ def unavailable_reason(cell: Cell) -> str | None:
 
 
 def run_cell(cell: Cell, timeout_s: float | None = None) -> dict:
-    """Run ``cell`` once; always returns a row (see the module docstring for the statuses)."""
+    """Run ``cell`` once; always returns a row (see the module docstring for the statuses),
+    with ``mode`` ``measured`` (``experiments.emulate.emulate_cell``'s rows say ``emulated``)."""
     try:
         cfg = cell.validate()
     except ValueError as e:
-        return describe(cell, None) | {"status": "invalid", "error": str(e)}
+        return describe(cell, None) | {"status": "invalid", "error": str(e), "mode": "measured"}
     reason = unavailable_reason(cell)
     if reason is not None:  # nothing to launch: a row saying why
-        return describe(cell, cfg) | {"status": "skipped", "error": reason}
+        return describe(cell, cfg) | {"status": "skipped", "error": reason, "mode": "measured"}
     torchrun = dist.is_initialized()
     threads = threads_per_rank(cell.nproc)
     t0, load0 = time.monotonic(), os.getloadavg()[0]
@@ -149,6 +150,6 @@ def run_cell(cell: Cell, timeout_s: float | None = None) -> dict:
     res.setdefault("error", "")
     # load averages flag other work on the machine during the cell (timing noise)
     return describe(cell, cfg) | res | {
-        "wall_s": round(time.monotonic() - t0, 2), "load_1m_start": load0,
+        "mode": "measured", "wall_s": round(time.monotonic() - t0, 2), "load_1m_start": load0,
         "load_1m_end": os.getloadavg()[0], "threads_per_rank": threads,
         "launcher": "torchrun" if torchrun else "spawn"}

@@ -18,6 +18,11 @@ from dataclasses import dataclass
 from experiments.config import Cell
 
 PASS, FAIL = "ok", "oom"
+# Emulated searches (``max-context --emulate``, the emulated sweeps): 64K global tokens between
+# the last passing and the first failing length, the resolution of the paper's max-context
+# figures, starting from 1M tokens.
+EMULATED_GRANULARITY = 2**16
+EMULATED_START = 2**20
 
 
 @dataclass(frozen=True)
@@ -88,3 +93,29 @@ def search_max_context(base: Cell, spec: SearchSpec,
             return result(status, ok, bad, probes[-1].get("error", ""))
         ok, bad = (mid, bad) if status == PASS else (ok, mid)
     return result("ok", ok, bad)
+
+
+# Memory columns of a probe that a search summary carries from its longest passing probe.
+PEAK_KEYS = ("peak_device_bytes", "peak_host_bytes", "peak_model_bytes", "peak_attention_bytes",
+             "peak_other_bytes")
+EMULATED_KEYS = ("peak_phase", "device_budget_bytes", "host_budget_bytes", "emulation")
+IDENTITY = ("method", "heads_per_stage", "ring_degree", "chunk_size", "model", "nproc", "stack",
+            "dtype", "budget_mib")
+
+
+def summarize(base: Cell, res: dict, hardware=None) -> dict:
+    """One flat record of a search: the cell's identity, the result without its probes, the
+    memory columns (``PEAK_KEYS``) of the longest passing probe (None when none passed), the
+    mode (``measured``, or ``emulated`` when ``hardware``, an ``experiments.emulate.Hardware``,
+    is given), and when emulated the probe's ``EMULATED_KEYS`` and the hardware as ``hw_*``
+    columns."""
+    passing = [p for p in res["probes"] if p.get("status") == PASS]
+    best = max(passing, key=lambda p: p["seq_len"]) if passing else {}
+    out = {k: getattr(base, k) for k in IDENTITY}
+    out |= {k: v for k, v in res.items() if k != "probes"}
+    out |= {k: best.get(k) for k in PEAK_KEYS}
+    out["mode"] = "measured" if hardware is None else "emulated"
+    if hardware is not None:
+        out |= {k: best.get(k) for k in EMULATED_KEYS}
+        out |= {f"hw_{k}": v for k, v in dataclasses.asdict(hardware).items()}
+    return out

@@ -4,7 +4,9 @@ Every plot reads only the CSVs that ``experiments.report`` writes, so a figure c
 or restyled without rerunning anything, and each shows its reference: the device-memory (or
 budget) line, or Ulysses = 1.0. No torch here: drawing needs no accelerator stack.
 
-Lengths are global tokens in binary units (128K = 131072), as the sweeps declare them.
+Lengths are global tokens in binary units (128K = 131072), as the sweeps declare them. Tables
+whose rows are all emulated (``mode`` column, an emulated sweep) draw the same figures with
+"(emulated)" in the titles and axes and the emulated device budget as the reference line.
 """
 
 from __future__ import annotations
@@ -91,6 +93,16 @@ def _memory_unit(values: pd.Series) -> tuple[int, str]:
     """GiB when the largest value reaches 1 GiB (GPU-size numbers), else MiB: one unit a plot."""
     top = pd.to_numeric(values, errors="coerce").max()
     return (GiB, "GiB") if top >= GiB else (MiB, "MiB")
+
+
+def _emulated(df: pd.DataFrame) -> bool:
+    """Every row says ``mode`` emulated (an emulated sweep's tables; older tables lack mode)."""
+    return set(_column(df, "mode").dropna()) == {"emulated"}
+
+
+def _titled(title: str, df: pd.DataFrame) -> str:
+    """'Peak memory' -> 'Peak memory (emulated)' for emulated rows."""
+    return f"{title} (emulated)" if _emulated(df) else title
 
 
 def _context(df: pd.DataFrame, cols: Iterable[str] = (*SETTINGS, "device")) -> str:
@@ -201,17 +213,24 @@ def _finish_lines(ax, df: pd.DataFrame, ylabel: str, title: str) -> None:
     ax.set_xticks(ticks, [format_tokens(t) for t in ticks])
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set(xlabel="sequence length (global tokens, log2 scale)", ylabel=ylabel, ylim=(0, None),
-           title=f"{title} · {_context(df)}")
+           title=f"{_titled(title, df)} · {_context(df)}")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
 
 
 def _memory_line(ax, df: pd.DataFrame, scale: int, unit: str) -> None:
-    """Dashed line at the device memory (GPU) or the per-rank budget (CPU), when rows name it."""
+    """Dashed line at the device memory (GPU), the per-rank budget (CPU) or the emulated
+    device's budget (its memory less the reserve), when rows name it."""
     mem = pd.to_numeric(df["device_memory_bytes"], errors="coerce").dropna()
     if mem.empty:
         return
     devices = df["device"].dropna().astype(str)
     name = "budget" if len(devices) and devices.iloc[0].startswith("cpu") else "device memory"
+    if _emulated(df):
+        gpu, reserve = (pd.to_numeric(_column(df, c), errors="coerce").dropna()
+                        for c in ("hw_gpu_mem_gib", "hw_reserve_gib"))
+        name = "emulated device budget" + (
+            f": {gpu.iloc[0]:g} GiB - {reserve.iloc[0]:g} GiB reserve"
+            if len(gpu) and len(reserve) and mem.nunique() == 1 else "")
     ax.axhline(mem.max() / scale, ls="--", lw=1.3, color="0.25",
                label=f"{name} ({mem.max() / scale:.3g} {unit})")
 
@@ -253,12 +272,12 @@ def plot_max_context(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bo
                         xytext=(0, 6), textcoords="offset points")
         top = 1.25 * max((fits + gap).max(), 1)
         ax.set(xticks=x, xticklabels=labels, ylim=(0, top),
-               ylabel="longest trainable context (global tokens)")
+               ylabel=_titled("longest trainable context (global tokens)", df))
         _token_axis(ax.yaxis, top)
         budget = df["budget_mib"].dropna().unique()
         where = [f"budget {_plain('', budget[0])} MiB/rank"] if len(budget) == 1 else []
-        ax.set_title(" · ".join(t for t in ["Max context", _context(df.reset_index()), *where]
-                                if t))
+        ax.set_title(" · ".join(t for t in [_titled("Max context", df),
+                                            _context(df.reset_index()), *where] if t))
         if gap.any():
             ax.legend(loc="upper left")
     return True
@@ -284,7 +303,8 @@ def plot_memory_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
             ax.scatter(oom["seq_len"], oom["mem"], marker="x", s=80, linewidths=2, zorder=3,
                        color=[pal[lb] for lb in oom["label"]], label="OOM (peak reached)")
         _memory_line(ax, df, scale, unit)
-        _finish_lines(ax, df, f"peak device memory per rank ({unit})", "Peak memory")
+        _finish_lines(ax, df, _titled(f"peak device memory per rank ({unit})", df),
+                      "Peak memory")
     return True
 
 
@@ -388,23 +408,26 @@ def plot_memory_ladder(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
         for ax, label in zip(axes, labels, strict=True):
             _ladder_panel(ax, df[df["label"] == label], stacks, scale)
             ax.set(title=label, xlabel="memory stack")
-        axes[0].set_ylabel(f"peak per rank ({unit})")
+        axes[0].set_ylabel(_titled(f"peak per rank ({unit})", df))
         top = max(ax.get_ylim()[1] for ax in axes)
         for ax in axes:
             ax.set_ylim(0, top * 1.05)
         handles, names = axes[0].get_legend_handles_labels()
         fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0), ncol=4,
                    fontsize=8)  # below the panels, clear of every bar
-        fig.suptitle(f"Memory ladder · {_context(df, ('model', 'nproc', 'seq_len', 'device'))}")
+        fig.suptitle(f"{_titled('Memory ladder', df)} · "
+                     f"{_context(df, ('model', 'nproc', 'seq_len', 'device'))}")
     return True
 
 
 def plot_heads_per_stage(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bool:
-    """Two panels of bars per variant (Ulysses, then UPipe by U): peak device memory and tokens/s
-    per GPU, each annotated with its ratio to Ulysses. Reads rows.csv: method, heads_per_stage,
-    model, nproc, stack, seq_len, status, peak_device_bytes, and the throughput columns."""
-    df = _throughput(rows)
-    df = df[df["method"].isin(["ulysses", "upipe"])]
+    """Bars per variant (Ulysses, then UPipe by U), each annotated with its ratio to Ulysses:
+    peak device memory, and tokens/s per GPU beside it when the rows are timed (emulated rows
+    are not: the memory panel alone). Reads rows.csv: method, heads_per_stage, model, nproc,
+    stack, seq_len, status, peak_device_bytes, and the throughput columns."""
+    df = rows[(rows["status"] == "ok") & rows["method"].isin(["ulysses", "upipe"])]
+    timed = _throughput(df)
+    df = timed if len(timed) else df[df["peak_device_bytes"].notna()]
     if df.empty:
         return False
     keys = [*SETTINGS, "seq_len"]
@@ -412,8 +435,11 @@ def plot_heads_per_stage(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -
     df, labels = _labelled(df, keys)
     scale, unit = _memory_unit(df["peak_device_bytes"])
     df = df.assign(mem=df["peak_device_bytes"] / scale)
-    panels = (("mem", f"peak device memory per rank ({unit})"), ("tps", "tokens/s per GPU"))
-    with _figure(path, ncols=2, width=max(9.0, 1.6 * len(labels) + 4)) as (fig, axes):
+    panels = [("mem", _titled(f"peak device memory per rank ({unit})", df))]
+    if len(timed):
+        panels.append(("tps", "tokens/s per GPU"))
+    width = max(4.5 * len(panels), 0.8 * len(panels) * len(labels) + 2 * len(panels))
+    with _figure(path, ncols=len(panels), width=width) as (fig, axes):
         for ax, (col, name) in zip(axes, panels, strict=True):
             agg = df.groupby(["label", "method", "heads_per_stage", *keys], dropna=False,
                              sort=False)[col].median().reset_index()
@@ -426,7 +452,7 @@ def plot_heads_per_stage(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -
                             xytext=(0, 2), textcoords="offset points", fontsize=8)
             ax.set(xlabel="variant", ylabel=name, ylim=(0, 1.25 * max(agg[col].max(), 1e-9)))
             ax.tick_params(axis="x", rotation=20 if len(labels) > 4 else 0)
-        fig.suptitle(f"Heads per stage · {_context(df, (*keys, 'device'))}")
+        fig.suptitle(f"{_titled('Heads per stage', df)} · {_context(df, (*keys, 'device'))}")
     return True
 
 

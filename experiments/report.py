@@ -5,7 +5,8 @@ Layout of ``results/<sweep>/``::
     sweep.json            the declaration that ran (and env.json: the invoking process)
     runs/<cell_id>/       cell.json (resolved config) and row.json (metrics, status, provenance)
     searches/<id>.json    one max-context search: summary and the cell ids of its probes
-    rows.csv              one row per cell x repetition, every status (rebuilt from runs/)
+    rows.csv              one row per cell x repetition, every status (rebuilt from runs/);
+                          ``mode`` says how: measured (a launch) or emulated (the emulator)
     max_context.csv       one row per search (rebuilt from searches/)
     *.png                 plots, a pure function of the two tables (experiments.plots)
 
@@ -25,13 +26,17 @@ ROWS, MAXCTX = "rows.csv", "max_context.csv"
 # first columns of rows.csv; the rest follow in the order the rows first name them
 ROW_COLUMNS = ["sweep", "cell_id", "method", "heads_per_stage", "ring_degree", "chunk_size",
                "model", "seq_len", "nproc", "stack", "dtype", "kernel", "budget_mib",
-               "overrides", "status", "time_median_s", "time_p20_s", "time_p80_s",
-               "tokens_per_s_per_gpu", "mfu", "peak_device_bytes", "peak_host_bytes",
+               "overrides", "status", "mode", "emulation", "time_median_s", "time_p20_s",
+               "time_p80_s", "tokens_per_s_per_gpu", "mfu", "peak_device_bytes", "peak_host_bytes",
                "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes",
-               "device_memory_bytes", "device", "error"]
+               "device_memory_bytes", "device_budget_bytes", "host_budget_bytes",
+               "rank_flops_per_step", "comm_bytes_per_step", "comm_bytes_by_op", "device", "error"]
 MAXCTX_COLUMNS = ["sweep", "method", "heads_per_stage", "ring_degree", "chunk_size", "model",
-                  "nproc", "stack", "dtype", "budget_mib", "status", "max_seq_len",
-                  "first_failing_seq_len", "granularity", "n_probes", "device", "error"]
+                  "nproc", "stack", "dtype", "budget_mib", "status", "mode", "max_seq_len",
+                  "first_failing_seq_len", "granularity", "n_probes", "peak_device_bytes",
+                  "peak_host_bytes", "peak_model_bytes", "peak_attention_bytes",
+                  "peak_other_bytes", "device_budget_bytes", "host_budget_bytes", "device",
+                  "error"]
 
 
 def write_json(path: Path, obj) -> None:
@@ -48,9 +53,13 @@ def read_json(path: Path):
 
 def _frame(records: list[dict], first: list[str]) -> pd.DataFrame:
     df = pd.DataFrame.from_records(records)
-    for col in df.columns:  # lists (per-step times, losses) as JSON text in the CSV
+    # lists (per-step times, losses) and dicts (comm_bytes_by_op) as JSON text in the CSV
+    for col in df.columns:
         if df[col].map(lambda v: isinstance(v, (list, dict))).any():
-            df[col] = df[col].map(lambda v: json.dumps(v) if isinstance(v, (list, dict)) else v)
+            df[col] = df[col].map(lambda v: json.dumps(v, sort_keys=True)
+                                  if isinstance(v, (list, dict)) else v)
+    # rows and searches written before the mode column existed were all measured
+    df["mode"] = df["mode"].fillna("measured") if "mode" in df.columns else "measured"
     cols = [c for c in first if c in df.columns] + [c for c in df.columns if c not in first]
     return df.reindex(columns=cols)
 

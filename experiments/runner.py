@@ -7,10 +7,15 @@ interrupted sweep keeps everything measured. Resuming skips cells that already h
 its method is available). A search's probes are cells too, cached the same way; a search whose
 method is unavailable here is recorded as ``skipped`` without probes. Under torchrun every rank
 walks the same list; rank 0 decides what to skip and writes.
+
+An emulated sweep (``scale == "emulated"``) runs its cells and probes in this process through
+``experiments.emulate.emulate_cell`` on the sweep's ``hardware`` instead (rows with ``mode``
+``emulated``); a method that cannot be emulated (``emulation_unavailable``) gives skipped rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import sys
 from pathlib import Path
@@ -20,7 +25,7 @@ from tqdm import tqdm
 
 from experiments.config import Cell, format_size
 from experiments.launch import run_cell, unavailable_reason
-from experiments.maxctx import search_max_context
+from experiments.maxctx import search_max_context, summarize
 from experiments.provenance import provenance
 from experiments.report import read_json, write_json, write_tables
 from experiments.sweep import Sweep
@@ -41,6 +46,16 @@ def _agree(value):
     return box[0]
 
 
+def _headline(row: dict) -> str:
+    """What a progress line shows of a row: tokens/s when measured, the peak when emulated."""
+    rate, peak = row.get("tokens_per_s_per_gpu"), row.get("peak_device_bytes")
+    if rate:
+        return f"  {rate:.0f} tokens/s/gpu"
+    if row.get("mode") == "emulated" and peak:
+        return f"  peak {peak / 2**30:.2f} GiB/rank (emulated)"
+    return ""
+
+
 def _label(cell: Cell) -> str:
     u = "" if cell.heads_per_stage is None else f":U={cell.heads_per_stage}"
     r = "" if cell.ring_degree == 1 else f":{cell.nproc // cell.ring_degree}x{cell.ring_degree}"
@@ -58,15 +73,32 @@ class SweepRunner:
         self.timeout_s = sweep.timeout_s if timeout_s is None else timeout_s
         self.run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         self.counts: dict[str, int] = {}
+        self.emulated = sweep.scale == "emulated"
 
     # -- cells ---------------------------------------------------------------------------------
+
+    def unavailable(self, cell: Cell) -> str | None:
+        """Why the cell cannot run (or be emulated, in an emulated sweep) here, or None."""
+        if self.emulated:
+            from experiments.emulate import emulation_unavailable
+
+            return emulation_unavailable(cell, self.sweep.hardware)
+        return unavailable_reason(cell)
+
+    def launch(self, cell: Cell) -> dict:
+        """The cell's fresh row: measured in its own launch, or emulated in this process."""
+        if self.emulated:
+            from experiments.emulate import emulate_cell
+
+            return emulate_cell(cell, self.sweep.hardware, exact=self.sweep.exact)
+        return run_cell(cell, timeout_s=self.timeout_s)
 
     def cached_row(self, cell: Cell) -> dict | None:
         path = self.dir / "runs" / cell.cell_id() / "row.json"
         row = read_json(path) if _is_writer() and path.exists() else None
         if row is not None and self.retry_failed and row.get("status") in RETRYABLE:
             row = None
-        if row is not None and row.get("status") == "skipped" and unavailable_reason(cell) is None:
+        if row is not None and row.get("status") == "skipped" and self.unavailable(cell) is None:
             row = None  # skipped elsewhere (a CPU machine), runnable here
         return _agree(row)
 
@@ -76,8 +108,7 @@ class SweepRunner:
         if row is not None:
             self.counts["cached"] = self.counts.get("cached", 0) + 1
             return row
-        row = run_cell(cell, timeout_s=self.timeout_s) | {"sweep": self.sweep.name,
-                                                          "run_id": self.run_id}
+        row = self.launch(cell) | {"sweep": self.sweep.name, "run_id": self.run_id}
         self.counts[row["status"]] = self.counts.get(row["status"], 0) + 1
         if _is_writer():
             d = self.dir / "runs" / cell.cell_id()
@@ -102,6 +133,8 @@ class SweepRunner:
                 "search_methods": self.sweep.search_methods,
                 "search_base": self.sweep.search_base,
                 "repeats": self.sweep.repeats, "plots": list(self.sweep.plots),
+                "hardware": None if self.sweep.hardware is None
+                else dataclasses.asdict(self.sweep.hardware), "exact": self.sweep.exact,
                 "invalid_cells": [[c.cell_id(), e] for c, e in bad]})
             write_json(self.dir / "env.json", provenance() | {"argv": sys.argv,
                                                                "run_id": self.run_id})
@@ -114,9 +147,7 @@ class SweepRunner:
                 bar.set_postfix_str(_label(cell))
                 row = self.run(cell)
                 if _is_writer():
-                    rate = row.get("tokens_per_s_per_gpu")
-                    bar.write(f"  [{row['status']}] {_label(cell)}"
-                              + (f"  {rate:.0f} tokens/s/gpu" if rate else ""))
+                    bar.write(f"  [{row['status']}] {_label(cell)}{_headline(row)}")
                 bar.update()
             for base in searches:
                 bar.set_postfix_str(f"max context {_label(base)}")
@@ -130,7 +161,7 @@ class SweepRunner:
     def search(self, base: Cell) -> dict:
         try:
             base.validate()
-            reason = unavailable_reason(base)
+            reason = self.unavailable(base)
         except ValueError as e:  # recorded like an invalid cell; nothing to probe
             status, reason = "invalid", str(e)
         else:
@@ -140,11 +171,7 @@ class SweepRunner:
         else:
             res = {"status": status, "max_seq_len": None, "first_failing_seq_len": None,
                    "n_probes": 0, "error": reason, "probes": []}
-        ident = {k: getattr(base, k) for k in ("method", "heads_per_stage", "ring_degree",
-                                                "chunk_size", "model", "nproc", "stack",
-                                                "dtype", "budget_mib")}
-        summary = {"sweep": self.sweep.name, **ident,
-                   **{k: v for k, v in res.items() if k != "probes"},
+        summary = {"sweep": self.sweep.name, **summarize(base, res, self.sweep.hardware),
                    "device": next((p.get("device") for p in res["probes"] if p.get("device")),
                                   None),
                    "probe_cell_ids": [p.get("cell_id") for p in res["probes"]],

@@ -1,8 +1,10 @@
 """A sweep is data: a base cell, axes to expand, and optional max-context searches.
 
 Sweep declarations live in ``experiments/sweeps/``, one file per paper artefact, each with a
-paper-scale sweep and a CPU-scale counterpart that runs on 2 cores (STYLE.md §5). ``expand``
-turns a sweep into cells; ``validate`` checks every one of them before anything runs (a dry run).
+paper-scale sweep and a CPU-scale counterpart that runs on 2 cores (STYLE.md §5); every
+paper-scale sweep also has an emulated twin (scale ``emulated``: the same cells through the
+emulator on declared ``hardware``, DESIGN.md §8). ``cells`` turns a sweep into cells;
+``validate`` checks every one of them before anything runs (a dry run).
 """
 
 from __future__ import annotations
@@ -10,14 +12,20 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from experiments.config import Cell, parse_size
 from experiments.maxctx import SearchSpec
+
+if TYPE_CHECKING:  # the emulator (torch, the model) is imported only where a sweep runs
+    from experiments.emulate import Hardware
 
 # Cell fields given in tokens: a declaration may write them as "128K" or "1M"
 SIZE_FIELDS = ("seq_len", "chunk_size")
 PLOTS = ("max_context", "memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses",
          "memory_ladder", "heads_per_stage")
+THROUGHPUT_PLOTS = ("throughput_vs_seq", "throughput_vs_ulysses")  # need measured step times
+SCALES = ("paper", "cpu", "emulated")
 
 
 @dataclass(frozen=True)
@@ -29,7 +37,8 @@ class Sweep:
     description: str
     """what the artefact shows, in one line"""
     scale: str
-    """``paper`` (GPUs, NCCL) or ``cpu`` (2 cores, gloo)"""
+    """``paper`` (GPUs, NCCL), ``cpu`` (2 cores, gloo) or ``emulated`` (paper-scale cells through
+    the emulator on ``hardware``; memory, FLOPs and communication, no times)"""
     base: dict
     """Cell fields shared by every cell"""
     axes: dict = field(default_factory=dict)
@@ -49,14 +58,26 @@ class Sweep:
     plots: tuple[str, ...] = ()
     """plots drawn from the tables (see ``PLOTS``)"""
     timeout_s: float = 3600.0
-    """per-cell (and per-probe) wall-clock limit"""
+    """per-cell (and per-probe) wall-clock limit (measured sweeps)"""
+    hardware: Hardware | None = None
+    """the emulated hardware (``experiments.emulate.Hardware``); emulated sweeps only"""
+    exact: bool = False
+    """emulated sweeps: emulate every cell at its own size instead of the fit of small exact
+    emulations (``experiments.emulate.emulate_cell``)"""
 
     def __post_init__(self):
-        if self.scale not in ("paper", "cpu"):
-            raise ValueError(f"sweep.scale must be 'paper' or 'cpu', got {self.scale!r}")
+        if self.scale not in SCALES:
+            raise ValueError(f"sweep.scale must be one of {list(SCALES)}, got {self.scale!r}")
         bad = [p for p in self.plots if p not in PLOTS]
         if bad:
             raise ValueError(f"sweep.plots must be among {PLOTS}, got {bad}")
+        if (self.scale == "emulated") != (self.hardware is not None):
+            raise ValueError("sweep.hardware must be given for an emulated sweep and only for "
+                             f"one (scale {self.scale!r}, hardware {self.hardware})")
+        if self.hardware is not None:
+            self.hardware.validate()
+        if self.exact and self.scale != "emulated":
+            raise ValueError(f"sweep.exact applies to emulated sweeps only, not {self.scale!r}")
 
     def _products(self, axes: dict) -> list[dict]:
         names = list(axes)

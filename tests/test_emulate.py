@@ -84,7 +84,7 @@ def test_fit_predicts_the_exact_emulation(method, options):
     fit = emulate_cell(cell, hw)
     assert exact["status"] == fit["status"] == "ok", (exact["error"], fit["error"])
     assert fit["emulation"] == "fit" and fit["fit_nonaffine_phases"] == []
-    keys = KEYS + ("flops_per_step", "comm_bytes_per_step", "comm_bytes_by_op")
+    keys = KEYS + ("rank_flops_per_step", "comm_bytes_per_step", "comm_bytes_by_op")
     assert {k: fit[k] for k in keys} == {k: exact[k] for k in keys}
 
 

@@ -1,0 +1,226 @@
+"""The command line's flags and how they resolve into a ``Cell``, the emulated ``Hardware`` and
+a ``SearchSpec`` (``experiments.cli`` holds the commands).
+
+Every resolution checks the flags together and raises ValueError naming the flag and the rule
+(the CLI turns it into exit status 2): ``--world`` is ``--nproc`` by another name, ``--mesh UxR``
+sets both the world (U x R) and the ring degree R, the hardware flags apply to emulation only,
+and a search's granularity is nproc x block. ``--stack`` defaults to the paper's stack for the
+method (``config.paper_stack``); emulated cells default to the paper's bf16 on one 8-GPU node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+
+from experiments.config import (
+    DTYPES,
+    PRESETS,
+    STACKS,
+    Cell,
+    format_size,
+    paper_stack,
+    parse_overrides,
+    parse_size,
+)
+from experiments.maxctx import EMULATED_GRANULARITY, EMULATED_START, SearchSpec
+
+# emulation defaults: one node of the paper (8x H100 80 GB, DGX H100 host RAM)
+EMULATED_WORLD = 8
+# Hardware field -> the flag that sets it (validation messages name the flag)
+HARDWARE_FLAGS = {"gpu_mem_gib": "--gpu-mem", "host_mem_gib": "--host-mem",
+                  "gpus_per_node": "--gpus-per-node", "reserve_gib": "--reserve",
+                  "device": "--emulate-device"}
+
+
+def size(text: str) -> int:
+    """argparse type for token counts: '128K', '1M', '131072'."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
+                  nproc_default: str = "the torchrun world, else 4",
+                  measured: bool = True) -> None:
+    """The cell's flags; ``measured`` adds those of a real launch (steps, timeout)."""
+    p.add_argument("--method", required=True, help="registry name (upipe-bench list methods)")
+    p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--seq-len", type=size, default=4096, help="global tokens: 131072, 128K, 1M")
+    p.add_argument("--nproc", type=int, default=None,
+                   help=f"ranks = CP degree (default: {nproc_default})")
+    p.add_argument("--stack", default=None,
+                   help=f"memory stack: {', '.join(STACKS)} (default: the paper's for the "
+                        "method: native for torch-cp, else alst)")
+    p.add_argument("--heads-per-stage", type=int, default=None, help="UPipe's U")
+    p.add_argument("--ring-degree", type=int, default=None,
+                   help="hybrids (usp, upipe): ring axis of a (ring, ulysses) mesh; "
+                        "Ulysses degree = nproc / ring degree (default 1)")
+    p.add_argument("--chunk-size", type=size, default=None,
+                   help="fpdt, ds-fpdt: global tokens per chunk (64K; default: the method's)")
+    dtype_default = dtype or "fp32; with --emulate bf16, the paper's"
+    p.add_argument("--dtype", default=dtype,
+                   help=f"one of {', '.join(DTYPES)} (default {dtype_default})")
+    p.add_argument("--kernel", default="auto", help="attention kernel")
+    p.add_argument("--budget-mib", type=float, default=None,
+                   help="per-rank device budget (CPU: tracked bytes; GPU: allocator limit; "
+                        "emulated: replaces --gpu-mem less --reserve)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="model field override, repeatable (e.g. n_layers=2)")
+    if measured:
+        p.add_argument("--warmup", type=int, default=1)
+        p.add_argument("--iters", type=int, default=2)
+        p.add_argument("--timeout", type=float, default=3600.0, help="seconds per launch")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_world_args(p: argparse.ArgumentParser) -> None:
+    """--world and --mesh, resolved with --nproc and --ring-degree by ``world_from_args``."""
+    p.add_argument("--world", type=int, default=None, metavar="N",
+                   help="the (emulated) world size: the same as --nproc")
+    p.add_argument("--mesh", default=None, metavar="UxR",
+                   help="Ulysses degree x ring degree, e.g. 8x2: nproc 16 with ring degree 2")
+
+
+def add_hardware_args(p: argparse.ArgumentParser, *, required: str = "") -> None:
+    """The emulated hardware's flags; ``required`` names the flag they need (max-context's
+    --emulate). Defaults are None here and resolved in ``hardware_from_args`` so that a flag given
+    without ``required`` is an error rather than silently ignored."""
+    from experiments.emulate import DEFAULT_RESERVE_GIB
+
+    g = p.add_argument_group("emulated hardware" + (f" (with {required})" if required else ""))
+    g.add_argument("--gpu-mem", type=float, default=None, metavar="GiB",
+                   help="device memory per GPU (default 80: H100)")
+    g.add_argument("--host-mem", type=float, default=None, metavar="GiB",
+                   help="host RAM per node, shared by its ranks (default 2048: DGX H100)")
+    g.add_argument("--gpus-per-node", type=int, default=None,
+                   help="ranks per node; a rank's host budget is the node's RAM over them "
+                        "(default 8)")
+    g.add_argument("--reserve", type=float, default=None, metavar="GiB",
+                   help="device memory kept off the budget: CUDA context, library workspaces "
+                        f"and fragmentation (default {DEFAULT_RESERVE_GIB:g})")
+    g.add_argument("--exact", action="store_true", default=None,
+                   help="emulate the target size itself instead of predicting it from the fit "
+                        "of small exact emulations (slower at paper scale)")
+    g.add_argument("--emulate-device", choices=["cuda", "cpu"], default=None,
+                   help="kernels and allocator emulated: cuda (default), or cpu (what a gloo "
+                        "run's tracker measures)")
+
+
+def hardware_from_args(a: argparse.Namespace, *, enabled: bool = True, why: str = ""):
+    """The emulated ``Hardware`` from the flags (validated, errors naming the flag); None when
+    emulation is off, in which case no hardware flag may be given."""
+    from experiments.emulate import Hardware
+
+    given = {"--gpu-mem": a.gpu_mem, "--host-mem": a.host_mem,
+             "--gpus-per-node": a.gpus_per_node, "--reserve": a.reserve, "--exact": a.exact,
+             "--emulate-device": a.emulate_device}
+    if not enabled:
+        extra = [flag for flag, v in given.items() if v is not None]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} appl{'ies' if len(extra) == 1 else 'y'} "
+                             f"to {why} only")
+        return None
+    values = {"gpu_mem_gib": a.gpu_mem, "host_mem_gib": a.host_mem,
+              "gpus_per_node": a.gpus_per_node, "reserve_gib": a.reserve,
+              "device": a.emulate_device}
+    hw = dataclasses.replace(Hardware(), **{k: v for k, v in values.items() if v is not None})
+    try:
+        hw.validate()
+    except ValueError as e:
+        msg = str(e)
+        for name, flag in HARDWARE_FLAGS.items():
+            msg = msg.replace(name, flag)
+        raise ValueError(msg) from None
+    return hw
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """'8x2' -> (8, 2): Ulysses degree, ring degree."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not m or int(m[1]) < 1 or int(m[2]) < 1:
+        raise ValueError(f"--mesh must be UxR, the Ulysses degree x the ring degree, both >= 1 "
+                         f"(e.g. 8x2: 16 ranks, ring degree 2), got {text!r}")
+    return int(m[1]), int(m[2])
+
+
+def world_from_args(a: argparse.Namespace, default_world: int) -> tuple[int, int]:
+    """(nproc, ring_degree) from --nproc, --world, --mesh and --ring-degree, which must agree:
+    --world is --nproc by another name, --mesh UxR is nproc U*R with ring degree R."""
+    nproc, ring = a.nproc, a.ring_degree
+    world, mesh = getattr(a, "world", None), getattr(a, "mesh", None)
+    if world is not None:
+        if world < 1:
+            raise ValueError(f"--world must be >= 1, got {world}")
+        if nproc is not None and nproc != world:
+            raise ValueError(f"--world ({world}) and --nproc ({nproc}) are the same world size "
+                             "and must agree; give one")
+        nproc = world
+    if mesh is not None:
+        u, r = parse_mesh(mesh)
+        if nproc is not None and nproc != u * r:
+            raise ValueError(f"--mesh {mesh} is {u * r} ranks (Ulysses {u} x ring {r}) but "
+                             f"--world/--nproc is {nproc}; they must agree")
+        if ring is not None and ring != r:
+            raise ValueError(f"--mesh {mesh} has ring degree {r} but --ring-degree is {ring}; "
+                             "they must agree")
+        nproc, ring = u * r, r
+    return (default_world if nproc is None else nproc), (1 if ring is None else ring)
+
+
+def cell_from_args(a: argparse.Namespace, *, emulated: bool = False) -> Cell:
+    """The validated cell the flags describe. Emulated cells default to the paper's setting
+    (bf16, one 8-GPU node); real ones to fp32 on the torchrun world, else 4 ranks."""
+    default_world = EMULATED_WORLD if emulated else int(os.environ.get("WORLD_SIZE", 4))
+    nproc, ring_degree = world_from_args(a, default_world)
+    cell = Cell(method=a.method, model=a.model, seq_len=a.seq_len, nproc=nproc,
+                stack=a.stack or paper_stack(a.method), heads_per_stage=a.heads_per_stage,
+                ring_degree=ring_degree, chunk_size=a.chunk_size,
+                dtype=a.dtype or ("bf16" if emulated else "fp32"),
+                kernel=a.kernel, overrides=parse_overrides(a.override),
+                budget_mib=a.budget_mib, warmup=getattr(a, "warmup", 1),
+                iters=getattr(a, "iters", 2))
+    cell.validate()
+    return cell
+
+
+def search_spec_from_args(a: argparse.Namespace, cell: Cell, emulate: bool) -> SearchSpec:
+    """The search's SearchSpec from --start, --block, --granularity and --limit.
+
+    Granularity (global tokens between the last passing and the first failing length) is
+    nproc * block: give either. Real searches default to --block 512 and start at --seq-len;
+    emulated ones to a 64K granularity from 1M tokens (rounded to the granularity)."""
+    if a.granularity is not None:
+        if a.granularity < 1 or a.granularity % cell.nproc:
+            raise ValueError(f"--granularity ({a.granularity}) must be a positive multiple of "
+                             f"the world size ({cell.nproc})")
+        block = a.granularity // cell.nproc
+        if a.block is not None and a.block != block:
+            raise ValueError(f"--block ({a.block}) and --granularity ({a.granularity}) disagree:"
+                             f" granularity = nproc ({cell.nproc}) * block; give one")
+    elif a.block is not None:
+        block = a.block
+    elif emulate:
+        if EMULATED_GRANULARITY % cell.nproc:
+            raise ValueError(f"the default --granularity ({format_size(EMULATED_GRANULARITY)}) "
+                             f"must be a multiple of the world size ({cell.nproc}); give "
+                             "--granularity")
+        block = EMULATED_GRANULARITY // cell.nproc
+    else:
+        block = 512
+    gran = cell.nproc * block
+    if a.start is not None:
+        start = a.start
+    elif emulate:
+        start = max(gran, EMULATED_START // gran * gran)
+    else:
+        start = cell.seq_len
+    spec = SearchSpec(start=start, block=block, limit=a.limit)
+    try:
+        spec.validate(cell.nproc)
+    except ValueError as e:
+        raise ValueError(str(e).replace("search.", "--")) from None
+    return spec

@@ -66,7 +66,7 @@ def entries() -> list[Entry]:
     tiny = Cell(method="upipe", model="tiny", nproc=4, seq_len=8192, dtype="fp32",
                 budget_mib=48, warmup=1, iters=0)
     out.append(Entry("upipe-tiny-4xcpu-48MiB", tiny, SearchSpec(start=8192, block=256,
-                                                               limit=12288), emulated=False))
+                                                               limit=9216), emulated=False))
     return out
 
 
@@ -99,6 +99,8 @@ def _search(entry: Entry) -> dict:
         "granularity": c.nproc * entry.spec.block, "status": res["status"],
         "max_seq_len": res["max_seq_len"], "first_failing_seq_len": res["first_failing_seq_len"],
         "peak_device_bytes_at_max": best.get("peak_device_bytes"),
+        # phases the fit could not confirm affine (empty when the prediction is exact)
+        "fit_nonaffine_phases": ";".join(best.get("fit_nonaffine_phases") or []),
         "error": (res.get("error") or "").splitlines()[0][:200] if res.get("error") else "",
         "search_s": round(time.monotonic() - t0, 1),
     }

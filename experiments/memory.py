@@ -35,6 +35,7 @@ ops fake mode runs underneath)::
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 import weakref
 from collections import defaultdict
@@ -280,10 +281,20 @@ class MemoryTracker(TorchDispatchMode):
                     self._add(p, func.__name__, skip=inputs)
 
     def __enter__(self):
+        # Python's cycle collector frees objects held in reference cycles at moments that depend
+        # on the interpreter's whole history (its allocation counters), so a tensor kept by a
+        # cycle would be freed at a different op in each process and the tracked peak would not
+        # be a function of the code. Collect once, then pause it while tracking: every free is
+        # then a reference-count free, the same in a real run, an emulation or a test.
+        gc.collect()
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
         _ResizeHook.install(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
+        if self._gc_was_enabled:
+            gc.enable()
         self._comm_aliases.clear()
         _ResizeHook.remove(self)
         return super().__exit__(*exc)

@@ -63,10 +63,10 @@ def test_emulation_equals_the_real_run(dist_pool, method, stack, options):
     assert {k: emulated[k] for k in KEYS} == real
 
 
+# one of each structure: head stages, a hybrid mesh with a ring, sequence chunks (every method's
+# fit also checks itself: tests/test_max_context_regression.py requires no unconfirmed phase)
 FIT_CASES = [
     ("upipe", {}),
-    ("ulysses", {}),
-    ("zigzag-ring", {}),
     ("usp", {"ring_degree": 2}),
     ("fpdt", {"chunk_size": 1024}),
 ]

@@ -37,6 +37,8 @@ def test_baseline_covers_every_entry():
     # every method that can be emulated here has a length; the rest say why they have none
     assert emulated.loc[emulated["status"] == "ok", "max_seq_len"].notna().all()
     assert (emulated.loc[emulated["status"] != "ok", "error"].str.len() > 0).all()
+    # and every emulated length comes from a fit whose every phase was exactly affine
+    assert emulated["fit_nonaffine_phases"].isna().all()
 
 
 def test_max_context_has_not_regressed():

@@ -78,7 +78,7 @@ def _search(entry: Entry) -> dict:
 
         hw = Hardware()
         reason = emulation_unavailable(entry.base, hw)
-        run = lambda c: emulate_cell(c, hw)  # noqa: E731
+        run = lambda c: emulate_cell(c, hw, count=False)  # noqa: E731  memory only
     else:
         from experiments.launch import run_cell, unavailable_reason
 

@@ -102,8 +102,8 @@ class Measurement:
     breakdown: dict[str, int]  # category -> device bytes at the peak
     phase_peaks: dict[tuple[str, ...], int]  # phase key -> its peak device bytes
     phase_breakdowns: dict[tuple[str, ...], dict[str, int]]
-    flops: int
-    comm_bytes: dict[str, int]  # c10d op -> bytes sent
+    flops: int | None  # None: not counted
+    comm_bytes: dict[str, int] | None  # c10d op -> bytes sent; None: not counted
 
 
 @contextlib.contextmanager
@@ -156,8 +156,10 @@ def _init_optimizer_states(state) -> None:
     state.optimizer.zero_grad(set_to_none=True)
 
 
-def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware) -> Measurement:
-    """Emulate one steady-state step of ``cell`` with the model shape ``cfg``."""
+def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True) -> Measurement:
+    """Emulate one steady-state step of ``cell`` with the model shape ``cfg`` (``count``: also
+    count FLOPs and bytes sent; a memory-only search leaves them out, two dispatch layers
+    fewer per op)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device = torch.device("cpu")
@@ -175,9 +177,10 @@ def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware) -> Measurement:
             model.set_offload(host_context=tracker.host)
             states = [t for s in opt.state.values() for t in s.values()
                       if isinstance(t, torch.Tensor)]
-            flop_counter = CountedFlops()
+            flop_counter = CountedFlops() if count else contextlib.nullcontext()
+            comm = CollectiveCounter() if count else contextlib.nullcontext()
             try:
-                with flop_counter, CollectiveCounter() as comm, tracker:
+                with flop_counter, comm, tracker:
                     tracker.track(model, state.tokens, state.labels, states, category="model")
                     with tracker.phase("forward"):
                         loss_sum = model(state.tokens, state.labels)
@@ -194,7 +197,8 @@ def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware) -> Measurement:
         breakdown=dict(tracker.breakdown_at_peak),
         phase_peaks=dict(tracker.peak_by_phase),
         phase_breakdowns={k: dict(v) for k, v in tracker.breakdown_by_phase.items()},
-        flops=flop_counter.total, comm_bytes=dict(comm.bytes_sent))
+        flops=flop_counter.total if count else None,
+        comm_bytes=dict(comm.bytes_sent) if count else None)
 
 
 def emulation_unavailable(cell: Cell, hw: Hardware) -> str | None:
@@ -234,13 +238,16 @@ def _row_metrics(cell: Cell, cfg: ModelConfig, hw: Hardware, m: Measurement) -> 
         # formulas count it) beside the shared model-FLOPs formula over all ranks
         "rank_flops_per_step": m.flops,
         "model_tflops_per_step": step_flops(cfg, cell.seq_len) / 1e12,
-        "comm_bytes_per_step": sum(m.comm_bytes.values()), "comm_bytes_by_op": m.comm_bytes,
+        "comm_bytes_per_step": None if m.comm_bytes is None else sum(m.comm_bytes.values()),
+        "comm_bytes_by_op": m.comm_bytes,
     } | {f"hw_{k}": v for k, v in dataclasses.asdict(hw).items()}
 
 
-def emulate_cell(cell: Cell, hw: Hardware = Hardware(), *, exact: bool = False) -> dict:
+def emulate_cell(cell: Cell, hw: Hardware = Hardware(), *, exact: bool = False,
+                 count: bool = True) -> dict:
     """The row of ``cell`` emulated on ``hw`` (statuses as ``run_cell``'s: ok, oom over the
-    device or host budget, invalid, skipped, error)."""
+    device or host budget, invalid, skipped, error). ``count=False``: memory only (FLOPs and
+    bytes sent are None), for searches that need only the status."""
     try:
         cfg = cell.validate()
         hw.validate()
@@ -252,11 +259,11 @@ def emulate_cell(cell: Cell, hw: Hardware = Hardware(), *, exact: bool = False) 
     t0 = time.monotonic()
     try:
         if exact:
-            m, extra = measure_fake(cell, cfg, hw), {"emulation": "exact"}
+            m, extra = measure_fake(cell, cfg, hw, count), {"emulation": "exact"}
         else:
             from experiments.emulate_fit import fitted
 
-            fit = fitted(cell, hw)
+            fit = fitted(cell, hw, count)
             m, extra = fit.predict(cell.seq_len, cfg.n_layers), fit.summary()
     except Exception as e:  # a method that fails under fake tensors: a row, not a crash
         import traceback

@@ -129,6 +129,7 @@ class Fit:
 
     def __post_init__(self):
         self._phases = {n: [_phases(m, n) for m in ms] for n, ms in self.samples.items()}
+        self.counted = self.samples[N_SAMPLE[0]][0].flops is not None
 
     def _bilinear(self, get, seq_len: int, n_layers: int, label: str) -> int:
         """``get(measurement, phases)`` at (seq_len, n_layers): a line in S per sample depth,
@@ -169,10 +170,12 @@ class Fit:
         breakdown = {c: self._bilinear(lambda m, ph, c=c: ph[top][1].get(c, 0), seq_len,
                                        n_layers, f"{' > '.join(top)} [{c}]") for c in cats}
         host = self._bilinear(lambda m, ph: m.peak_host_bytes, seq_len, n_layers, "host")
-        ops = sorted(set().union(*(m.comm_bytes for n in N_SAMPLE for m in self.samples[n])))
-        comm = {op: self._bilinear(lambda m, ph, op=op: m.comm_bytes.get(op, 0), seq_len,
-                                   n_layers, f"comm {op}") for op in ops}
-        flops = self._flops(seq_len, n_layers)
+        comm, flops = None, None
+        if self.counted:
+            ops = sorted(set().union(*(m.comm_bytes for n in N_SAMPLE for m in self.samples[n])))
+            comm = {op: self._bilinear(lambda m, ph, op=op: m.comm_bytes.get(op, 0), seq_len,
+                                       n_layers, f"comm {op}") for op in ops}
+            flops = self._flops(seq_len, n_layers)
         self.nonaffine = sorted(set(self.nonaffine))
         return Measurement(peaks[top], host, breakdown, {top: peaks[top]}, {top: breakdown},
                            flops, comm)
@@ -216,18 +219,20 @@ def _check_mid(m: Measurement, n_layers: int) -> list[str]:
 _CACHE: dict[tuple, Fit] = {}
 
 
-def fitted(cell: Cell, hw: Hardware) -> Fit:
+def fitted(cell: Cell, hw: Hardware, count: bool = True) -> Fit:
     """The fit for ``cell``'s family, computed once per process. The family is every field but
     those that change nothing in one step's allocations: the length (the fit's variable), the
     step counts, the budget (it decides the status, after) and labels."""
-    key = (dataclasses.replace(cell, seq_len=0, warmup=0, iters=0, budget_mib=None, extra={}),
-           hw.device)  # the budgets only decide statuses
+    family = dataclasses.replace(cell, seq_len=0, warmup=0, iters=0, budget_mib=None, extra={})
+    key = (family, hw.device, count)  # the budgets only decide statuses
+    if not count and (family, hw.device, True) in _CACHE:  # a counted fit serves too
+        return _CACHE[(family, hw.device, True)]
     if key not in _CACHE:
         cfg = cell.validate()
         q = lattice(cell, cfg.dim)
         k = _first_quantum(cell, q, cfg.dim)
         run = {n: lambda s, n=n: measure_fake(dataclasses.replace(cell, seq_len=s),
-                                              dataclasses.replace(cfg, n_layers=n), hw)
+                                              dataclasses.replace(cfg, n_layers=n), hw, count)
                for n in N_SAMPLE}
         lengths = [k * q, (k + 1) * q, (k + 2) * q]
         at_4 = [run[N_SAMPLE[0]](s) for s in lengths]
@@ -255,6 +260,6 @@ def _noncollinear(xs, ms: list[Measurement]) -> list[str]:
         series[" > ".join(key)] = [ph[key][0] for ph in phases]
         for c in set().union(*(ph[key][1] for ph in phases)):
             series[f"{' > '.join(key)} [{c}]"] = [ph[key][1].get(c, 0) for ph in phases]
-    for op in set().union(*(m.comm_bytes for m in ms)):
+    for op in set().union(*(m.comm_bytes or {} for m in ms)):
         series[f"comm {op}"] = [m.comm_bytes.get(op, 0) for m in ms]
     return sorted(k for k, ys in series.items() if _line(xs, ys) is None)

@@ -158,3 +158,13 @@ def test_sdpa_model_is_upipes_cuda_path_plus_the_flash_workspace():
     workspace = b * h * 1024 * 4 + b * 1024 * h * d * 4
     no_rng = 8  # the unused int64 RNG scalar upipe.kernels passes the op
     assert bwd == kv_expanded + 3 * b * s * h * d * 2 + workspace + no_rng
+
+
+def test_memory_only_emulation_allocates_the_same():
+    """Searches skip the FLOP and byte counters (``count=False``): same memory, no counts."""
+    cell = Cell(method="zigzag-ring", model="tiny", seq_len=4096, nproc=4, dtype="fp32")
+    full = emulate_cell(cell, Hardware(device="cpu"), exact=True)
+    memory = emulate_cell(cell, Hardware(device="cpu"), exact=True, count=False)
+    assert {k: memory[k] for k in KEYS} == {k: full[k] for k in KEYS}
+    assert full["rank_flops_per_step"] > 0 and full["comm_bytes_per_step"] > 0
+    assert memory["rank_flops_per_step"] is None and memory["comm_bytes_per_step"] is None

@@ -158,7 +158,8 @@ def write(table: pd.DataFrame, path: Path = PATH) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     table.drop(columns=["search_s"]).to_csv(path, index=False)
     meta = provenance() | {"command": UPDATE, "search_s": dict(zip(table["name"],
-                                                                    table["search_s"]))}
+                                                                    table["search_s"],
+                                                                    strict=True))}
     path.with_suffix(".json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
 
 

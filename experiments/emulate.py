@@ -17,8 +17,8 @@ in a real gloo run of the same cell (tests/test_emulate.py asserts equality).
 One step is emulated after the optimizer states exist (they are made by one AdamW step on zero
 gradients before tracking), so the peak is the steady state's, as the real run's peak over its
 warm-up and memory steps is. Per step the FLOPs (torch's per-op FLOP formulas,
-``experiments.flops.CountedFlops``; this rank) and the bytes this rank sends (``experiments.comm_counter``) are counted from the
-same run.
+``experiments.flops.CountedFlops``; this rank) and the bytes this rank sends
+(``experiments.comm_counter``) are counted from the same run.
 
 Emulating a paper-scale step op by op costs about 0.15 ms per op on 2 cores, and the tiled MLP
 and chunked loss make the op count grow with the sequence (about 2.5M ops for Llama3-8B at 5M
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from experiments.comm_counter import CollectiveCounter
-from experiments.config import MiB, Cell, ModelConfig
+from experiments.config import Cell, MiB, ModelConfig
 from experiments.flops import CountedFlops, step_flops
 from experiments.launch import describe
 from experiments.measure import label_fsdp_reductions, label_modules

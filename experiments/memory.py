@@ -35,7 +35,6 @@ ops fake mode runs underneath)::
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 import weakref
 from collections import defaultdict
@@ -121,7 +120,6 @@ class MemoryTracker(TorchDispatchMode):
         # op namespace -> category for its outputs (e.g. {"fsdp": "model"}: FSDP2's all-gather
         # and reduce-scatter buffers are model-state traffic wherever they run)
         self.namespace_categories = dict(namespace_categories or {})
-        self._peak_live: dict[int, tuple[weakref.ref, str, int]] = {}
         self.settle_comm, self.settle_timeout_s = settle_comm, settle_timeout_s
         self._comm_aliases: list[torch.Tensor] = []
         self._live: dict[int, tuple[Allocation, weakref.ref]] = {}
@@ -281,47 +279,13 @@ class MemoryTracker(TorchDispatchMode):
                     self._add(p, func.__name__, skip=inputs)
 
     def __enter__(self):
-        # Python's cycle collector frees objects held in reference cycles at moments that depend
-        # on the interpreter's whole history (its allocation counters), so a tensor kept by a
-        # cycle would be freed at a different op in each process and the tracked peak would not
-        # be a function of the code. Collect once, then pause it while tracking: every free is
-        # then a reference-count free, the same in a real run, an emulation or a test.
-        gc.collect()
-        self._gc_was_enabled = gc.isenabled()
-        gc.disable()
         _ResizeHook.install(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        if self._gc_was_enabled:
-            gc.enable()
         self._comm_aliases.clear()
         _ResizeHook.remove(self)
         return super().__exit__(*exc)
-
-    def recategorize_peak(self, tensors, category: str) -> int:
-        """Move the device bytes of ``tensors`` that were live at the device peak into
-        ``category`` of ``breakdown_at_peak``; returns the bytes moved.
-
-        For tensors whose role is known only later (the gradients FSDP2 reduce-scatters into
-        new buffers are allocated by plain ops in backward, and are model states).
-        """
-        moved = 0
-        seen = set()
-        for t in tensors:
-            for p in _plain(t):
-                st = _storage(p)
-                if st is None or id(st) in seen:
-                    continue
-                seen.add(id(st))
-                entry = self._peak_live.get(id(st))
-                if entry is None or entry[0]() is not st or entry[1] == category:
-                    continue
-                self.breakdown_at_peak[entry[1]] -= entry[2]
-                self.breakdown_at_peak[category] = self.breakdown_at_peak.get(category, 0)
-                self.breakdown_at_peak[category] += entry[2]
-                moved += entry[2]
-        return moved
 
     # -- collectives ---------------------------------------------------------------------------
     #
@@ -429,8 +393,6 @@ class MemoryTracker(TorchDispatchMode):
 
     def _snapshot(self) -> None:
         self.breakdown_at_peak = {k: v for k, v in self.current_by_category.items() if v}
-        self._peak_live = {k: (ref, a.category, a.nbytes) for k, (a, ref) in self._live.items()
-                           if a.kind == DEVICE}
         if self.snapshot_peak:
             self.peak_allocations = [
                 Allocation(a.nbytes, a.kind, a.category, a.desc) for a in self.live_allocations()

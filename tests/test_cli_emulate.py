@@ -25,7 +25,8 @@ TINY = ["--model", "tiny", "--world", "4", "--emulate-device", "cpu", "--exact"]
 ROW_KEYS = {"status", "mode", "emulation", "peak_device_bytes", "peak_host_bytes",
             "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes",
             "device_budget_bytes", "host_budget_bytes", "device_memory_bytes", "host_pinned",
-            "rank_flops_per_step", "model_tflops_per_step", "comm_bytes_per_step", "comm_bytes_by_op",
+            "rank_flops_per_step", "model_tflops_per_step", "comm_bytes_per_step",
+            "comm_bytes_by_op",
             "hw_gpu_mem_gib", "hw_host_mem_gib", "hw_gpus_per_node", "hw_reserve_gib",
             "hw_device", "emulation_s"}
 

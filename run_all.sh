@@ -73,6 +73,8 @@ for scale in cpu paper emulated; do  # one CLI call per scale: --nproc is for th
     python -m experiments.cli sweep "${group[@]}" "${args[@]}" "${extra[@]}" "$@"
 done
 [[ "$DRY_RUN" == 1 ]] && exit 0
+# The provenance index in $OUT/README.md, rewritten from the tables just written.
+python -m experiments.results_index --results "$OUT"
 
 echo "run_all.sh: done in $((SECONDS - start)) s. Tables and plots:"
 for s in "${sweeps[@]}"; do

@@ -71,6 +71,8 @@ class DSFPDTAttention(ContextParallelAttention):
     """
 
     layout = "chunked"
+    # FPDT takes one fused bias-free qkv weight and theta's RoPE tables (see forward).
+    projection_features = frozenset()
 
     def __init__(self, *args, chunk_size: int = DEFAULT_CHUNK_SIZE, offload: bool = True,
                  **kwargs):

@@ -305,6 +305,9 @@ class FPDTAttention(ContextParallelAttention):
         self.host_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.pin_memory = True
 
+    # The chunk loop projects with the bare weights and theta's RoPE (ChunkPlan.rope).
+    projection_features = frozenset()
+
     def options(self) -> dict:
         return {"chunk_size": self.chunk_size, "offload": self.offload}
 

@@ -22,7 +22,8 @@ def _git(*args: str) -> str | None:
 
 def git_revision() -> str:
     """HEAD's hash, ``+dirty`` when tracked files differ from it; ``uncommitted`` outside git."""
-    rev = _git("rev-parse", "HEAD") or "uncommitted"
+    # UPIPE_GIT_REV: the revision of a copy made without .git (a container, a remote machine)
+    rev = _git("rev-parse", "HEAD") or os.environ.get("UPIPE_GIT_REV") or "uncommitted"
     if rev != "uncommitted" and _git("status", "--porcelain", "--untracked-files=no"):
         rev += "+dirty"
     return rev

@@ -255,9 +255,11 @@ def _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale):
     kh, vh = _expand_kv(k, hq), _expand_kv(v, hq)
     no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout is 0: unused
     if q.dtype in (torch.float16, torch.bfloat16):
-        empty = torch.empty(0, dtype=torch.int32, device=q.device)
+        # cum_seq_q/k must be *undefined* (None), as the forward returns them for dense
+        # inputs: a defined (even empty) tensor selects the varlen kernel, which then fails
+        # with "batch size must be positive".
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            t(dout), t(q), kh, vh, t(out), lse, empty, empty, s, s, 0.0, causal, no_rng, no_rng,
+            t(dout), t(q), kh, vh, t(out), lse, None, None, s, s, 0.0, causal, no_rng, no_rng,
             scale=scale,
         )
     else:

@@ -18,8 +18,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from upipe.comm import group_rank, group_size
 from upipe.kernels import check_kernel
 from upipe.layout import SeqLayout, unshard_sequence
+from upipe.norm import norm_params
 from upipe.reference import resolve_head_dim
 from upipe.rope import apply_rope, rope_tables
+
+#: What :meth:`ContextParallelAttention.use_projections` may bring beyond a bias-free Llama
+#: attention: q/k/v biases (Qwen2), an output bias, per-head q/k RMSNorm (Qwen3), and RoPE
+#: inverse frequencies other than theta's (Llama 3.1's "llama3" scaling, linear, yarn).
+PROJECTION_FEATURES = frozenset({"qkv_bias", "out_bias", "qk_norm", "rope_inv_freq"})
 
 
 def check_ulysses_heads(n_heads: int, n_kv_heads: int, cp: int) -> None:
@@ -92,6 +98,9 @@ class ContextParallelAttention(nn.Module):
     registry_name: ClassVar[str] = ""
     layout: ClassVar[str] = "contiguous"
     supports_mesh: ClassVar[bool] = False
+    #: the subset of :data:`PROJECTION_FEATURES` this method computes; the all-heads methods
+    #: (``project_qkv`` + ``self.wo``) support every one.
+    projection_features: ClassVar[frozenset[str]] = PROJECTION_FEATURES
 
     def __init__(
         self,
@@ -138,6 +147,53 @@ class ContextParallelAttention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * d, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * d, bias=False)
         self.wo = nn.Linear(n_heads * d, dim, bias=False)
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        self.rope_inv_freq: torch.Tensor | None = None
+        self.rope_scaling = 1.0
+
+    def use_projections(
+        self, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, wo: nn.Linear, *,
+        q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+        rope_inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0,
+    ) -> None:
+        """Compute with existing modules, e.g. a pretrained layer's own (``upipe.integrations``).
+
+        The modules are shared, not copied: their parameters (and FSDP2's swaps of them) are
+        what this method trains. ``wq`` (dim -> H*D), ``wk``/``wv`` (dim -> Hkv*D) and ``wo``
+        (H*D -> dim) are ``nn.Linear`` with head-major rows, biases allowed; ``q_norm``/``k_norm``
+        per-head RMSNorms over D applied before RoPE; ``rope_inv_freq`` (D/2,) and
+        ``rope_scaling`` replace theta's RoPE frequencies (``upipe.rope.rope_tables``).
+        Raises ValueError, before any collective, on a shape mismatch or a feature this method
+        does not compute (``projection_features``).
+        """
+        d = self.head_dim
+        shapes = {"wq": (wq, self.n_heads * d, self.dim), "wk": (wk, self.n_kv_heads * d, self.dim),
+                  "wv": (wv, self.n_kv_heads * d, self.dim), "wo": (wo, self.dim, self.n_heads * d)}
+        for name, (lin, out_f, in_f) in shapes.items():
+            shape = (lin.out_features, lin.in_features) if isinstance(lin, nn.Linear) else None
+            if shape != (out_f, in_f):
+                raise ValueError(f"{name} must be an nn.Linear({in_f} -> {out_f}), got {lin!r}")
+        for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if norm is not None:
+                norm_params(norm, d, name)
+        if rope_inv_freq is not None and tuple(rope_inv_freq.shape) != (d // 2,):
+            raise ValueError(f"rope_inv_freq must have shape ({d // 2},), "
+                             f"got {tuple(rope_inv_freq.shape)}")
+        needed = {
+            "qkv_bias": any(m.bias is not None for m in (wq, wk, wv)),
+            "out_bias": wo.bias is not None,
+            "qk_norm": q_norm is not None or k_norm is not None,
+            "rope_inv_freq": rope_inv_freq is not None or rope_scaling != 1.0,
+        }
+        missing = sorted(f for f, used in needed.items() if used
+                         and f not in self.projection_features)
+        if missing:
+            raise ValueError(f"method {self.registry_name!r} does not support {missing} "
+                             f"(it supports {sorted(self.projection_features) or 'none'})")
+        self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.rope_inv_freq, self.rope_scaling = rope_inv_freq, float(rope_scaling)
 
     # -- configuration rules (class-level, so the harness checks a cell without building it) --
 
@@ -220,14 +276,19 @@ class ContextParallelAttention(nn.Module):
         b, l, _ = x.shape
         d = self.head_dim
         cos, sin = self.rope(l, x)
-        q = apply_rope(self.wq(x).view(b, l, self.n_heads, d), cos, sin)
-        k = apply_rope(self.wk(x).view(b, l, self.n_kv_heads, d), cos, sin)
-        return q, k, self.wv(x).view(b, l, self.n_kv_heads, d)
+        q = self.wq(x).view(b, l, self.n_heads, d)
+        k = self.wk(x).view(b, l, self.n_kv_heads, d)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), self.wv(x).view(b, l, -1, d)
 
     def rope(self, seq_local: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables (seq_local, head_dim) for this rank's global token positions."""
         pos = self.seq_layout.positions(seq_local, self.rank, self.cp, device=x.device)
-        return rope_tables(pos, self.head_dim, self.rope_theta, x.dtype)
+        return rope_tables(pos, self.head_dim, self.rope_theta, x.dtype,
+                           self.rope_inv_freq, self.rope_scaling)
 
     def extra_repr(self) -> str:
         return (

@@ -13,8 +13,17 @@ from __future__ import annotations
 import torch
 
 
+def default_inv_freq(head_dim: int, theta: float, device=None,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """theta**(-2i/d) for i < d/2: the (d/2,) inverse frequencies of plain RoPE."""
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim))
+
+
 def rope_tables(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+    inv_freq: torch.Tensor | None = None, scaling: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for the given global token positions.
 
@@ -23,20 +32,28 @@ def rope_tables(
         head_dim: d, must be even.
         theta: RoPE base (500000 for Llama 3).
         dtype: dtype of the returned tables (that of the activations they multiply).
+        inv_freq: optional (d/2,) inverse frequencies replacing theta's, e.g. a Hugging Face
+            model's ``rotary_emb.inv_freq``, which carries its rope scaling (Llama 3.1's
+            "llama3", "linear", "yarn").
+        scaling: factor on cos and sin (Hugging Face's ``attention_scaling``; 1 unless yarn).
 
     Returns:
         (cos, sin), each (seq, head_dim), computed in fp32 (fp64 if ``dtype`` is fp64) and cast,
         as Hugging Face does.
     """
-    if head_dim % 2:
-        raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
     work = torch.float64 if dtype == torch.float64 else torch.float32
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=work) / head_dim)
-    )
-    freqs = positions.to(work)[:, None] * inv_freq[None, :]  # (seq, d/2)
+    if inv_freq is None:
+        inv_freq = default_inv_freq(head_dim, theta, positions.device, work)
+    elif inv_freq.shape != (head_dim // 2,):
+        raise ValueError(
+            f"inv_freq must have shape ({head_dim // 2},), got {tuple(inv_freq.shape)}"
+        )
+    freqs = positions.to(work)[:, None] * inv_freq.to(positions.device, work)[None, :]  # (seq, d/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (seq, d)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

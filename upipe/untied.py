@@ -26,6 +26,7 @@ from torch.distributed import ProcessGroup
 
 from upipe.comm import group_size, head_to_seq, seq_to_head
 from upipe.module import ContextParallelAttention, check_ulysses_heads
+from upipe.norm import norm_params, rms_norm, rms_norm_backward
 from upipe.registry import register_method
 from upipe.ring import SequenceAttention
 from upipe.rope import apply_rope, apply_rope_inverse
@@ -37,23 +38,70 @@ def _rows(w: torch.Tensor, heads: torch.Tensor, head_dim: int) -> torch.Tensor:
     return w.view(-1, head_dim, w.shape[-1]).index_select(0, heads).flatten(0, 1)
 
 
-def _project(x, w_rows, head_dim, cos, sin, rope: bool) -> torch.Tensor:
-    """x (B, L, dim) @ rows^T -> (B, L, n, head_dim), rotated when ``rope``."""
-    y = (x @ w_rows.t()).unflatten(-1, (-1, head_dim))
-    return apply_rope(y, cos, sin) if rope else y
+class _Proj:
+    """One of the q/k/v projections of a head subset, and its hand-written backward.
 
-
-def _accumulate(dy, x2, w_rows, heads, dw, dx2, head_dim):
-    """Gradients of y = x @ rows^T for a head subset: dw[heads] += dy^T x; dx += dy @ rows.
-
-    dy (B, L, n, D) unrotated; x2 (B*L, dim); dw (H*D, dim) and dx2 (B*L, dim) accumulators.
-    ``index_add_`` sums KV replicas' rows; ``addmm_`` accumulates dx without an (L, dim) temporary.
+    w (n*D, dim) head-major rows; optional bias b (n*D,) (Qwen2) and per-head RMSNorm weight
+    (D,) applied before RoPE (Qwen3). Without bias or norm this is ``x @ rows^T`` (+ RoPE)
+    exactly, allocating nothing more.
     """
-    dy2 = dy.reshape(x2.shape[0], -1)
-    dw.view(-1, head_dim, dw.shape[-1]).index_add_(
-        0, heads, (dy2.t() @ x2).view(-1, head_dim, x2.shape[-1])
-    )
-    dx2.addmm_(dy2, w_rows)
+
+    def __init__(self, w, b, norm_w, eps: float, rope: bool, head_dim: int):
+        self.w, self.b, self.norm_w, self.eps, self.rope, self.d = w, b, norm_w, eps, rope, head_dim
+        self.dw = self.db = self.dnorm = None
+
+    def rows(self, heads: torch.Tensor) -> torch.Tensor:
+        return _rows(self.w, heads, self.d)
+
+    def pre_norm(self, x, heads, w_rows) -> torch.Tensor:
+        """x (B, L, dim) -> (B, L, n, D): the linear part (bias included)."""
+        y = x @ w_rows.t()
+        if self.b is not None:
+            y += self.b.view(-1, self.d).index_select(0, heads).flatten()
+        return y.unflatten(-1, (-1, self.d))
+
+    def finish(self, pre, cos, sin) -> torch.Tensor:
+        """Norm (if any) and RoPE (if ``rope``) of the linear part."""
+        y = pre if self.norm_w is None else rms_norm(pre, self.norm_w, self.eps)
+        return apply_rope(y, cos, sin) if self.rope else y
+
+    def __call__(self, x, heads, cos, sin, w_rows=None) -> torch.Tensor:
+        """(B, L, n, D) projection of x for ``heads``: linear, norm, RoPE."""
+        return self.finish(self.pre_norm(x, heads, self.rows(heads) if w_rows is None else w_rows),
+                           cos, sin)
+
+    def unrotate(self, dy: torch.Tensor, cos, sin) -> torch.Tensor:
+        """The gradient before RoPE (the inverse rotation), or dy for V."""
+        return apply_rope_inverse(dy, cos, sin) if self.rope else dy
+
+    def backward(self, dy, x, x2, heads, w_rows, dx2) -> None:
+        """Accumulate the gradients of ``self(x, heads)`` for dy (B, L, n, D), already unrotated.
+
+        dw[heads] += g^T x; db[heads] += sum g; dx += g @ rows, with g the gradient before the
+        norm (its weight's gradient summed into ``dnorm``). ``index_add_`` sums KV replicas'
+        rows; ``addmm_`` accumulates dx without an (L, dim) temporary.
+        """
+        if self.norm_w is not None:  # recompute the stage's linear part for the norm backward
+            dy, dnorm = rms_norm_backward(self.pre_norm(x, heads, w_rows), self.norm_w,
+                                          self.eps, dy)
+            # summed over stages in fp32, as one autograd reduction over all heads would be
+            self.dnorm = dnorm.float() if self.dnorm is None else self.dnorm.add_(dnorm)
+        if self.db is None and self.b is not None:
+            self.db = torch.zeros_like(self.b)
+        dy2 = dy.reshape(x2.shape[0], -1)
+        self.dw.view(-1, self.d, self.dw.shape[-1]).index_add_(
+            0, heads, (dy2.t() @ x2).view(-1, self.d, x2.shape[-1])
+        )
+        if self.db is not None:
+            self.db.view(-1, self.d).index_add_(0, heads, dy2.sum(0).view(-1, self.d))
+        dx2.addmm_(dy2, w_rows)
+
+    def grads(self) -> tuple:
+        """(dw, db, dnorm) for the autograd Function's return (zeros if never touched)."""
+        dw = torch.zeros_like(self.w) if self.dw is None else self.dw
+        db = None if self.b is None else (torch.zeros_like(self.b) if self.db is None else self.db)
+        dnorm = None if self.dnorm is None else self.dnorm.to(self.norm_w.dtype)
+        return dw, db, dnorm
 
 
 class _OutputGrad:
@@ -79,37 +127,45 @@ class _OutputGrad:
         return (self.grad2 @ cols).view(*self.grad.shape[:-1], -1, self.d)
 
 
+def _projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, eps, d):
+    return (_Proj(wq, bq, q_norm, eps, True, d), _Proj(wk, bk, k_norm, eps, True, d),
+            _Proj(wv, bv, None, eps, False, d))
+
+
 class _UPipeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, wo, cos, sin, plan, group, core):
+    def forward(ctx, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, cos, sin, plan, group, core,
+                eps):
         b, l, _ = x.shape
         d = wq.shape[0] // plan.n_heads
+        pq, pk, pv = _projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, eps, d)
         out = x.new_empty(b, l, plan.n_heads, d)
         lses = []
         for block in plan.blocks:
             kv_idx = torch.tensor(block.kv_heads, device=x.device)
-            k = seq_to_head(_project(x, _rows(wk, kv_idx, d), d, cos, sin, True), group)
-            v = seq_to_head(_project(x, _rows(wv, kv_idx, d), d, cos, sin, False), group)
+            k = seq_to_head(pk(x, kv_idx, cos, sin), group)
+            v = seq_to_head(pv(x, kv_idx, cos, sin), group)
             for stage in block.stages:
                 q_idx = torch.tensor(stage, device=x.device)
-                q = seq_to_head(_project(x, _rows(wq, q_idx, d), d, cos, sin, True), group)
+                q = seq_to_head(pq(x, q_idx, cos, sin), group)
                 o, lse = core.forward(q, k, v)
                 del q  # free before the all-to-all back allocates
                 out.index_copy_(2, q_idx, head_to_seq(o, group))
                 lses.append(lse)
                 del o
             del k, v
-        ctx.save_for_backward(x, wq, wk, wv, wo, cos, sin, out, *lses)
-        ctx.plan, ctx.group, ctx.core = plan, group, core
+        ctx.save_for_backward(x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, cos, sin, out, *lses)
+        ctx.plan, ctx.group, ctx.core, ctx.eps = plan, group, core, eps
         if wo is None:
             return out
         return out.flatten(2) @ wo.t()
 
     @staticmethod
     def backward(ctx, grad):
-        x, wq, wk, wv, wo, cos, sin, out, *lses = ctx.saved_tensors
+        x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, cos, sin, out, *lses = ctx.saved_tensors
         plan, group = ctx.plan, ctx.group
         d = wq.shape[0] // plan.n_heads
+        pq, pk, pv = _projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, ctx.eps, d)
         dout = _OutputGrad(grad, out, wo, d)
         # dK/dV sum over a block's stages along the full sequence: fp32 for low-precision inputs
         # ("bf16 with fp32 reductions"); they are only U/C heads wide. dx and the weight rows are
@@ -117,19 +173,20 @@ class _UPipeFunction(torch.autograd.Function):
         acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         x2 = x.reshape(-1, x.shape[-1])
         dx2 = torch.zeros_like(x2)
-        dwq, dwk, dwv = (torch.zeros_like(w) for w in (wq, wk, wv))
+        for p in (pq, pk, pv):
+            p.dw = torch.zeros_like(p.w)
         lse_it = iter(lses)
         for block in plan.blocks:
             kv_idx = torch.tensor(block.kv_heads, device=x.device)
-            wk_rows, wv_rows = _rows(wk, kv_idx, d), _rows(wv, kv_idx, d)
-            k = seq_to_head(_project(x, wk_rows, d, cos, sin, True), group)
-            v = seq_to_head(_project(x, wv_rows, d, cos, sin, False), group)
+            wk_rows, wv_rows = pk.rows(kv_idx), pv.rows(kv_idx)
+            k = seq_to_head(pk(x, kv_idx, cos, sin, wk_rows), group)
+            v = seq_to_head(pv(x, kv_idx, cos, sin, wv_rows), group)
             dk = torch.zeros(k.shape, dtype=acc, device=k.device)
             dv = torch.zeros(v.shape, dtype=acc, device=v.device)
             for stage in block.stages:
                 q_idx = torch.tensor(stage, device=x.device)
-                wq_rows = _rows(wq, q_idx, d)
-                q = seq_to_head(_project(x, wq_rows, d, cos, sin, True), group)
+                wq_rows = pq.rows(q_idx)
+                q = seq_to_head(pq(x, q_idx, cos, sin, wq_rows), group)
                 o = seq_to_head(out.index_select(2, q_idx), group)
                 do = seq_to_head(dout.stage(q_idx), group)
                 dq, dk_s, dv_s = ctx.core.backward(do, q, k, v, o, next(lse_it))
@@ -137,17 +194,19 @@ class _UPipeFunction(torch.autograd.Function):
                 dk.add_(dk_s)
                 dv.add_(dv_s)
                 del dk_s, dv_s
-                dq = apply_rope_inverse(head_to_seq(dq, group), cos, sin)
-                _accumulate(dq, x2, wq_rows, q_idx, dwq, dx2, d)
+                dq = pq.unrotate(head_to_seq(dq, group), cos, sin)
+                pq.backward(dq, x, x2, q_idx, wq_rows, dx2)
                 del dq
             del k, v
-            dk = apply_rope_inverse(head_to_seq(dk.to(x.dtype), group), cos, sin)
-            _accumulate(dk, x2, wk_rows, kv_idx, dwk, dx2, d)
+            dk = pk.unrotate(head_to_seq(dk.to(x.dtype), group), cos, sin)
+            pk.backward(dk, x, x2, kv_idx, wk_rows, dx2)
             del dk
             dv = head_to_seq(dv.to(x.dtype), group)
-            _accumulate(dv, x2, wv_rows, kv_idx, dwv, dx2, d)
+            pv.backward(dv, x, x2, kv_idx, wv_rows, dx2)
             del dv
-        return dx2.view(x.shape), dwq, dwk, dwv, dout.dwo, *([None] * 5)
+        (dwq, dbq, dqn), (dwk, dbk, dkn), (dwv, dbv, _) = pq.grads(), pk.grads(), pv.grads()
+        return (dx2.view(x.shape), dwq, dwk, dwv, dout.dwo, dbq, dbk, dbv, dqn, dkn,
+                *([None] * 6))
 
 
 def upipe_attention(
@@ -167,6 +226,12 @@ def upipe_attention(
     scale: float | None = None,
     kernel: str = "auto",
     ring_group: ProcessGroup | None = None,
+    bq: torch.Tensor | None = None,
+    bk: torch.Tensor | None = None,
+    bv: torch.Tensor | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
 ) -> torch.Tensor:
     """UPipe attention for callers that keep their own projection weights.
 
@@ -181,6 +246,9 @@ def upipe_attention(
         ring_group: optional ring axis of a 2-D (ring, ulysses) mesh (``group`` is then the
             ulysses axis): each stage's attention is zigzag ring attention over it, and x must
             be in the hybrid layout (``SeqLayout("zigzag", inner=C)``).
+        bq, bk, bv: optional projection biases (n*D,) (Qwen2).
+        q_norm, k_norm: optional (D,) weights of per-head RMSNorms applied before RoPE, with
+            epsilon ``norm_eps`` (Qwen3; ``upipe.norm.rms_norm``).
 
     Returns:
         (B, L, dim_out) when ``wo`` is given, else the (B, L, n_heads, D) attention output before
@@ -190,8 +258,9 @@ def upipe_attention(
     check_ulysses_heads(n_heads, n_kv_heads, cp)
     plan = make_stage_plan(n_heads, n_kv_heads, cp, heads_per_stage or cp)
     return _UPipeFunction.apply(
-        x, wq, wk, wv, wo, cos, sin, plan, group,
+        x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, cos, sin, plan, group,
         SequenceAttention(causal=causal, scale=scale, kernel=kernel, ring_group=ring_group),
+        norm_eps,
     )
 
 
@@ -229,11 +298,18 @@ class UPipeAttention(ContextParallelAttention):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)
         cos, sin = self.rope(x.shape[1], x)
-        return _UPipeFunction.apply(
-            x, self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight, cos, sin,
-            self.plan, self.group,
+        d = self.head_dim
+        norms = [None if n is None else norm_params(n, d, name)
+                 for name, n in (("q_norm", self.q_norm), ("k_norm", self.k_norm))]
+        eps = next((n[1] for n in norms if n is not None), 1e-6)
+        y = _UPipeFunction.apply(
+            x, self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight,
+            self.wq.bias, self.wk.bias, self.wv.bias, *(None if n is None else n[0] for n in norms),
+            cos, sin, self.plan, self.group,
             SequenceAttention(causal=self.causal, kernel=self.kernel, ring_group=self.ring_group),
+            eps,
         )
+        return y if self.wo.bias is None else y + self.wo.bias
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", heads_per_stage={self.heads_per_stage}"

@@ -1,0 +1,244 @@
+"""UPipe (or any registered CP method) inside a Hugging Face causal LM.
+
+One call, :func:`parallelize`, turns a ``transformers`` Llama / Qwen2 / Qwen3-style causal LM into a
+context-parallel model: every decoder layer's ``self_attn`` is replaced by a
+:class:`CPSelfAttention` that runs the chosen method on this rank's sequence shard with the
+layer's *own* modules (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, and Qwen3's ``q_norm`` /
+``k_norm``), shared, not copied. Head order is the checkpoint's, and the state-dict keys stay
+Hugging Face's, so ``save_pretrained`` / ``load_state_dict`` work unchanged. RoPE uses the model's
+own inverse frequencies (its rope scaling included) at each token's *global* position.
+
+:func:`shard_batch` cuts a full batch into this rank's part in the method's sequence layout and
+shifts the labels *before* sharding (a token's target may live on the next rank), so::
+
+    model = parallelize(model, "upipe", group=cp_group)          # before FSDP / checkpointing
+    out = model(**shard_batch(model, input_ids))                  # labels default to input_ids
+    out.loss.backward()   # this rank's token-loss sum / the batch's token count
+
+``out.loss`` summed over the CP ranks is the full sequence's mean token loss, and so are the
+gradients: sum them over the CP group (FSDP2 and DDP *average* over ranks, so scale the loss by
+the CP degree, or set FSDP2's gradient divide factor, when the CP ranks are also data ranks).
+
+Limits, each a ValueError at :func:`parallelize` or at the call (before any collective): causal
+self-attention without sliding windows, attention dropout, soft-capping or a non-default
+attention scale; no padding ``attention_mask`` (pack sequences instead) and no KV cache (training
+only); RoPE types whose frequencies depend on the length ("dynamic", "longrope") are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from upipe.module import ContextParallelAttention
+from upipe.registry import build_method
+from upipe.rope import default_inv_freq
+
+_NEEDS = "upipe.integrations.hf needs Hugging Face transformers >= 4.56: pip install 'upipe[hf]'"
+try:
+    import transformers
+    from packaging.version import Version
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError as e:  # an optional extra
+    raise ImportError(_NEEDS) from e
+if Version(transformers.__version__) < Version("4.56"):  # mask interface, shift_labels
+    raise ImportError(f"{_NEEDS} (found {transformers.__version__})")
+
+#: the attention implementation name the converted model's config carries
+ATTN_IMPLEMENTATION = "upipe_cp"
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def _never_called(module, *args, **kwargs):
+    raise RuntimeError(f"{type(module).__name__} runs outside upipe.integrations.hf.parallelize; "
+                       f"attn_implementation {ATTN_IMPLEMENTATION!r} has no per-call kernel")
+
+
+def _no_mask(*, attention_mask=None, **_) -> None:
+    """Mask builder for the converted model: the CP method masks causally by global position,
+    so no (L, L) mask is ever built; a padding mask cannot be honoured and is refused."""
+    if attention_mask is not None:
+        raise ValueError("attention_mask (padding) is not supported under context parallelism: "
+                         "pack the sequences to full length, or drop the mask")
+    return None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, _never_called)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+class CPSelfAttention(nn.Module):
+    """A decoder layer's self-attention, run by a CP method on this rank's sequence shard.
+
+    forward(hidden_states (B, L_local, hidden)) -> (out (B, L_local, hidden), None), the
+    ``(attn_output, attn_weights)`` pair Hugging Face's decoder layers unpack.
+    The layer's own projection (and norm) modules stay registered here under their Hugging Face
+    names; ``self.method`` (a :class:`~upipe.module.ContextParallelAttention`) computes with the
+    same modules and is deliberately not a registered submodule, so every parameter appears once.
+    """
+
+    def __init__(self, attn: nn.Module, method: ContextParallelAttention):
+        super().__init__()
+        self.layer_idx = getattr(attn, "layer_idx", None)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            if getattr(attn, name, None) is not None:
+                setattr(self, name, getattr(attn, name))
+        object.__setattr__(self, "method", method)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                past_key_values=None, **kwargs) -> tuple[torch.Tensor, None]:
+        if past_key_values is not None:
+            raise ValueError("a KV cache (past_key_values) is not supported under context "
+                             "parallelism: call the model with use_cache=False (training only)")
+        if attention_mask is not None:
+            raise ValueError("attention_mask is not supported under context parallelism")
+        return self.method(hidden_states), None
+
+    def extra_repr(self) -> str:
+        return f"method={self.method.registry_name!r}, {self.method.extra_repr()}"
+
+
+def _text_config(model: nn.Module):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _rotary(model: nn.Module) -> nn.Module:
+    """The model's rotary embedding module (holds ``inv_freq`` and ``attention_scaling``)."""
+    found = [m for m in model.modules() if hasattr(m, "inv_freq") and hasattr(m, "rope_type")]
+    if len(found) != 1:
+        raise ValueError(f"expected one rotary embedding module with inv_freq, found {len(found)}")
+    rotary = found[0]
+    if rotary.rope_type not in _STATIC_ROPE:
+        raise ValueError(f"rope_type {rotary.rope_type!r} is not supported (its frequencies depend "
+                         f"on the sequence length); supported: {_STATIC_ROPE}")
+    return rotary
+
+
+def _rope(cfg, rotary: nn.Module, head_dim: int) -> tuple[float, torch.Tensor | None, float]:
+    """(theta, inv_freq, scaling) for the methods: inv_freq only when the model's frequencies
+    are not plain theta's (rope scaling), so methods without custom-RoPE support still run
+    unscaled models."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    inv_freq = rotary.inv_freq.detach().float().cpu().clone()
+    scaling = float(rotary.attention_scaling)
+    if scaling == 1.0 and torch.equal(inv_freq, default_inv_freq(head_dim, theta)):
+        return theta, None, 1.0
+    return theta, inv_freq, scaling
+
+
+def _check_layer(attn: nn.Module, cfg, head_dim: int) -> None:
+    """Refuse what the CP methods would silently compute differently (named field and rule)."""
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if not isinstance(getattr(attn, name, None), nn.Linear):
+            raise ValueError(f"{type(attn).__name__}.{name} must be an nn.Linear")
+    if getattr(attn, "sliding_window", None) is not None:
+        raise ValueError(f"sliding_window ({attn.sliding_window}) is not supported: full causal "
+                         "attention only")
+    if not getattr(attn, "is_causal", True):
+        raise ValueError("is_causal must be True: decoder self-attention only")
+    scaling = getattr(attn, "scaling", head_dim**-0.5)
+    if abs(scaling - head_dim**-0.5) > 1e-12:
+        raise ValueError(f"attention scaling ({scaling}) must be head_dim**-0.5")
+    if getattr(cfg, "attention_dropout", 0.0):
+        raise ValueError(f"attention_dropout ({cfg.attention_dropout}) must be 0")
+    if getattr(cfg, "attn_logit_softcapping", None):
+        raise ValueError("attn_logit_softcapping is not supported")
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(attn, name, None)
+        if norm is not None and "RMSNorm" not in type(norm).__name__:
+            raise ValueError(f"{name} must be an RMSNorm, got {type(norm).__name__}")
+
+
+def parallelize(
+    model: nn.Module, method: str = "upipe", *, group: ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None, kernel: str = "auto", **options,
+) -> nn.Module:
+    """Make ``model`` (a ``transformers`` causal LM) context-parallel in place; returns it.
+
+    Args:
+        model: a Llama / Qwen2 / Qwen3-style ``*ForCausalLM`` (decoder layers with
+            ``self_attn.{q,k,v,o}_proj``), on any device; call before FSDP / checkpointing.
+        method: any registered CP method (``upipe.available_methods()``); default UPipe.
+        group / mesh: the CP process group (default: the default group), or a 2-D
+            (``ring``, ``ulysses``) mesh for the hybrids (``usp``, ``upipe``).
+        kernel: attention kernel (``auto`` = SDPA, ``math``, ``flash-attn``).
+        **options: the method's own options, e.g. ``heads_per_stage`` for UPipe.
+
+    Every check (head counts against the CP degree, unsupported features) runs before any
+    collective. Sets ``use_cache=False`` and the attention implementation ``upipe_cp`` (no mask
+    is built).
+    """
+    cfg = _text_config(model)
+    n_heads, dim = cfg.num_attention_heads, cfg.hidden_size
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(cfg, "head_dim", None) or dim // n_heads
+    rotary = _rotary(model)
+    theta, inv_freq, rope_scaling = _rope(cfg, rotary, head_dim)
+    layers = [(parent, parent.self_attn) for parent in model.modules()
+              if isinstance(getattr(parent, "self_attn", None), nn.Module)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no decoder layers with a self_attn module")
+    methods = []
+    for parent, attn in layers:
+        _check_layer(attn, cfg, head_dim)
+        with torch.device("meta"):  # the method's own projections are replaced right away
+            m = build_method(method, dim, n_heads, n_kv, head_dim, group=group, mesh=mesh,
+                             causal=True, rope_theta=theta, kernel=kernel, **options)
+        m.use_projections(
+            attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+            q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
+            rope_inv_freq=inv_freq, rope_scaling=rope_scaling,
+        )
+        if any(t.is_meta for t in (*m.parameters(), *m.buffers())):
+            raise ValueError(f"method {method!r} keeps state of its own beyond the projections; "
+                             "it cannot adopt a pretrained layer")
+        parent.self_attn = CPSelfAttention(attn, m)
+        methods.append(m)
+    cfg.use_cache = False
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    # layout, rank and CP degree for shard_batch; not a submodule (its parameters are the layer's)
+    object.__setattr__(model, "upipe_cp_method", methods[0])
+    return model
+
+
+def shard_batch(
+    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> dict[str, torch.Tensor]:
+    """This rank's keyword arguments for ``model(**batch)`` from a full batch (same on every rank).
+
+    Args:
+        input_ids: (B, S) full sequences; S must suit the method's layout (e.g. divisible by
+            the CP degree, by 2x it for zigzag).
+        labels: (B, S) unshifted targets as Hugging Face takes them (default ``input_ids``);
+            ``ignore_index`` marks tokens without a loss.
+
+    Returns ``input_ids`` (B, S/C) in the method's layout; ``labels`` and ``shift_labels``
+    (B, S/C): the globally shifted targets of the same tokens (the loss then skips its own
+    shift); ``num_items_in_batch``: the whole batch's count of target tokens (a tensor, no
+    host sync), so each rank's loss is its sum over that count.
+    """
+    m = getattr(model, "upipe_cp_method", None)
+    if m is None:
+        raise ValueError("model was not converted: call upipe.integrations.hf.parallelize first")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+    labels = input_ids if labels is None else labels
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape "
+                         f"{tuple(input_ids.shape)}")
+    m.seq_layout.check(input_ids.shape[1], m.cp)
+    shifted = F.pad(labels[:, 1:], (0, 1), value=ignore_index)  # token t predicts t + 1
+    local = m.shard(shifted, dim=1).contiguous()  # the loss views it flat
+    return {"input_ids": m.shard(input_ids, dim=1).contiguous(), "labels": local,
+            "shift_labels": local,
+            "num_items_in_batch": (shifted != ignore_index).sum()}
+
+
+__all__ = ["ATTN_IMPLEMENTATION", "CPSelfAttention", "parallelize", "shard_batch"]

@@ -42,7 +42,13 @@ def _cell(method: str, nproc: int, seq_len: int, extra: dict) -> Cell:
 
 
 def _clean_allocator() -> None:
+    """Collect earlier cells' tensors; the allocator must then hold nothing. cuBLAS keeps its
+    workspaces (32 MiB per handle on Hopper) in the caching allocator for the process' life:
+    they are dropped too, so each real run re-creates (and counts) its own."""
     gc.collect()
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()
     torch.cuda.empty_cache()
     left = torch.cuda.memory_allocated()
     if left:

@@ -156,6 +156,9 @@ def memory_steps(state: TrainState, steps: int, device: torch.device) -> tuple[d
     """Run ``steps`` steps under the tracker; returns this rank's memory figures and losses."""
     backend = dist.get_backend() if dist.is_initialized() else None
     if device.type == "cuda":
+        # blocks cached while building (the unsharded init, FSDP's set-up) would otherwise
+        # count in the reserved peak of the steps
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     # Settling waits for gloo's comm thread to drop its buffers (experiments/memory.py); NCCL
     # holds them until the stream is done, which the allocator figure accounts for.

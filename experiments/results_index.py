@@ -131,6 +131,15 @@ def other_lines(results: Path) -> list[str]:
             "bench_attention", "one attention layer (no paper table)", rows, "cpu",
             _provenance(rows, {}), _tally("rows", "bench_attention/rows.csv", rows), "",
             "`python -m experiments.bench_attention` (each run's arguments: see below)"))
+    if rows := _csv(results / "emulate_vs_allocator" / "rows.csv"):
+        env = _json(results / "emulate_vs_allocator" / "env.json")
+        # both modes in every row; the provenance is env.json's (it corrects the rows' git_rev)
+        both = [{**r, "mode": "measured + emulated"} for r in rows]
+        lines.append(_line(
+            "emulate_vs_allocator", "emulator check on a GPU (DESIGN.md §8; no paper table)",
+            both, "gpu", _provenance([], env, _distinct(r.get("device", "") for r in rows)),
+            _tally("rows", "emulate_vs_allocator/rows.csv", rows), "",
+            "`python -m experiments.emulate_check` (needs a GPU)"))
     return lines
 
 

@@ -44,6 +44,7 @@ from experiments.launch import describe
 from experiments.measure import label_fsdp_reductions, label_modules
 from experiments.memory import MemoryTracker
 from experiments.offload import PIN_MAX_TOKENS
+from experiments.provenance import provenance
 from experiments.train import build, make_meshes
 from upipe.registry import get_method
 
@@ -268,8 +269,9 @@ def emulate_cell(cell: Cell, hw: Hardware = Hardware(), *, exact: bool = False,
     except Exception as e:  # a method that fails under fake tensors: a row, not a crash
         import traceback
 
-        return describe(cell, cfg) | {"status": "error", "mode": "emulated",
-                                      "error": f"{type(e).__name__}: {e}\n"
-                                               + traceback.format_exc()[-3000:]}
+        return describe(cell, cfg) | provenance() | {
+            "status": "error", "mode": "emulated",
+            "error": f"{type(e).__name__}: {e}\n" + traceback.format_exc()[-3000:]}
+    # provenance as launched rows carry it (versions, git revision, host, date)
     return describe(cell, cfg) | _row_metrics(cell, cfg, hw, m) | extra | {
-        "emulation_s": round(time.monotonic() - t0, 2)}
+        "emulation_s": round(time.monotonic() - t0, 2)} | provenance()

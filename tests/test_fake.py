@@ -63,3 +63,48 @@ def test_runs_under_fake_tensors_at_paper_scale(dist_pool, method, options, coun
     assert y == dx == (1, seq_local, 4096)
     assert wdtype == torch.bfloat16
     assert got == counts
+
+
+class _HeadRMSNorm(torch.nn.Module):
+    """A Qwen3-style per-head RMSNorm (weight over head_dim, ``variance_epsilon``)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight, self.variance_epsilon = torch.nn.Parameter(torch.ones(d)), 1e-6
+
+    def forward(self, x):
+        from upipe.norm import rms_norm
+
+        return rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def _fake_projection_features(method: str) -> dict:
+    """Biased q/k/v/o, QK-norm and scaled RoPE frequencies (what the HF integration brings)
+    under FakeTensorMode at paper scale: every gradient gets its shape and dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from upipe.rope import default_inv_freq
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with FakeTensorMode():
+            m = build_method(method, 4096, 32, 8, 128, group=dist.group.WORLD)
+            lin = lambda i, o: torch.nn.Linear(i, o, bias=True)  # noqa: E731
+            m.use_projections(lin(4096, 4096), lin(4096, 1024), lin(4096, 1024), lin(4096, 4096),
+                              q_norm=_HeadRMSNorm(128), k_norm=_HeadRMSNorm(128),
+                              rope_inv_freq=default_inv_freq(128, 500000.0) / 8)
+            x = torch.randn(1, 2**17, 4096, dtype=torch.bfloat16, requires_grad=True)
+            m(x).sum().backward()
+            return {n: (tuple(p.grad.shape), p.grad.dtype) for n, p in m.named_parameters()}
+    finally:
+        torch.set_default_dtype(default)
+
+
+@pytest.mark.parametrize("method", ["upipe", "ulysses"])
+def test_projection_features_run_under_fake_tensors(dist_pool, method):
+    grads = dist_pool(8, fake=True).run(_fake_projection_features, method)[0]
+    assert grads["q_norm.weight"] == ((128,), torch.bfloat16)
+    assert grads["wk.bias"] == ((1024,), torch.bfloat16)
+    assert grads["wo.bias"] == ((4096,), torch.bfloat16)
+    assert grads["wq.weight"] == ((4096, 4096), torch.bfloat16)

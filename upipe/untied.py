@@ -48,7 +48,7 @@ class _Proj:
 
     def __init__(self, w, b, norm_w, eps: float, rope: bool, head_dim: int):
         self.w, self.b, self.norm_w, self.eps, self.rope, self.d = w, b, norm_w, eps, rope, head_dim
-        self.dw = self.db = self.dnorm = None
+        self.dw = self.db = self.dnorm = None  # gradient accumulators, made by the backward
 
     def rows(self, heads: torch.Tensor) -> torch.Tensor:
         return _rows(self.w, heads, self.d)
@@ -97,11 +97,9 @@ class _Proj:
         dx2.addmm_(dy2, w_rows)
 
     def grads(self) -> tuple:
-        """(dw, db, dnorm) for the autograd Function's return (zeros if never touched)."""
-        dw = torch.zeros_like(self.w) if self.dw is None else self.dw
-        db = None if self.b is None else (torch.zeros_like(self.b) if self.db is None else self.db)
+        """(dw, db, dnorm) for the autograd Function's return (every head was visited)."""
         dnorm = None if self.dnorm is None else self.dnorm.to(self.norm_w.dtype)
-        return dw, db, dnorm
+        return self.dw, self.db, dnorm
 
 
 class _OutputGrad:

@@ -24,7 +24,9 @@ def git_revision() -> str:
     """HEAD's hash, ``+dirty`` when tracked files differ from it; ``uncommitted`` outside git."""
     # UPIPE_GIT_REV: the revision of a copy made without .git (a container, a remote machine)
     rev = _git("rev-parse", "HEAD") or os.environ.get("UPIPE_GIT_REV") or "uncommitted"
-    if rev != "uncommitted" and _git("status", "--porcelain", "--untracked-files=no"):
+    # outputs under results/ do not make the code dirty (a sweep rewrites them as it runs)
+    if rev != "uncommitted" and _git("status", "--porcelain", "--untracked-files=no", "--",
+                                     ":/", ":(exclude,top)results"):
         rev += "+dirty"
     return rev
 

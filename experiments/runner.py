@@ -74,6 +74,15 @@ class SweepRunner:
         self.run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         self.counts: dict[str, int] = {}
         self.emulated = sweep.scale == "emulated"
+        self._env_recorded = False
+
+    def _record_env(self) -> None:
+        """env.json: the invocation that last ran a cell. A resume that runs none keeps the
+        one that did, so the file keeps describing the process that made the rows."""
+        if _is_writer() and not self._env_recorded:
+            write_json(self.dir / "env.json", provenance() | {"argv": sys.argv,
+                                                               "run_id": self.run_id})
+            self._env_recorded = True
 
     # -- cells ---------------------------------------------------------------------------------
 
@@ -108,6 +117,7 @@ class SweepRunner:
         if row is not None:
             self.counts["cached"] = self.counts.get("cached", 0) + 1
             return row
+        self._record_env()
         row = self.launch(cell) | {"sweep": self.sweep.name, "run_id": self.run_id}
         self.counts[row["status"]] = self.counts.get(row["status"], 0) + 1
         if _is_writer():
@@ -136,8 +146,8 @@ class SweepRunner:
                 "hardware": None if self.sweep.hardware is None
                 else dataclasses.asdict(self.sweep.hardware), "exact": self.sweep.exact,
                 "invalid_cells": [[c.cell_id(), e] for c, e in bad]})
-            write_json(self.dir / "env.json", provenance() | {"argv": sys.argv,
-                                                               "run_id": self.run_id})
+            if not (self.dir / "env.json").exists():
+                self._record_env()
         cells = self.sweep.cells()
         searches = self.sweep.search_cells()
         bar = tqdm(total=len(cells) + len(searches), desc=self.sweep.name, unit="cell",

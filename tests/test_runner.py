@@ -118,13 +118,16 @@ def test_sweep_writes_rows_searches_and_plots(swept):
 
 
 def test_sweep_resumes_without_rerunning(swept):
-    sweep, out, _, _ = swept
+    sweep, out, first, _ = swept
     before = pd.read_csv(out / "mini" / "rows.csv")
     again = SweepRunner(sweep, out, progress=False)
+    again.run_id = "resumed"  # a later invocation
     again()
     assert set(again.counts) == {"cached"}
     after = pd.read_csv(out / "mini" / "rows.csv")
     pd.testing.assert_frame_equal(before, after)
+    # env.json still describes the invocation that made the rows, not the resume
+    assert json.loads((out / "mini" / "env.json").read_text())["run_id"] == first.run_id
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -135,17 +135,19 @@ def _bad_inputs() -> list:
     batch = hf.shard_batch(model, ids)
     msgs.append(_error(model, **batch, attention_mask=torch.ones_like(batch["input_ids"])))
     msgs.append(_error(model, **batch, use_cache=True))
+    msgs.append(_error(hf.parallelize, model, "ulysses"))  # twice
     dist.barrier()  # every rank got here: nothing hung
     return msgs
 
 
 def test_misuse_is_refused_on_every_rank(dist_pool):
-    for fpdt, heads, short, mask, cache in dist_pool(2).run(_bad_inputs):
+    for fpdt, heads, short, mask, cache, twice in dist_pool(2).run(_bad_inputs):
         assert fpdt is not None and "'fpdt' does not support ['qkv_bias']" in fpdt
         assert heads is not None and "heads_per_stage" in heads
         assert short is not None and "divisible" in short
         assert mask is not None and "attention_mask" in mask
         assert cache is not None and "use_cache=False" in cache
+        assert twice is not None and "already context-parallel ('upipe')" in twice
 
 
 def _bf16_errors(family: str) -> tuple[float, float]:
@@ -153,8 +155,7 @@ def _bf16_errors(family: str) -> tuple[float, float]:
     from upipe.integrations import hf
 
     ref = _model(family).cuda()
-    ids, labels = _batch()
-    ids = ids.cuda()
+    ids = _batch()[0].cuda()
     with torch.no_grad():
         want = ref(input_ids=ids).logits
         base = ref.to(torch.bfloat16)

@@ -186,6 +186,9 @@ def parallelize(
         raise ValueError(f"{type(model).__name__} has no decoder layers with a self_attn module")
     methods = []
     for parent, attn in layers:
+        if isinstance(attn, CPSelfAttention):
+            raise ValueError(f"{type(model).__name__} is already context-parallel "
+                             f"({attn.method.registry_name!r}): parallelize it once")
         _check_layer(attn, cfg, head_dim)
         with torch.device("meta"):  # the method's own projections are replaced right away
             m = build_method(method, dim, n_heads, n_kv, head_dim, group=group, mesh=mesh,

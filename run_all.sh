@@ -74,7 +74,7 @@ for scale in cpu paper emulated; do  # one CLI call per scale: --nproc is for th
 done
 [[ "$DRY_RUN" == 1 ]] && exit 0
 # The provenance index in $OUT/README.md, rewritten from the tables just written.
-python -m experiments.results_index --results "$OUT"
+python -m experiments.reporting.results_index --results "$OUT"
 
 echo "run_all.sh: done in $((SECONDS - start)) s. Tables and plots:"
 for s in "${sweeps[@]}"; do

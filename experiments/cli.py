@@ -3,6 +3,7 @@
     upipe-bench run --method upipe --model tiny --seq-len 8K --nproc 4 --stack alst --json
     upipe-bench run --method usp --ring-degree 2 --nproc 4        # a 2 (ulysses) x 2 (ring) mesh
     upipe-bench run --method fpdt --chunk-size 1K --nproc 4
+    upipe-bench run --method upipe --model bench-attn --workload attention --seq-len 16K
     upipe-bench max-context --method ulysses --model tiny --nproc 4 --budget-mib 96 --json
     upipe-bench emulate --method upipe --model llama3-8b --world 8 --seq-len 3M --json
     upipe-bench max-context --emulate --method upipe --model llama3-8b --world 8
@@ -14,17 +15,23 @@
 ``--stack`` defaults to the stack the paper runs the method on (``config.paper_stack``:
 ``native`` for torch-cp, ``alst`` for every other method), for every command.
 
-``emulate`` and ``max-context --emulate`` run the paper-scale emulator
-(``experiments.emulate``, DESIGN.md §8): one process plays rank 0 of a ``--world``-rank job on
-fake tensors and reports the peak device and host bytes against the emulated hardware's
-budgets (``--gpu-mem`` minus ``--reserve``; ``--host-mem`` over the node's ranks), the
-breakdown, FLOPs and communication per step. No GPU is needed, and no time is measured.
+``emulate`` and ``max-context --emulate`` run the paper-scale emulator (``experiments.emulation``,
+DESIGN.md §8): one process plays rank 0 of a ``--world``-rank job on fake tensors and reports
+the peak device and host bytes against the emulated hardware's budgets (``--gpu-mem`` minus
+``--reserve``; ``--host-mem`` over the node's ranks), the breakdown, FLOPs and communication
+per step. No GPU is needed, and no time is measured.
+
+Output: stdout carries only the command's result (``--json``: one JSON object); everything
+else, from this process, its ranks and the libraries they load (DeepSpeed's notices), goes to
+stderr, with progress lines per step, probe and cell unless ``--json`` or ``--no-progress``.
 
 Bad input (unknown method, preset, stack, sweep or override key; a length that does not
-shard; an option the method does not take) is reported with the valid choices and exit status 2
-before any process starts. A method that cannot run on this machine (``list methods`` says
-why) gives a ``skipped`` row, exit status 1, without launching anything. Under
-torchrun (``WORLD_SIZE`` set) the cells run in the launched process group.
+shard; an option the method does not take; a results directory in use; a result file that is
+not valid) is reported with the rule and exit status 2 before any process starts. A method
+that cannot run on this machine (``list methods`` says why) gives a ``skipped`` row, exit
+status 1, without launching anything. Ctrl-C ends the command, and its ranks, with one line
+(exit status 130). Under torchrun (``WORLD_SIZE`` set) the cells run in the launched process
+group; every rank must be given the same command line.
 """
 
 from __future__ import annotations
@@ -33,35 +40,53 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import io
 import json
 import os
 import sys
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from experiments.cli_args import (
     EMULATED_WORLD,
     add_cell_args,
     add_hardware_args,
+    add_progress_arg,
     add_world_args,
     cell_from_args,
     hardware_from_args,
+    positive_int,
     search_spec_from_args,
+    seconds,
     size,
 )
-from experiments.config import PRESETS, STACKS
+from experiments.config import (
+    METHOD_OPTIONS,
+    PRESETS,
+    PROCESS_GROUP_TIMEOUT_S,
+    STACKS,
+    GiB,
+    MiB,
+    Status,
+    takes_option,
+)
+from experiments.reporting.plots import draw_plots
+from experiments.reporting.tables import write_tables
+from experiments.runner.executor import Emulator, Launcher
+from experiments.runner.search import print_probe, run_search, summarize
+from experiments.runner.sweep_runner import SweepRunner
+from experiments.store import read_json
+from experiments.sweeps import SWEEPS, get_sweep
+from upipe.registry import available_methods, get_method
 
 RESULTS = Path("results")
-GiB = 2**30
 
 
 def _methods() -> dict[str, dict]:
     """Every registered method: whether it runs on this machine (else why), the options it
     takes and whether it runs on a (ring, ulysses) mesh (``--ring-degree``)."""
-    import torch
-
-    from experiments.config import METHOD_OPTIONS, takes_option
-    from upipe.registry import available_methods, get_method
-
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     out = {}
     for name in available_methods():
@@ -77,40 +102,27 @@ def _init_torchrun() -> bool:
     """Join the torchrun process group if launched by torchrun; True when this is rank 0."""
     if "WORLD_SIZE" not in os.environ:
         return True
-    import torch
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         backend = "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             backend = "nccl"
-        dist.init_process_group(backend, timeout=datetime.timedelta(hours=2))
+        else:  # DeepSpeed (tiled MLP, ds-ulysses) would probe for accelerators and warn
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        dist.init_process_group(backend,
+                                timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
     return dist.get_rank() == 0
 
 
-def _print_json(obj) -> None:
-    print(json.dumps(obj, default=str))
+def _progress(a) -> bool:
+    return not (getattr(a, "json", False) or a.no_progress)
 
 
-def cmd_run(a) -> int:
-    from experiments.launch import run_cell
-
-    cell = cell_from_args(a)
-    rank0 = _init_torchrun()
-    row = run_cell(cell, timeout_s=a.timeout)
-    if rank0:
-        if a.json:
-            _print_json(row)
-        else:
-            _print_row(row, ["status", "method", "seq_len", "nproc", "stack", "time_median_s",
-                             "tokens_per_s_per_gpu", "peak_device_bytes", "peak_host_bytes",
-                             "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes",
-                             "error"])
-    return 0 if row["status"] in ("ok", "oom") else 1
+def _print_json(a, obj) -> None:
+    print(json.dumps(obj, default=str), file=a.stdout, flush=True)
 
 
-def _print_row(row: dict, keys: list[str]) -> None:
+def _print_row(a, row: dict, keys: list[str]) -> None:
     """``key value`` lines for the keys the row has; byte counts also in GiB."""
     for k in keys:
         v = row.get(k)
@@ -118,10 +130,13 @@ def _print_row(row: dict, keys: list[str]) -> None:
             continue
         unit = ""
         if k.endswith("_bytes") and isinstance(v, int) and v:
-            unit = f"  ({v / GiB:.2f} GiB)" if v >= GiB else f"  ({v / 2**20:.2f} MiB)"
-        print(f"{k:24s} {json.dumps(v) if isinstance(v, dict) else v}{unit}")
+            unit = f"  ({v / GiB:.2f} GiB)" if v >= GiB else f"  ({v / MiB:.2f} MiB)"
+        print(f"{k:24s} {json.dumps(v) if isinstance(v, dict) else v}{unit}", file=a.stdout)
 
 
+RUN_KEYS = ["status", "method", "seq_len", "nproc", "stack", "workload", "time_median_s",
+            "tokens_per_s_per_gpu", "peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
+            "peak_attention_bytes", "peak_other_bytes", "error"]
 EMULATE_KEYS = ["status", "method", "model", "seq_len", "nproc", "ring_degree", "stack", "dtype",
                 "emulation", "peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
                 "peak_attention_bytes", "peak_other_bytes", "peak_phase", "device_budget_bytes",
@@ -129,82 +144,73 @@ EMULATE_KEYS = ["status", "method", "model", "seq_len", "nproc", "ring_degree", 
                 "comm_bytes_per_step", "comm_bytes_by_op", "emulation_s", "error"]
 
 
-@contextlib.contextmanager
-def _emulating():
-    """Around an emulation: stdout carries only our output (``--json``). The emulator runs
-    CPU code on fake tensors, so DeepSpeed (tiled MLP, ds-ulysses) is told its accelerator is
-    the CPU; left to probe, it warns on stdout when it finds no GPU."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    sys.stdout.flush()
-    with contextlib.redirect_stdout(sys.stderr):
-        yield
+def cmd_run(a) -> int:
+    cell = cell_from_args(a)
+    rank0 = _init_torchrun()
+    row = Launcher(a.timeout, progress=_progress(a)).run(cell)
+    if rank0:
+        if a.json:
+            _print_json(a, row)
+        else:
+            _print_row(a, row, RUN_KEYS)
+    return 0 if row["status"] in Status.RESULTS else 1
 
 
 def cmd_emulate(a) -> int:
-    from experiments.emulate import emulate_cell
-
-    hw = hardware_from_args(a)
     cell = cell_from_args(a, emulated=True)
-    with _emulating():
-        row = emulate_cell(cell, hw, exact=bool(a.exact))
+    row = Emulator(hardware_from_args(a, cell.nproc), exact=bool(a.exact)).run(cell)
     if a.json:
-        _print_json(row)
+        _print_json(a, row)
     else:
-        _print_row(row, EMULATE_KEYS)
-    return 0 if row["status"] in ("ok", "oom") else 1
+        _print_row(a, row, EMULATE_KEYS)
+    return 0 if row["status"] in Status.RESULTS else 1
 
 
 def cmd_max_context(a) -> int:
-    from experiments.maxctx import search_max_context, summarize
-
-    hw = hardware_from_args(a, enabled=a.emulate, why="max-context --emulate")
-    if a.emulate:
-        from experiments.emulate import emulate_cell, emulation_unavailable
-
-        cell = cell_from_args(a, emulated=True)
-        reason = emulation_unavailable(cell, hw)
-
-        def run(c):
-            return emulate_cell(c, hw, exact=bool(a.exact))
-    else:
-        from experiments.launch import run_cell, unavailable_reason
-
-        cell = cell_from_args(a)
-        reason = unavailable_reason(cell)
-
-        def run(c):
-            return run_cell(c, timeout_s=a.timeout)
+    cell = cell_from_args(a, emulated=a.emulate)
+    hw = hardware_from_args(a, cell.nproc, enabled=a.emulate, why="max-context --emulate")
     spec = search_spec_from_args(a, cell, a.emulate)
-    rank0 = True if a.emulate else _init_torchrun()
-    if reason is None:
-        with _emulating() if a.emulate else contextlib.nullcontext():
-            res = search_max_context(dataclasses.replace(cell, seq_len=spec.start), spec, run)
-    else:  # as a sweep records it: no probes
-        res = {"status": "skipped", "max_seq_len": None, "first_failing_seq_len": None,
-               "granularity": cell.nproc * spec.block, "n_probes": 0, "error": reason,
-               "probes": []}
+    if a.emulate:
+        executor, rank0 = Emulator(hw, exact=bool(a.exact)), True
+    else:
+        executor = Launcher(a.timeout, progress=_progress(a))
+        rank0 = _init_torchrun()
+    on_probe = print_probe if _progress(a) and rank0 else None
+    res = run_search(executor, dataclasses.replace(cell, seq_len=spec.start), spec, on_probe)
     if rank0:
         probe_keys = ["seq_len", "status", "peak_device_bytes"] + (
             ["peak_host_bytes"] if a.emulate else [])
         probes = [{k: p.get(k) for k in probe_keys} for p in res["probes"]]
         out = summarize(cell, res, hw) | {"probes": probes}
         if a.json:
-            _print_json(out)
+            _print_json(a, out)
         else:
             print(f"max_seq_len {out['max_seq_len']}  first_failing_seq_len "
                   f"{out['first_failing_seq_len']}  ({out['n_probes']} probes, {out['status']}"
                   f"{', ' + out['mode'] if a.emulate else ''})"
-                  + (f"\n{out['error']}" if out["error"] else ""))
+                  + (f"\n{out['error']}" if out["error"] else ""), file=a.stdout)
             if out.get("peak_device_bytes") is not None:
                 print(f"at max_seq_len: peak device {out['peak_device_bytes'] / GiB:.2f} GiB, "
-                      f"host {out['peak_host_bytes'] / GiB:.2f} GiB per rank")
-    return 0 if res["status"] == "ok" else 1
+                      f"host {out['peak_host_bytes'] / GiB:.2f} GiB per rank", file=a.stdout)
+    return 0 if res["status"] == Status.OK else 1
+
+
+def _dry_run(a, sweep, runner: SweepRunner) -> int:
+    """List what the sweep would do with each cell, run nothing; 2 when a cell is invalid."""
+    cells, searches, bad = sweep.cells(), sweep.search_cells(), sweep.validate()
+    hw = "" if sweep.hardware is None else f", emulated on {sweep.hardware}"
+    print(f"{sweep.name}: {len(cells)} cells, {len(searches)} max-context searches"
+          f"{hw} -> {runner.dir}/", file=a.stdout)
+    for c in cells:
+        print(f"  {runner.action(c):8s} {c.cell_id()}", file=a.stdout)
+    for c in searches:
+        print(f"  search   {c.cell_id()}  (from {c.seq_len} tokens)", file=a.stdout)
+    for c, err in bad:
+        print(f"  INVALID  {c.cell_id()}: {err}", file=a.stdout)
+    return 2 if bad else 0
 
 
 def cmd_sweep(a) -> int:
-    from experiments.runner import SweepRunner
-    from experiments.sweeps import get_sweep
-
     sweeps = [get_sweep(n) for n in a.names]
     if a.nproc:
         sweeps = [s.with_overrides(nproc=a.nproc) for s in sweeps]
@@ -213,35 +219,21 @@ def cmd_sweep(a) -> int:
                          "run them without torchrun")
     status = 0
     for sweep in sweeps:
-        bad = sweep.validate()
+        runner = SweepRunner(sweep, a.out, retry_failed=a.retry_failed,
+                             progress=not a.no_progress, timeout_s=a.timeout)
         if a.dry_run:
-            cells, searches = sweep.cells(), sweep.search_cells()
-            hw = "" if sweep.hardware is None else f", emulated on {sweep.hardware}"
-            print(f"{sweep.name}: {len(cells)} cells, {len(searches)} max-context searches"
-                  f"{hw} -> {a.out / sweep.name}/")
-            for c in cells:
-                print(f"  run    {c.cell_id()}")
-            for c in searches:
-                print(f"  search {c.cell_id()}  (from {c.seq_len} tokens)")
-            for c, err in bad:
-                print(f"  INVALID {c.cell_id()}: {err}")
-            status |= 2 if bad else 0
+            status |= _dry_run(a, sweep, runner)
             continue
         rank0 = _init_torchrun()
-        with _emulating() if sweep.scale == "emulated" else contextlib.nullcontext():
-            paths = SweepRunner(sweep, a.out, retry_failed=a.retry_failed,
-                                progress=not a.no_progress, timeout_s=a.timeout)()
+        paths = runner()
         if rank0:
-            print(f"{sweep.name}: done")
+            print(f"{sweep.name}: done", file=a.stdout)
             for name, path in paths.items():
-                print(f"  {name:24s} {path}")
+                print(f"  {name:24s} {path}", file=a.stdout)
     return status
 
 
 def cmd_plot(a) -> int:
-    from experiments.plots import draw_plots
-    from experiments.report import read_json, write_tables
-
     d = Path(a.target)
     if not d.is_dir():
         d = a.out / a.target
@@ -249,13 +241,11 @@ def cmd_plot(a) -> int:
         raise ValueError(f"target must be a sweep directory with sweep.json, got {a.target!r}")
     paths = write_tables(d) | draw_plots(d, read_json(d / "sweep.json")["plots"])
     for name, path in paths.items():
-        print(f"{name:24s} {path}")
+        print(f"{name:24s} {path}", file=a.stdout)
     return 0
 
 
 def cmd_list(a) -> int:
-    from experiments.sweeps import SWEEPS
-
     catalog = {
         "methods": _methods(),
         "presets": {k: dataclasses.asdict(v) for k, v in PRESETS.items()},
@@ -266,24 +256,22 @@ def cmd_list(a) -> int:
     if a.what:
         catalog = {a.what: catalog[a.what]}
     if a.json:
-        _print_json(catalog)
+        _print_json(a, catalog)
         return 0
     for what, items in catalog.items():
-        print(f"{what}:")
-        for name in items:
-            detail = items[name] if isinstance(items, dict) else None
+        print(f"{what}:", file=a.stdout)
+        for name, detail in items.items():
             if what == "sweeps":
-                print(f"  {name:50s} [{detail['scale']}] {detail['description']}")
+                line = f"  {name:50s} [{detail['scale']}] {detail['description']}"
             elif what in ("presets", "stacks"):
-                print(f"  {name:12s} " + " ".join(f"{k}={v}" for k, v in detail.items()))
-            elif what == "methods":
+                line = f"  {name:12s} " + " ".join(f"{k}={v}" for k, v in detail.items())
+            else:
                 opts = f"  (options: {', '.join(detail['options'])})" if detail["options"] else ""
                 where = "runs" if detail["available"] else "unavailable"
-                print(f"  {name:12s} {where} on {detail['device']}{opts}")
+                line = f"  {name:12s} {where} on {detail['device']}{opts}"
                 if detail["reason"]:
-                    print(f"  {'':12s}   {detail['reason']}")
-            else:
-                print(f"  {name}")
+                    line += f"\n  {'':12s}   {detail['reason']}"
+            print(line, file=a.stdout)
     return 0
 
 
@@ -295,7 +283,7 @@ def parser() -> argparse.ArgumentParser:
     run.set_defaults(fn=cmd_run)
     em = sub.add_parser("emulate", help="emulate one cell at paper scale (no GPU needed)")
     add_cell_args(em, dtype="bf16", nproc_default=f"{EMULATED_WORLD}, one node of the paper",
-               measured=False)
+                  measured=False)
     add_world_args(em)
     add_hardware_args(em)
     em.set_defaults(fn=cmd_emulate)
@@ -310,7 +298,8 @@ def parser() -> argparse.ArgumentParser:
     mc.add_argument("--granularity", type=size, default=None, metavar="TOKENS",
                     help="global tokens between the last passing and the first failing length"
                          " (default nproc * --block; with --emulate 64K)")
-    mc.add_argument("--limit", type=size, default=2**24, help="longest length probed")
+    mc.add_argument("--limit", type=size, default=2**24,
+                    help="longest length probed (default 16M; not below --start)")
     mc.add_argument("--emulate", action="store_true",
                     help="probe with the emulator against the emulated hardware instead of "
                          f"running (--dtype defaults to bf16, --world to {EMULATED_WORLD})")
@@ -318,31 +307,73 @@ def parser() -> argparse.ArgumentParser:
     mc.set_defaults(fn=cmd_max_context, iters=0)
     sw = sub.add_parser("sweep", help="run declared sweeps into <out>/<name>/")
     sw.add_argument("names", nargs="+", help="sweep names (upipe-bench list sweeps)")
-    sw.add_argument("--dry-run", action="store_true", help="expand and validate, run nothing")
-    sw.add_argument("--out", type=Path, default=RESULTS)
-    sw.add_argument("--nproc", type=int, default=None, help="override the sweeps' rank count")
-    sw.add_argument("--retry-failed", action="store_true", help="re-run error/timeout rows")
-    sw.add_argument("--timeout", type=float, default=None, help="seconds per cell")
-    sw.add_argument("--no-progress", action="store_true")
+    sw.add_argument("--dry-run", action="store_true",
+                    help="expand and validate, say what each cell would do (run, resume, "
+                         "retry), run nothing")
+    sw.add_argument("--out", type=Path, default=RESULTS,
+                    help="results root; each sweep writes <out>/<name>/ (default results)")
+    sw.add_argument("--nproc", type=positive_int, default=None,
+                    help="override the sweeps' rank count (a GPU node's GPUs)")
+    sw.add_argument("--retry-failed", action="store_true",
+                    help="re-run cells whose row is an error or a timeout (others resume)")
+    sw.add_argument("--timeout", type=seconds, default=None,
+                    help="seconds per cell (default: the sweep's)")
+    add_progress_arg(sw)
     sw.set_defaults(fn=cmd_sweep)
-    pl = sub.add_parser("plot", help="rebuild a sweep's tables and plots from its runs")
+    pl = sub.add_parser("plot", help="rebuild a sweep's tables and plots from its runs, run "
+                                     "nothing")
     pl.add_argument("target", help="sweep name or directory")
-    pl.add_argument("--out", type=Path, default=RESULTS)
+    pl.add_argument("--out", type=Path, default=RESULTS,
+                    help="results root a sweep name is looked up in (default results)")
     pl.set_defaults(fn=cmd_plot)
     ls = sub.add_parser("list", help="methods, presets, stacks, sweeps")
-    ls.add_argument("what", nargs="?", choices=["methods", "presets", "stacks", "sweeps"])
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("what", nargs="?", choices=["methods", "presets", "stacks", "sweeps"],
+                    help="one catalogue (default: all)")
+    ls.add_argument("--json", action="store_true", help="print one JSON object")
     ls.set_defaults(fn=cmd_list)
     return p
+
+
+@contextlib.contextmanager
+def _command_output():
+    """The stream for the command's result, while everything else written to stdout goes to
+    stderr: at the file-descriptor level, so that libraries holding the original stdout (
+    DeepSpeed's loggers) and child processes write to stderr too. Where stdout is not file
+    descriptor 1 (captured by a test harness), it is kept for the result and Python-level
+    writes are redirected."""
+    sys.stdout.flush()
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        fd = None
+    if fd != 1:
+        out = sys.stdout
+        with contextlib.redirect_stdout(sys.stderr):
+            yield out
+        return
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    out = os.fdopen(saved, "w")
+    try:
+        yield out
+    finally:
+        out.flush()
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        out.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
-        return a.fn(a)
+        with _command_output() as a.stdout:
+            return a.fn(a)
     except ValueError as e:  # bad input: name the field and the rule, no traceback
         print(f"upipe-bench {a.cmd}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the launcher has ended the ranks; one line, not tracebacks
+        print(f"upipe-bench {a.cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

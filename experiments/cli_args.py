@@ -16,16 +16,23 @@ import os
 import re
 
 from experiments.config import (
+    DEFAULT_RESERVE_GIB,
+    DEFAULT_TIMEOUT_S,
     DTYPES,
+    EMULATED_GRANULARITY,
+    EMULATED_START,
     PRESETS,
     STACKS,
+    WORKLOADS,
     Cell,
+    Hardware,
+    SearchSpec,
     format_size,
     paper_stack,
     parse_overrides,
     parse_size,
 )
-from experiments.maxctx import EMULATED_GRANULARITY, EMULATED_START, SearchSpec
+from upipe.kernels import KERNELS
 
 # emulation defaults: one node of the paper (8x H100 80 GB, DGX H100 host RAM)
 EMULATED_WORLD = 8
@@ -43,6 +50,44 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts that must be at least 1 (ranks, steps of a search)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type for step counts that may be 0 (warm-up, timed steps)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """argparse type for a time limit: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def add_progress_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true",
+                   help="print no progress on stderr (--json prints none either)")
+
+
 def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
                   nproc_default: str = "the torchrun world, else 4",
                   measured: bool = True) -> None:
@@ -50,12 +95,14 @@ def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
     p.add_argument("--method", required=True, help="registry name (upipe-bench list methods)")
     p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--seq-len", type=size, default=4096, help="global tokens: 131072, 128K, 1M")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=positive_int, default=None,
                    help=f"ranks = CP degree (default: {nproc_default})")
     p.add_argument("--stack", default=None,
                    help=f"memory stack: {', '.join(STACKS)} (default: the paper's for the "
                         "method: native for torch-cp, else alst)")
-    p.add_argument("--heads-per-stage", type=int, default=None, help="UPipe's U")
+    p.add_argument("--heads-per-stage", type=int, default=None,
+                   help="UPipe's U: heads per stage, a positive multiple of the Ulysses degree "
+                        "dividing the heads (default: the Ulysses degree)")
     p.add_argument("--ring-degree", type=int, default=None,
                    help="hybrids (usp, upipe): ring axis of a (ring, ulysses) mesh; "
                         "Ulysses degree = nproc / ring degree (default 1)")
@@ -64,22 +111,31 @@ def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
     dtype_default = dtype or "fp32; with --emulate bf16, the paper's"
     p.add_argument("--dtype", default=dtype,
                    help=f"one of {', '.join(DTYPES)} (default {dtype_default})")
-    p.add_argument("--kernel", default="auto", help="attention kernel")
+    p.add_argument("--kernel", default="auto", choices=KERNELS,
+                   help="attention kernel (default auto: sdpa)")
+    p.add_argument("--workload", default="step", choices=WORKLOADS,
+                   help="step: one training step of the model (default); attention: one "
+                        "attention layer's forward and backward, the model's heads and width")
     p.add_argument("--budget-mib", type=float, default=None,
                    help="per-rank device budget (CPU: tracked bytes; GPU: allocator limit; "
                         "emulated: replaces --gpu-mem less --reserve)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="model field override, repeatable (e.g. n_layers=2)")
     if measured:
-        p.add_argument("--warmup", type=int, default=1)
-        p.add_argument("--iters", type=int, default=2)
-        p.add_argument("--timeout", type=float, default=3600.0, help="seconds per launch")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+        p.add_argument("--warmup", type=non_negative_int, default=1,
+                       help="untimed steps before the memory step and the timed ones (default 1)")
+        p.add_argument("--iters", type=non_negative_int, default=2,
+                       help="timed steps (default 2)")
+        p.add_argument("--timeout", type=seconds, default=DEFAULT_TIMEOUT_S,
+                       help=f"seconds per launch (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout and no progress")
+    add_progress_arg(p)
 
 
 def add_world_args(p: argparse.ArgumentParser) -> None:
     """--world and --mesh, resolved with --nproc and --ring-degree by ``world_from_args``."""
-    p.add_argument("--world", type=int, default=None, metavar="N",
+    p.add_argument("--world", type=positive_int, default=None, metavar="N",
                    help="the (emulated) world size: the same as --nproc")
     p.add_argument("--mesh", default=None, metavar="UxR",
                    help="Ulysses degree x ring degree, e.g. 8x2: nproc 16 with ring degree 2")
@@ -89,14 +145,12 @@ def add_hardware_args(p: argparse.ArgumentParser, *, required: str = "") -> None
     """The emulated hardware's flags; ``required`` names the flag they need (max-context's
     --emulate). Defaults are None here and resolved in ``hardware_from_args`` so that a flag given
     without ``required`` is an error rather than silently ignored."""
-    from experiments.emulate import DEFAULT_RESERVE_GIB
-
     g = p.add_argument_group("emulated hardware" + (f" (with {required})" if required else ""))
     g.add_argument("--gpu-mem", type=float, default=None, metavar="GiB",
                    help="device memory per GPU (default 80: H100)")
     g.add_argument("--host-mem", type=float, default=None, metavar="GiB",
                    help="host RAM per node, shared by its ranks (default 2048: DGX H100)")
-    g.add_argument("--gpus-per-node", type=int, default=None,
+    g.add_argument("--gpus-per-node", type=positive_int, default=None,
                    help="ranks per node; a rank's host budget is the node's RAM over them "
                         "(default 8)")
     g.add_argument("--reserve", type=float, default=None, metavar="GiB",
@@ -110,11 +164,11 @@ def add_hardware_args(p: argparse.ArgumentParser, *, required: str = "") -> None
                         "run's tracker measures)")
 
 
-def hardware_from_args(a: argparse.Namespace, *, enabled: bool = True, why: str = ""):
-    """The emulated ``Hardware`` from the flags (validated, errors naming the flag); None when
-    emulation is off, in which case no hardware flag may be given."""
-    from experiments.emulate import Hardware
-
+def hardware_from_args(a: argparse.Namespace, world: int | None = None, *,
+                       enabled: bool = True, why: str = "") -> Hardware | None:
+    """The emulated ``Hardware`` from the flags (validated against the emulated ``world``,
+    errors naming the flag); None when emulation is off, in which case no hardware flag may be
+    given."""
     given = {"--gpu-mem": a.gpu_mem, "--host-mem": a.host_mem,
              "--gpus-per-node": a.gpus_per_node, "--reserve": a.reserve, "--exact": a.exact,
              "--emulate-device": a.emulate_device}
@@ -129,7 +183,7 @@ def hardware_from_args(a: argparse.Namespace, *, enabled: bool = True, why: str 
               "device": a.emulate_device}
     hw = dataclasses.replace(Hardware(), **{k: v for k, v in values.items() if v is not None})
     try:
-        hw.validate()
+        hw.validate(world)
     except ValueError as e:
         msg = str(e)
         for name, flag in HARDWARE_FLAGS.items():
@@ -182,7 +236,7 @@ def cell_from_args(a: argparse.Namespace, *, emulated: bool = False) -> Cell:
                 dtype=a.dtype or ("bf16" if emulated else "fp32"),
                 kernel=a.kernel, overrides=parse_overrides(a.override),
                 budget_mib=a.budget_mib, warmup=getattr(a, "warmup", 1),
-                iters=getattr(a, "iters", 2))
+                iters=getattr(a, "iters", 2), workload=a.workload)
     cell.validate()
     return cell
 

@@ -32,7 +32,7 @@ from test_correctness import assert_close_to_reference
 import baselines.ds_fpdt
 import baselines.rfa_zigzag
 import baselines.torch_cp
-from experiments.comm_counter import CollectiveCounter
+from experiments.instruments.collectives import CollectiveCounter
 from upipe import LlamaAttention, build_method, get_method
 from upipe.layout import SeqLayout
 

@@ -13,12 +13,17 @@ import pytest
 
 from experiments.cli import main, parser
 from experiments.cli_args import cell_from_args, world_from_args
-from experiments.config import Cell, paper_stack
-from experiments.emulate import DEFAULT_RESERVE_GIB, Hardware
-from experiments.launch import run_cell
-from experiments.maxctx import SearchSpec
-from experiments.runner import SweepRunner
-from experiments.sweep import THROUGHPUT_PLOTS, Sweep
+from experiments.config import (
+    DEFAULT_RESERVE_GIB,
+    THROUGHPUT_PLOTS,
+    Cell,
+    Hardware,
+    SearchSpec,
+    Sweep,
+    paper_stack,
+)
+from experiments.harness.launch import run_cell
+from experiments.runner.sweep_runner import SweepRunner
 from experiments.sweeps import SWEEPS, emulated_sweeps, get_sweep, paper_sweeps
 
 TINY = ["--model", "tiny", "--world", "4", "--emulate-device", "cpu", "--exact"]
@@ -254,8 +259,8 @@ def test_emulated_sweep_runs_into_tables_and_plots(tmp_path):
 
 def test_plots_draw_from_emulated_rows(tmp_path):
     """Every plot an emulated twin declares draws from rows without times, labelled emulated."""
-    from experiments.plots import draw_plots
-    from experiments.report import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
+    from experiments.reporting.plots import draw_plots
+    from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
 
     GiB = 2**30
     hw = {"mode": "emulated", "device": "emulated cuda (80 GiB)", "hw_gpu_mem_gib": 80.0,

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from experiments.comm_counter import CollectiveCounter
+from experiments.instruments.collectives import CollectiveCounter
 from upipe.comm import head_to_seq, head_to_seq_autograd, seq_to_head, seq_to_head_autograd
 
 

@@ -10,13 +10,14 @@ from experiments.config import (
     PRESETS,
     STACKS,
     Cell,
+    SearchSpec,
+    Sweep,
     format_size,
     parse_overrides,
     parse_size,
     resolve_model,
 )
-from experiments.maxctx import SearchSpec, search_max_context
-from experiments.sweep import Sweep
+from experiments.runner.search import search_max_context
 from experiments.sweeps import SWEEPS, cpu_sweeps, get_sweep
 from upipe.registry import available_methods
 
@@ -263,6 +264,12 @@ def test_search_stops_on_errors():
     calls = []
     res = search_max_context(Cell("ulysses", nproc=4), SearchSpec(start=4096, block=256),
                              _fake_run(10**6, calls, error_at=16384))
-    assert res["status"] == "error" and res["max_seq_len"] == 8192 and res["error"] == "boom"
+    # an error says nothing about memory: no maximum is claimed, the lengths so far are told
+    assert res["status"] == "error"
+    assert res["max_seq_len"] is None and res["first_failing_seq_len"] is None
+    assert "16384 tokens ended with status error; so far 8192 passed" in res["error"]
+    assert "no maximum" in res["error"] and res["error"].endswith("boom")
     with pytest.raises(ValueError, match="search.start"):
         SearchSpec(start=1000, block=256).validate(4)
+    with pytest.raises(ValueError, match=r"search.start \(8388608\) must not exceed search.limit"):
+        SearchSpec(start=8 * 2**20, block=256, limit=2**20).validate(4)

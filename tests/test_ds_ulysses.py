@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from experiments.comm_counter import CollectiveCounter
+from experiments.instruments.collectives import CollectiveCounter
 from upipe import LlamaAttention, available_methods, build_method, get_method
 
 

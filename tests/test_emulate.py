@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from experiments.config import Cell
-from experiments.emulate import Hardware, emulate_cell
-from experiments.memory import MemoryTracker
+from experiments.config import Cell, Hardware
+from experiments.emulation.emulate import emulate_cell
+from experiments.instruments.memory import MemoryTracker
 
 KEYS = ("tracked_peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
         "peak_attention_bytes", "peak_other_bytes")
@@ -26,7 +26,7 @@ KEYS = ("tracked_peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
 
 def _real_run(cell_dict: dict) -> dict:
     """One rank of the real gloo run (runs in the DistPool's worker processes)."""
-    from experiments.measure import measure_cell
+    from experiments.harness.measure import measure_cell
 
     cell = Cell.from_dict(cell_dict)
     row = measure_cell(cell, cell.validate())
@@ -119,7 +119,7 @@ def test_unavailable_and_invalid_cells_are_rows():
 
 def _kernel_bytes(kernel: str, dtype: torch.dtype, b=1, s=1000, h=8, h_kv=2, d=128):
     """(forward peak, backward peak) bytes a kernel allocates above its inputs, CUDA path."""
-    from experiments.kernel_models import cuda_kernels
+    from experiments.emulation.kernel_models import cuda_kernels
     from upipe.kernels import attention_backward, attention_forward
 
     with FakeTensorMode():

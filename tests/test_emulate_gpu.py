@@ -4,7 +4,7 @@ The same cell runs twice in this process on the ``fake`` process group of P rank
 real CUDA tensors (the collectives are shape-correct no-ops, the memory is real:
 ``torch.cuda.max_memory_allocated``), once emulated (fake tensors, ``Hardware(device="cuda")``:
 CUDA kernel models and 512-byte rounding). World size 1 and an 8-rank cell; target within 5%.
-``python -m experiments.emulate_check`` writes the same comparison for more cells to results/.
+``python -m experiments.emulation.gpu_check`` writes the same comparison for more cells to results/.
 """
 
 from __future__ import annotations
@@ -14,15 +14,16 @@ import dataclasses
 import pytest
 import torch
 
-from experiments.config import Cell
-from experiments.emulate import Hardware, emulate_cell, fake_world
+from experiments.config import Cell, Hardware
+from experiments.emulation.emulate import emulate_cell
+from experiments.emulation.fake_step import fake_world
 
 pytestmark = pytest.mark.gpu
 
 
 def _allocator_peak(cell: Cell) -> int:
-    from experiments.emulate_check import _clean_allocator
-    from experiments.measure import measure_cell
+    from experiments.emulation.gpu_check import _clean_allocator
+    from experiments.harness.measure import measure_cell
 
     _clean_allocator()  # an earlier cell's tensors held in cycles would add to this peak
     with fake_world(cell.nproc):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from experiments.comm_counter import CollectiveCounter
+from experiments.instruments.collectives import CollectiveCounter
 from upipe import build_method
 
 

@@ -19,8 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 import baselines.fpdt  # noqa: F401  registers "fpdt" (until it is in the entry points)
 from baselines.fpdt import FPDTAttention
-from experiments.comm_counter import CollectiveCounter
-from experiments.memory import MemoryTracker
+from experiments.instruments.collectives import CollectiveCounter
+from experiments.instruments.memory import MemoryTracker
 from upipe import build_method
 from upipe.host import HostStore
 from upipe.layout import SeqLayout

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from experiments.baseline import PATH, UPDATE, compare, compute, entries, read
+from experiments.runner.max_context_guard import PATH, UPDATE, compare, compute, entries, read
 
 
 def _table(rows):

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
-from experiments.measure import label_modules
-from experiments.memory import MemoryTracker
+from experiments.instruments.labels import label_modules
+from experiments.instruments.memory import MemoryTracker
 from upipe import build_method
 
 # ---------------------------------------------------------------------------------------------

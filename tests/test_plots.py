@@ -1,7 +1,7 @@
 """Plots are a pure function of the tables: synthetic rows.csv / max_context.csv in, PNGs out.
 
-CPU only and fast: no benchmark runs; the tables mimic what experiments.report writes (every
-status, NaN metrics on failed cells, the stack named 'none', a CPU budget line).
+CPU only and fast: no benchmark runs; the tables mimic what experiments.reporting.tables writes
+(every status, NaN metrics on failed cells, the stack named 'none', a CPU budget line).
 """
 
 import math
@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from experiments.plots import (
+from experiments.reporting.plots import (
     PLOTS,
     _labelled,
     _read,
@@ -22,7 +22,7 @@ from experiments.plots import (
     format_tokens,
     variant_label,
 )
-from experiments.report import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
+from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
 
 MiB = 2**20
 VARIANTS = [("ulysses", None, 1.0), ("ds-ulysses", None, 1.1), ("upipe", None, 0.7),
@@ -108,7 +108,9 @@ def test_every_plot_drawn_and_closed(tmp_path):
 
 
 def test_plot_names_match_sweep():
-    from experiments.sweep import PLOTS as SWEEP_PLOTS  # imports torch: only this test needs it
+    from experiments.config.sweep import (
+        PLOTS as SWEEP_PLOTS,  # imports torch: only this test needs it
+    )
 
     assert tuple(PLOTS) == SWEEP_PLOTS
 

@@ -7,7 +7,16 @@ import csv
 import json
 from pathlib import Path
 
-from experiments.results_index import BEGIN, COMMAND, END, ENV, main, render, stale, sweep_line
+from experiments.reporting.results_index import (
+    BEGIN,
+    COMMAND,
+    END,
+    ENV,
+    main,
+    render,
+    stale,
+    sweep_line,
+)
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 NAME = "toy_sweep-cpu"

@@ -11,11 +11,9 @@ import pandas as pd
 import pytest
 import torch
 
-from experiments.config import Cell
-from experiments.launch import run_cell
-from experiments.maxctx import SearchSpec
-from experiments.runner import SweepRunner
-from experiments.sweep import Sweep
+from experiments.config import Cell, SearchSpec, Sweep
+from experiments.harness.launch import run_cell
+from experiments.runner.sweep_runner import SweepRunner
 from upipe.registry import available_methods
 
 OVERRIDES = (("n_layers", "3"), ("dim", "64"), ("n_heads", "8"), ("n_kv_heads", "2"),

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from experiments.config import Cell, MiB
-from experiments.measure import measure_cell
-from experiments.train import build
+from experiments.harness.measure import measure_cell
+from experiments.harness.train import build
 from upipe.registry import available_methods
 
 # 3 layers (the middle one offloaded), 8 heads over 2 KV heads (replicated at CP=4), 96 tokens.

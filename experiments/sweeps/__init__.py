@@ -11,20 +11,25 @@ from __future__ import annotations
 
 import dataclasses
 
-from experiments.emulate import Hardware
-from experiments.maxctx import EMULATED_GRANULARITY, EMULATED_START, SearchSpec
-from experiments.sweep import THROUGHPUT_PLOTS, Sweep
+from experiments.config import (
+    EMULATED_GRANULARITY,
+    EMULATED_LIMIT,
+    EMULATED_START,
+    THROUGHPUT_PLOTS,
+    Hardware,
+    SearchSpec,
+    Sweep,
+)
 from experiments.sweeps import (
     ablation_heads_per_stage,
+    bench_attention,
     memory_ladder,
     table3_llama3_8b_h100x8,
     table4_qwen3_32b_h100x16,
 )
 
 _MODULES = (table3_llama3_8b_h100x8, table4_qwen3_32b_h100x16, memory_ladder,
-            ablation_heads_per_stage)
-
-EMULATED_SEARCH_LIMIT = 2**24  # 16M tokens: past every method's limit on the paper's GPUs
+            ablation_heads_per_stage, bench_attention)
 
 
 def emulated_twin(paper: Sweep) -> Sweep:
@@ -35,7 +40,7 @@ def emulated_twin(paper: Sweep) -> Sweep:
     if paper.search is not None:
         search = SearchSpec(start=EMULATED_START,
                             block=EMULATED_GRANULARITY // paper.base["nproc"],
-                            limit=EMULATED_SEARCH_LIMIT)
+                            limit=EMULATED_LIMIT)
     return dataclasses.replace(
         paper, name=f"{paper.name}-emulated", scale="emulated", hardware=Hardware(),
         description=f"Emulated: {paper.description} (memory only: no times)", search=search,

@@ -2,7 +2,7 @@
 Ulysses (which is UPipe with every head in one stage, minus the staging).
 """
 
-from experiments.sweep import Sweep
+from experiments.config import Sweep
 
 SWEEPS = [
     Sweep(

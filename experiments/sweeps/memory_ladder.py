@@ -2,7 +2,7 @@
 length (stacked bars of model states / attention / other, and host bytes).
 """
 
-from experiments.sweep import Sweep
+from experiments.config import Sweep
 
 STACKS = ["none", "ac", "offload", "alst"]
 METHODS = [{"method": "ulysses"}, {"method": "upipe"}]

@@ -8,8 +8,7 @@ DeepSpeed's Ulysses beside ours. The CPU counterpart keeps the shape of the expe
 methods, growing lengths, a per-rank budget) at CPU size.
 """
 
-from experiments.maxctx import SearchSpec
-from experiments.sweep import Sweep
+from experiments.config import SearchSpec, Sweep
 
 METHODS = [
     {"method": "torch-cp", "stack": "native"},

@@ -5,8 +5,7 @@ paper's multi-node UPipe configuration. The CPU counterpart keeps the head struc
 heads per KV head, more heads than ranks) and the hybrids as 2 x 2 on 4 ranks.
 """
 
-from experiments.maxctx import SearchSpec
-from experiments.sweep import Sweep
+from experiments.config import SearchSpec, Sweep
 
 METHODS = [
     {"method": "torch-cp", "stack": "native"},

@@ -1,0 +1,165 @@
+"""The benchmark cell: everything one measured or emulated run is, frozen and self-validating.
+
+Everything a cell runs is one frozen, self-validating ``Cell`` (STYLE.md §4): method, model
+preset (+ overrides), sequence length, ranks, stack, heads per stage, dtype, kernel, budget.
+Validation names the offending field and the rule and happens before any process starts, so a
+sweep's dry run checks every cell and no rank ever hangs on bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+from dataclasses import dataclass, field
+
+from experiments.config.model import ModelConfig, resolve_model
+from experiments.config.sizes import format_size
+from experiments.config.stack import DTYPES, STACKS
+from upipe.kernels import check_kernel
+from upipe.registry import available_methods, get_method
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One benchmark configuration. World size is ``nproc`` (= the CP degree), stored once."""
+
+    method: str
+    """registry name (``upipe-bench list``)"""
+    model: str = "tiny"
+    """model preset"""
+    seq_len: int = 4096
+    """global tokens per step (batch 1); each rank holds seq_len / nproc"""
+    nproc: int = 4
+    """ranks = CP degree (FSDP2 shards over the same ranks)"""
+    stack: str = "alst"
+    """memory-stack level (``STACKS``): none, ac, offload, alst, native"""
+    heads_per_stage: int | None = None
+    """UPipe's U (a multiple of the Ulysses degree); None: the method's default"""
+    ring_degree: int = 1
+    """hybrids (usp, upipe): ranks on the ring axis of a (ring, ulysses) mesh; Ulysses degree =
+    nproc / ring_degree"""
+    chunk_size: int | None = None
+    """fpdt, ds-fpdt: global tokens per chunk; None: the method's default"""
+    dtype: str = "fp32"
+    """parameter/compute dtype; bf16 keeps fp32 reductions"""
+    kernel: str = "auto"
+    """attention kernel (upipe.kernels.KERNELS)"""
+    overrides: tuple[tuple[str, str], ...] = ()
+    """model field overrides, (key, value) pairs"""
+    budget_mib: float | None = None
+    """per-rank device budget in MiB: on CPU a tracked-bytes limit, on GPU the device's own"""
+    warmup: int = 1
+    """untimed steps before the memory step and the timed ones"""
+    iters: int = 2
+    """timed steps"""
+    lr: float = 1e-4
+    """AdamW learning rate"""
+    seed: int = 0
+    """parameter and data seed"""
+    workload: str = "step"
+    """what runs (``WORKLOADS``): ``step``, one training step of the model (the paper's
+    measurement), or ``attention``, one attention layer's forward and backward on random
+    input (the model preset gives its heads and width; stack and budget do not apply)"""
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+    """free-form labels carried into the row (e.g. the sweep's ``rep``); not part of the id"""
+
+    def validate(self) -> ModelConfig:
+        """Raise ValueError naming the field and the rule; returns the resolved model.
+
+        The method's own rules (heads over the Ulysses degree, layout divisibility, its options)
+        come from its class-level ``check_config``, the same check its constructor makes.
+        """
+        if self.method not in available_methods():
+            raise ValueError(f"method must be one of {available_methods()}, got {self.method!r}")
+        model = resolve_model(self.model, self.overrides)
+        if self.stack not in STACKS:
+            raise ValueError(f"stack must be one of {list(STACKS)}, got {self.stack!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.nproc < 1:
+            raise ValueError(f"nproc must be >= 1, got {self.nproc}")
+        if self.seq_len < 2 or self.seq_len % self.nproc:
+            raise ValueError(
+                f"seq_len ({self.seq_len}) must be >= 2 and divisible by nproc ({self.nproc})"
+            )
+        if self.warmup < 0 or self.iters < 0:
+            raise ValueError(f"warmup and iters must be >= 0, got {self.warmup}, {self.iters}")
+        if self.budget_mib is not None and self.budget_mib <= 0:
+            raise ValueError(f"budget_mib must be positive, got {self.budget_mib}")
+        if self.ring_degree < 1:
+            raise ValueError(f"ring_degree must be >= 1, got {self.ring_degree}")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+        if self.heads_per_stage is not None and self.heads_per_stage < 1:
+            raise ValueError(f"heads_per_stage must be positive, got {self.heads_per_stage}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {list(WORKLOADS)}, got {self.workload!r}")
+        cls = get_method(self.method)
+        options = self.method_options()
+        for name in options:
+            if not takes_option(cls, name):
+                takers = [m for m in available_methods() if takes_option(get_method(m), name)]
+                raise ValueError(f"{name} applies to {', '.join(takers) or 'no registered method'}"
+                                 f" only, not {self.method!r}")
+        cls.check_config(model.n_heads, model.n_kv_heads, cp=self.nproc,
+                         ring_degree=self.ring_degree, seq_len=self.seq_len, **options)
+        check_kernel(self.kernel)
+        return model
+
+    def method_options(self) -> dict:
+        """The method's constructor options this cell sets (unset ones take the method default);
+        what the model passes to every attention module and what validation checks."""
+        opts = {name: getattr(self, name) for name in METHOD_OPTIONS}
+        return {k: v for k, v in opts.items() if v is not None}
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["overrides"] = [list(kv) for kv in self.overrides]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Cell:
+        d = dict(d)
+        d["overrides"] = tuple(tuple(kv) for kv in d.get("overrides", ()))
+        return cls(**d)
+
+    def cell_id(self) -> str:
+        """A readable, unique directory name for this cell (the hash covers every field).
+
+        Fields added after results were committed enter the name and the hash only when they
+        differ from their default, so the cells that existed before keep their ids (and a sweep
+        re-run resumes them).
+        """
+        d = self.to_dict()
+        d.pop("extra")
+        for name, default in _LATER_FIELDS.items():
+            if d[name] == default:
+                d.pop(name)
+        digest = hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
+        u = "" if self.heads_per_stage is None else f"-U{self.heads_per_stage}"
+        r = "" if self.ring_degree == 1 else f"-R{self.ring_degree}"
+        c = "" if self.chunk_size is None else f"-c{format_size(self.chunk_size)}"
+        rep = f"-r{self.extra['rep']}" if "rep" in self.extra else ""
+        scope = "" if self.workload == "step" else f"-{self.workload}"
+        return (f"{self.method}{u}{r}{c}-{self.model}-{format_size(self.seq_len)}-p{self.nproc}-"
+                f"{self.stack}-{self.dtype}{scope}{rep}-{digest}")
+
+
+# Method-specific constructor options a cell can set; each applies to the methods whose
+# constructor takes a keyword of that name.
+METHOD_OPTIONS = ("heads_per_stage", "chunk_size")
+
+# What a cell runs: a training step of the whole model, or one attention layer (forward and
+# backward), the benchmark of one method's attention alone.
+WORKLOADS = ("step", "attention")
+
+# Cell fields added after the first committed results, with their defaults: they enter a cell's
+# id only when they differ from these (see cell_id), so ids stay stable as fields are added.
+_LATER_FIELDS = {"ring_degree": 1, "chunk_size": None, "workload": "step"}
+
+
+def takes_option(method_cls: type, name: str) -> bool:
+    """Whether the method's constructor accepts the keyword ``name`` (e.g. heads_per_stage)."""
+    return name in inspect.signature(method_cls).parameters

@@ -1,0 +1,136 @@
+"""A sweep is data: a base cell, axes to expand, and optional max-context searches.
+
+Sweep declarations live in ``experiments/sweeps/``, one file per paper artefact, each with a
+paper-scale sweep and a CPU-scale counterpart that runs on 2 cores (STYLE.md §5); every
+paper-scale sweep also has an emulated twin (scale ``emulated``: the same cells through the
+emulator on declared ``hardware``, DESIGN.md §8). ``cells`` turns a sweep into cells;
+``validate`` checks every one of them before anything runs (a dry run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+
+from experiments.config.cell import Cell
+from experiments.config.hardware import Hardware
+from experiments.config.limits import DEFAULT_TIMEOUT_S
+from experiments.config.search import SearchSpec
+from experiments.config.sizes import parse_size
+
+# Cell fields given in tokens: a declaration may write them as "128K" or "1M"
+SIZE_FIELDS = ("seq_len", "chunk_size")
+PLOTS = ("max_context", "memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses",
+         "memory_ladder", "heads_per_stage")
+THROUGHPUT_PLOTS = ("throughput_vs_seq", "throughput_vs_ulysses")  # need measured step times
+SCALES = ("paper", "cpu", "emulated")
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One paper artefact's measurements."""
+
+    name: str
+    """file-system-safe name, after the artefact (``table3_llama3_8b_h100x8``)"""
+    description: str
+    """what the artefact shows, in one line"""
+    scale: str
+    """``paper`` (GPUs, NCCL), ``cpu`` (2 cores, gloo) or ``emulated`` (paper-scale cells through
+    the emulator on ``hardware``; memory, FLOPs and communication, no times)"""
+    base: dict
+    """Cell fields shared by every cell"""
+    axes: dict = field(default_factory=dict)
+    """Cell field -> values, expanded as a product; a dict value sets several fields at once
+    (e.g. ``{"method": "upipe", "heads_per_stage": 16}``)"""
+    search: SearchSpec | None = None
+    """also search the maximum context of every expanded cell but its seq_len"""
+    search_axes: tuple[str, ...] = ("variant",)
+    """axes a search runs over (the rest are fixed by ``base``)"""
+    search_methods: tuple[str, ...] | None = None
+    """methods whose max context is searched (None: every method of the axes)"""
+    search_base: dict = field(default_factory=dict)
+    """Cell fields for the searches only (the CPU budget: the grid's cells run unbudgeted so
+    that every length gets a time)"""
+    repeats: int = 1
+    """launches per cell (rows carry ``rep``)"""
+    plots: tuple[str, ...] = ()
+    """plots drawn from the tables (see ``PLOTS``)"""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """per-cell (and per-probe) wall-clock limit (measured sweeps)"""
+    hardware: Hardware | None = None
+    """the emulated hardware; emulated sweeps only"""
+    exact: bool = False
+    """emulated sweeps: emulate every cell at its own size instead of the fit of small exact
+    emulations (``experiments.emulation.emulate_cell``)"""
+
+    def __post_init__(self):
+        if self.scale not in SCALES:
+            raise ValueError(f"sweep.scale must be one of {list(SCALES)}, got {self.scale!r}")
+        bad = [p for p in self.plots if p not in PLOTS]
+        if bad:
+            raise ValueError(f"sweep.plots must be among {PLOTS}, got {bad}")
+        if (self.scale == "emulated") != (self.hardware is not None):
+            raise ValueError("sweep.hardware must be given for an emulated sweep and only for "
+                             f"one (scale {self.scale!r}, hardware {self.hardware})")
+        if self.hardware is not None:
+            self.hardware.validate()
+        if self.exact and self.scale != "emulated":
+            raise ValueError(f"sweep.exact applies to emulated sweeps only, not {self.scale!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"sweep.timeout_s must be positive, got {self.timeout_s}")
+
+    def _products(self, axes: dict) -> list[dict]:
+        names = list(axes)
+        out = []
+        for values in itertools.product(*(axes[n] for n in names)):
+            fields_ = dict(self.base)
+            for name, val in zip(names, values, strict=True):
+                if isinstance(val, dict):
+                    fields_.update(val)
+                else:
+                    fields_[name] = val
+            out.append({k: parse_size(v) if k in SIZE_FIELDS and isinstance(v, str) else v
+                        for k, v in fields_.items()})
+        return out
+
+    def cells(self) -> list[Cell]:
+        """Every run cell (x repeats), short sequences first so results arrive early."""
+        cells = [Cell(**f, extra={"rep": r} if self.repeats > 1 else {})
+                 for f in self._products(self.axes) for r in range(self.repeats)]
+        return sorted(cells, key=lambda c: c.seq_len)
+
+    def search_cells(self) -> list[Cell]:
+        """One base cell per max-context search (its seq_len is replaced while searching)."""
+        if self.search is None:
+            return []
+        axes = {k: v for k, v in self.axes.items() if k in self.search_axes}
+        seen, out = set(), []
+        for f in self._products(axes):
+            cell = Cell(**(f | self.search_base | {"seq_len": self.search.start}))
+            if self.search_methods is not None and cell.method not in self.search_methods:
+                continue
+            if cell not in seen:
+                seen.add(cell)
+                out.append(cell)
+        return out
+
+    def validate(self) -> list[tuple[Cell, str]]:
+        """(cell, error) for every invalid cell; an empty list means the sweep can run."""
+        bad = []
+        for cell in self.cells() + self.search_cells():
+            try:
+                cell.validate()
+            except ValueError as e:
+                bad.append((cell, str(e)))
+        if self.search is not None:
+            for cell in self.search_cells():
+                try:
+                    self.search.validate(cell.nproc)
+                except ValueError as e:
+                    bad.append((cell, str(e)))
+        return bad
+
+    def with_overrides(self, **base) -> Sweep:
+        """The sweep with base fields replaced (``nproc`` from the launcher, for instance)."""
+        return dataclasses.replace(self, base=dict(self.base) | base)

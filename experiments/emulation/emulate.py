@@ -1,0 +1,104 @@
+"""Paper-scale emulation of a cell: its row, as a launched row but predicted (DESIGN.md §8).
+
+``emulate_cell(cell, hw)`` validates the cell, emulates one rank of its job on fake tensors
+(``fake_step``) and returns a row with the columns of a measured one, ``mode`` ``emulated``:
+the device and host peaks against the emulated hardware's budgets (over one is ``oom``), the
+device peak's breakdown and phase, FLOPs and bytes sent per step, and provenance.
+
+Emulating a paper-scale step op by op costs about 0.15 ms per op on 2 cores, and the tiled MLP
+and chunked loss make the op count grow with the sequence (about 2.5M ops for Llama3-8B at 5M
+tokens on 8 ranks), so ``emulate_cell`` predicts from a fit of exact runs on the same code at
+a few small sizes by default (``fit``); ``exact=True`` runs the target size itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+
+from experiments.config import ERROR_TAIL_CHARS, Cell, GiB, Hardware, ModelConfig, Status
+from experiments.emulation.fake_step import Measurement, measure_fake
+from experiments.emulation.fit import fitted
+from experiments.harness.flops import step_flops
+from experiments.harness.launch import describe
+from experiments.harness.offload import PIN_MAX_TOKENS
+from experiments.provenance import provenance
+from upipe.registry import get_method
+
+PAPER_NODE = Hardware()  # 8x H100 80 GB, the paper's node (config.Hardware's defaults)
+
+
+def emulation_unavailable(cell: Cell, hw: Hardware) -> str | None:
+    """Why the cell's method cannot be emulated here, or None.
+
+    The emulator runs the method's code on fake CPU tensors: a method whose code needs a real
+    CUDA runtime or an absent library (its ``unavailable_reason`` on this machine's CPU) cannot
+    run there either, whatever device is emulated.
+    """
+    if cell.workload != "step":
+        return f"cannot be emulated: the emulator runs the training step, not {cell.workload!r}"
+    reason = get_method(cell.method).unavailable_reason("cpu")
+    return None if reason is None else f"cannot be emulated: {reason}"
+
+
+def _row_metrics(cell: Cell, cfg: ModelConfig, hw: Hardware, m: Measurement) -> dict:
+    b = m.breakdown
+    device_budget, host_budget = hw.device_budget(cell), hw.host_budget(cell.nproc)
+    over = []
+    if m.peak_device_bytes > device_budget:
+        over.append(f"device peak {m.peak_device_bytes / GiB:.2f} GiB > budget "
+                    f"{device_budget / GiB:.2f} GiB")
+    if m.peak_host_bytes > host_budget:
+        over.append(f"host peak {m.peak_host_bytes / GiB:.2f} GiB > budget "
+                    f"{host_budget / GiB:.2f} GiB per rank")
+    return {
+        "status": Status.OOM if over else Status.OK, "error": "; ".join(over),
+        "mode": "emulated", "memory_source": "emulated", "world_size": cell.nproc,
+        "device": f"emulated {hw.device} ({hw.gpu_mem_gib:g} GiB)",
+        "peak_device_bytes": m.peak_device_bytes, "tracked_peak_device_bytes": m.peak_device_bytes,
+        "peak_host_bytes": m.peak_host_bytes, "host_pinned": cell.seq_len <= PIN_MAX_TOKENS,
+        # where in the step the peak is: the phase labels at that moment, outermost first
+        "peak_phase": " > ".join(max(m.phase_peaks, key=m.phase_peaks.get)),
+        "peak_model_bytes": b.get("model", 0), "peak_attention_bytes": b.get("attention", 0),
+        "peak_other_bytes": sum(v for k, v in b.items() if k not in ("model", "attention")),
+        "device_budget_bytes": device_budget, "host_budget_bytes": host_budget,
+        "device_memory_bytes": device_budget,
+        # this rank's FLOPs counted per op (recomputation included, attention dense, as torch's
+        # formulas count it) beside the shared model-FLOPs formula over all ranks
+        "rank_flops_per_step": m.flops,
+        "model_tflops_per_step": step_flops(cfg, cell.seq_len) / 1e12,
+        "comm_bytes_per_step": None if m.comm_bytes is None else sum(m.comm_bytes.values()),
+        "comm_bytes_by_op": m.comm_bytes,
+    } | {f"hw_{k}": v for k, v in dataclasses.asdict(hw).items()}
+
+
+def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
+                 count: bool = True) -> dict:
+    """The row of ``cell`` emulated on ``hw`` (statuses as ``run_cell``'s: ok, oom over the
+    device or host budget, invalid, skipped, error). ``count=False``: memory only (FLOPs and
+    bytes sent are None), for searches that need only the status."""
+    try:
+        cfg = cell.validate()
+        hw.validate(world=cell.nproc)
+    except ValueError as e:
+        return describe(cell, None) | {"status": Status.INVALID, "error": str(e),
+                                       "mode": "emulated"}
+    reason = emulation_unavailable(cell, hw)
+    if reason is not None:
+        return describe(cell, cfg) | {"status": Status.SKIPPED, "error": reason,
+                                      "mode": "emulated"}
+    t0 = time.monotonic()
+    try:
+        if exact:
+            m, extra = measure_fake(cell, cfg, hw, count), {"emulation": "exact"}
+        else:
+            fit = fitted(cell, hw, count)
+            m, extra = fit.predict(cell.seq_len, cfg.n_layers), fit.summary()
+    except Exception as e:  # a method that fails under fake tensors: a row, not a crash
+        return describe(cell, cfg) | provenance() | {
+            "status": Status.ERROR, "mode": "emulated",
+            "error": f"{type(e).__name__}: {e}\n" + traceback.format_exc()[-ERROR_TAIL_CHARS:]}
+    # provenance as launched rows carry it (versions, git revision, host, date)
+    return describe(cell, cfg) | _row_metrics(cell, cfg, hw, m) | extra | {
+        "emulation_s": round(time.monotonic() - t0, 2)} | provenance()

@@ -1,0 +1,138 @@
+"""The fake-tensor step: one process plays rank 0 of a P-rank job for one training step.
+
+The same model, method, memory stack and training step as a real run
+(``experiments.harness.train``), built under ``FakeTensorMode`` on the ``fake`` process group
+with a DeviceMesh of the emulated shape (1-D, or 2-D (ring, ulysses) for hybrids): nothing is
+computed, and the ``MemoryTracker`` sees every allocation and free. On an emulated CUDA device
+(``Hardware.device == "cuda"``) the attention kernels take their CUDA path and allocate what the
+CUDA kernels allocate (``kernel_models``), and device allocations are counted in 512-byte blocks
+as the CUDA caching allocator's ``max_memory_allocated`` counts them
+(c10/cuda/CUDACachingAllocator.cpp, ``round_size``). With ``device="cpu"`` neither applies, and
+the emulated peak is the peak the tracker measures in a real gloo run of the same cell
+(tests/test_emulate.py asserts equality).
+
+One step is emulated after the optimizer states exist (they are made by one AdamW step on zero
+gradients before tracking), so the peak is the steady state's, as the real run's peak over its
+warm-up and memory steps is. Per step the FLOPs (``instruments.op_flops.CountedFlops``; this
+rank) and the bytes this rank sends (``instruments.collectives``) are counted from the same run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from experiments.config import Cell, Hardware, ModelConfig
+from experiments.emulation.kernel_models import cuda_kernels
+from experiments.harness.train import build, make_meshes
+from experiments.instruments.collectives import CollectiveCounter
+from experiments.instruments.labels import label_fsdp_reductions, label_modules
+from experiments.instruments.memory import MemoryTracker
+from experiments.instruments.op_flops import CountedFlops
+
+
+@dataclass
+class Measurement:
+    """What one emulated step allocated, sent and computed (rank 0; bytes, FLOPs)."""
+
+    peak_device_bytes: int
+    peak_host_bytes: int
+    breakdown: dict[str, int]  # category -> device bytes at the peak
+    phase_peaks: dict[tuple[str, ...], int]  # phase key -> its peak device bytes
+    phase_breakdowns: dict[tuple[str, ...], dict[str, int]]
+    flops: int | None  # None: not counted
+    comm_bytes: dict[str, int] | None  # c10d op -> bytes sent; None: not counted
+
+
+@contextlib.contextmanager
+def fake_world(world: int):
+    """The ``fake`` process group of ``world`` ranks, this process rank 0 (made and destroyed
+    here unless one of that size is already initialised)."""
+    if dist.is_initialized():
+        if dist.get_backend() != "fake" or dist.get_world_size() != world:
+            raise ValueError(f"emulation needs the fake process group of {world} ranks; this "
+                             f"process already has a {dist.get_backend()!r} group of "
+                             f"{dist.get_world_size()}")
+        yield
+        return
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _kernels(hw: Hardware):
+    if hw.device == "cuda":
+        return cuda_kernels()
+    return contextlib.nullcontext()
+
+
+def _label_phases(model, tracker: MemoryTracker) -> list:
+    """Phase labels: each block and its attention/MLP/norm modules, forward and backward."""
+    handles = []
+    for i, block in enumerate(model.layers):
+        handles += label_modules([block], tracker, f"layers.{i}:fwd", push=tracker.push_phase,
+                                 pop=tracker.pop_phase, backward_name=f"layers.{i}:bwd")
+        for name in ("attention_norm", "attention", "ffn_norm", "feed_forward"):
+            handles += label_modules([getattr(block, name)], tracker, f"{name}:fwd",
+                                     push=tracker.push_phase, pop=tracker.pop_phase,
+                                     backward_name=f"{name}:bwd")
+    return handles
+
+
+def _init_optimizer_states(state) -> None:
+    """AdamW's states exist from the first step on; make them now (zero gradients) so the one
+    tracked step is a steady-state step."""
+    for p in state.model.parameters():
+        p.grad = torch.zeros_like(p)
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+
+
+def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True) -> Measurement:
+    """Emulate one steady-state step of ``cell`` with the model shape ``cfg`` (``count``: also
+    count FLOPs and bytes sent; a memory-only search leaves them out, two dispatch layers
+    fewer per op)."""
+    device = torch.device("cpu")
+    with fake_world(cell.nproc):
+        meshes = make_meshes(cell, device)  # outside fake mode: meshes read rank values
+        with FakeTensorMode(), _kernels(hw):
+            state = build(cell, cfg, meshes=meshes, device=device)
+            model, opt = state.model, state.optimizer
+            _init_optimizer_states(state)
+            tracker = MemoryTracker(settle_comm=False, namespace_categories={"fsdp": "model"},
+                                    round_bytes=512 if hw.device == "cuda" else 1)
+            handles = label_modules(model.attention_modules, tracker, "attention")
+            handles += _label_phases(model, tracker)
+            handles += label_fsdp_reductions(model, tracker)
+            model.set_offload(host_context=tracker.host)
+            states = [t for s in opt.state.values() for t in s.values()
+                      if isinstance(t, torch.Tensor)]
+            flop_counter = CountedFlops() if count else contextlib.nullcontext()
+            comm = CollectiveCounter() if count else contextlib.nullcontext()
+            try:
+                with flop_counter, comm, tracker:
+                    tracker.track(model, state.tokens, state.labels, states, category="model")
+                    with tracker.phase("forward"):
+                        loss_sum = model(state.tokens, state.labels)
+                    with tracker.phase("backward"):
+                        (loss_sum / state.n_label_tokens).backward()
+                    with tracker.phase("optimizer"), tracker.category("model"):
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+            finally:
+                for h in handles:
+                    h.remove()
+    return Measurement(
+        peak_device_bytes=tracker.peak_device_bytes, peak_host_bytes=tracker.peak_host_bytes,
+        breakdown=dict(tracker.breakdown_at_peak),
+        phase_peaks=dict(tracker.peak_by_phase),
+        phase_breakdowns={k: dict(v) for k, v in tracker.breakdown_by_phase.items()},
+        flops=flop_counter.total if count else None,
+        comm_bytes=dict(comm.bytes_sent) if count else None)

@@ -1,0 +1,265 @@
+"""Paper-scale predictions from exact emulations at small sizes (the emulator's fast path).
+
+Why this is exact at the target, not a curve fit: on one *lattice* of sequence lengths (every
+tile, chunk and kernel padding divides evenly) every tensor the step allocates has a size that
+is affine in the local sequence length L, and every loop runs a number of iterations affine in
+L; middle blocks (all but the first and last) run identical code. So the live bytes at the
+peak of each *phase* of the step (a block's forward or backward, its attention or MLP, the
+loss, the optimizer) are affine in L and in the number of layers N, up to where another event
+of the same phase takes over. The fit therefore works phase by phase:
+
+- emulate the cell exactly (``fake_step.measure_fake``) at three lattice lengths
+  S = kQ, (k+1)Q, (k+2)Q (the smallest k with two MLP shards per rank and, for chunked
+  methods, three chunks) with N = 4 layers (blocks renamed by role: first, mid_first, mid,
+  mid_last, last);
+- per phase, require the three lengths to be collinear in bytes (to 64 KiB: the allocator's
+  512-byte rounding of the few sizes that are not multiples of 512 everywhere); where a
+  phase is not (its peak event changes between the samples: a constant term first, a term
+  growing with S later), move the window one quantum longer, up to MAX_EXTENSIONS times;
+- emulate N = 5 layers at the window's first two lengths, and require the extra middle block to
+  lie exactly between its neighbours; phases that fail are
+  listed in ``fit_nonaffine_phases`` (the prediction is then not trusted: ``exact=True``);
+- predict every phase at (S, N) by the two lines, the peak as their maximum; host bytes and
+  communication bytes by the same bilinear rule, FLOPs as A(S) + N B(S) with A linear and B
+  quadratic in S (attention).
+
+Lattice: Q = lcm(P x dim (the tiled MLP's shards of dim tokens), 2 x P x 128 (zigzag halves
+and the flash kernels' 128-row blocks), the method's chunk size). Off the lattice (e.g.
+Qwen3-32B's dim 5120 over 16 ranks at multiples of 64K tokens) the MLP's shards are a little
+shorter than dim: the lines are still evaluated at S, exact for the phases whose tensors scale
+with S (attention, loss, checkpoints), approximate by part of one shard's scratch in the MLP's.
+tests/test_emulate.py checks predictions against exact emulations of the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from experiments.config import Cell, Hardware, takes_option
+from experiments.emulation.fake_step import Measurement, measure_fake
+from upipe.registry import get_method
+
+N_SAMPLE = (4, 5)  # layers in the sample runs: first, two (three) middle blocks, last
+MAX_EXTENSIONS = 3  # lattice quanta the sample window may move while a phase is not collinear
+MIN_TILES = 2  # per rank: with one, the tiled MLP calls the MLP directly (another code path)
+# FPDT's steady state needs 3 chunks: with 2, the last chunk's prefetch is that of the first
+MIN_CHUNKS = 3
+ROLES = ("first", "mid_first", "mid", "mid_last", "last")
+
+
+def _chunk(cell: Cell) -> int | None:
+    """The cell's sequence chunk (its method's default when unset), or None: not chunked."""
+    cls = get_method(cell.method)
+    if not takes_option(cls, "chunk_size"):
+        return None
+    return cell.chunk_size or inspect.signature(cls).parameters["chunk_size"].default
+
+
+def _first_quantum(cell: Cell, q: int, dim: int) -> int:
+    """The smallest k such that k * q holds MIN_TILES MLP shards per rank and MIN_CHUNKS
+    chunks: the fit's three lengths are k, k + 1 and k + 2 quanta."""
+    k = math.ceil(MIN_TILES * cell.nproc * dim / q)
+    chunk = _chunk(cell)
+    return max(k, math.ceil(MIN_CHUNKS * chunk / q)) if chunk else k
+
+
+def lattice(cell: Cell, dim: int) -> int:
+    """The global-token quantum Q on which every allocation of the step is affine in S."""
+    q = math.lcm(cell.nproc * dim, 2 * cell.nproc * 128)
+    chunk = _chunk(cell)
+    return math.lcm(q, chunk) if chunk else q
+
+
+def _role(i: int, n: int) -> str:
+    if i == 0:
+        return "first"
+    if i == n - 1:
+        return "last"
+    return "mid_first" if i == 1 else "mid_last" if i == n - 2 else "mid"
+
+
+def canonical(key: tuple[str, ...], n_layers: int) -> tuple[str, ...]:
+    """A phase key with block indices replaced by roles (``layers.7:bwd`` -> ``mid:bwd``)."""
+    out = []
+    for name in key:
+        if name.startswith("layers."):
+            idx, _, rest = name[len("layers."):].partition(":")
+            name = f"{_role(int(idx), n_layers)}:{rest}"
+        out.append(name)
+    return tuple(out)
+
+
+# How far a sample may sit off the line through the others and still count as collinear: the
+# allocator's 512-byte rounding of the few tensors whose size is not a multiple of 512 at every
+# length (the loss's last, partial chunk, per-chunk index tensors) moves a phase peak by a few
+# KiB without a change of regime; a change of regime moves it by far more.
+TOLERANCE_BYTES = 64 * 2**10
+
+
+def _line(xs, ys, tol: int = TOLERANCE_BYTES) -> tuple[Fraction, Fraction] | None:
+    """(slope, intercept) through the first two points if the others are within ``tol`` bytes
+    of that line, else None."""
+    slope = Fraction(ys[1] - ys[0], xs[1] - xs[0])
+    for x, y in zip(xs[2:], ys[2:], strict=True):
+        if abs(Fraction(y - ys[0]) - slope * (x - xs[0])) > tol:
+            return None
+    return slope, ys[0] - slope * xs[0]
+
+
+def _quadratic(xs, ys) -> tuple[Fraction, Fraction, Fraction]:
+    """(a, b, c) of a + b x + c x^2 through three points."""
+    (x0, x1, x2), (y0, y1, y2) = xs, ys
+    d01, d12 = Fraction(y1 - y0, x1 - x0), Fraction(y2 - y1, x2 - x1)
+    c = (d12 - d01) / (x2 - x0)
+    b = d01 - c * (x0 + x1)
+    return y0 - b * x0 - c * x0 * x0, b, c
+
+
+@dataclass
+class Fit:
+    """Exact emulations at ``seq_lens`` for N = 4 and 5 layers, and predictions from them."""
+
+    seq_lens: tuple[int, ...]  # three lattice lengths
+    samples: dict[int, list[Measurement]]  # 4 layers: at seq_lens; 5 layers: the first two
+    nonaffine: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self._phases = {n: [_phases(m, n) for m in ms] for n, ms in self.samples.items()}
+        self.counted = self.samples[N_SAMPLE[0]][0].flops is not None
+
+    def _bilinear(self, get, seq_len: int, n_layers: int, label: str) -> int:
+        """``get(measurement, phases)`` at (seq_len, n_layers): a line in S per sample depth,
+        then a line in N. A series that is not collinear (``_line``) is recorded in ``nonaffine``
+        and continued from its last two points."""
+        at_n = []
+        for n in N_SAMPLE:
+            ys = [get(m, ph) for m, ph in zip(self.samples[n], self._phases[n], strict=True)]
+            xs = self.seq_lens[:len(ys)]
+            line = _line(xs, ys)
+            if line is None:
+                self.nonaffine.append(label)
+                line = _line(xs[-2:], ys[-2:])
+            at_n.append(line[0] * seq_len + line[1])
+        return int(round(at_n[0] + (n_layers - N_SAMPLE[0]) * (at_n[1] - at_n[0])))
+
+    def _flops(self, seq_len: int, n_layers: int) -> int:
+        """FLOPs F(S, N) = A(S) + N B(S): A linear (the loss head; embedding lookups, FSDP and
+        the optimizer count none), B quadratic (a block: attention is quadratic in S). The
+        3 + 2 samples determine the 5 coefficients exactly."""
+        f4 = [m.flops for m in self.samples[N_SAMPLE[0]]]
+        f5 = [m.flops for m in self.samples[N_SAMPLE[1]]]
+        a4, b4, c4 = _quadratic(self.seq_lens, f4)  # A + 4B
+        per_layer = [y5 - y4 for y4, y5 in zip(f4[:2], f5, strict=True)]  # B at the first two
+        (x0, x1), c = self.seq_lens[:2], c4 / N_SAMPLE[0]
+        b = Fraction(per_layer[1] - per_layer[0], x1 - x0) - c * (x0 + x1)
+        a = per_layer[0] - b * x0 - c * x0 * x0
+        at_4 = a4 + b4 * seq_len + c4 * seq_len * seq_len
+        return int(round(at_4 + (n_layers - N_SAMPLE[0]) * (a + b * seq_len + c * seq_len**2)))
+
+    def predict(self, seq_len: int, n_layers: int) -> Measurement:
+        every = [ph for n in N_SAMPLE for ph in self._phases[n]]
+        keys = sorted(set.intersection(*(set(ph) for ph in every)))
+        peaks = {k: self._bilinear(lambda m, ph, k=k: ph[k][0], seq_len, n_layers,
+                                   " > ".join(k)) for k in keys}
+        top = max(peaks, key=peaks.get)
+        cats = sorted(set().union(*(ph[top][1] for ph in every)))
+        breakdown = {c: self._bilinear(lambda m, ph, c=c: ph[top][1].get(c, 0), seq_len,
+                                       n_layers, f"{' > '.join(top)} [{c}]") for c in cats}
+        host = self._bilinear(lambda m, ph: m.peak_host_bytes, seq_len, n_layers, "host")
+        comm, flops = None, None
+        if self.counted:
+            ops = sorted(set().union(*(m.comm_bytes for n in N_SAMPLE for m in self.samples[n])))
+            comm = {op: self._bilinear(lambda m, ph, op=op: m.comm_bytes.get(op, 0), seq_len,
+                                       n_layers, f"comm {op}") for op in ops}
+            flops = self._flops(seq_len, n_layers)
+        self.nonaffine = sorted(set(self.nonaffine))
+        return Measurement(peaks[top], host, breakdown, {top: peaks[top]}, {top: breakdown},
+                           flops, comm)
+
+    def summary(self) -> dict:
+        return {"emulation": "fit", "fit_seq_lens": list(self.seq_lens),
+                "fit_layers": list(N_SAMPLE), "fit_nonaffine_phases": list(self.nonaffine)}
+
+
+def _phases(m: Measurement, n_layers: int) -> dict[tuple[str, ...], tuple[int, dict]]:
+    """Phase peaks by canonical key, with their breakdowns; the N = 5 run's "mid" block is
+    checked by ``_check_mid`` and left out here."""
+    out: dict[tuple[str, ...], tuple[int, dict]] = {}
+    for key, peak in m.phase_peaks.items():
+        ck = canonical(key, n_layers)
+        if any(name.startswith("mid:") for name in ck):
+            continue
+        out[ck] = (peak, m.phase_breakdowns.get(key, {}))
+    return out
+
+
+def _check_mid(m: Measurement, n_layers: int) -> list[str]:
+    """Phases of the middle block of a 5-layer run that are not exactly halfway between the
+    blocks before and after it (the affine-in-depth assumption)."""
+    bad = []
+    for key, peak in m.phase_peaks.items():
+        ck = canonical(key, n_layers)
+        if not any(name.startswith("mid:") for name in ck):
+            continue
+        before = tuple(n.replace("mid:", "mid_first:") for n in ck)
+        after = tuple(n.replace("mid:", "mid_last:") for n in ck)
+        lo = max((v for k, v in m.phase_peaks.items() if canonical(k, n_layers) == before),
+                 default=None)
+        hi = max((v for k, v in m.phase_peaks.items() if canonical(k, n_layers) == after),
+                 default=None)
+        if lo is None or hi is None or 2 * peak != lo + hi:
+            bad.append(" > ".join(ck) + " (depth)")
+    return bad
+
+
+_CACHE: dict[tuple, Fit] = {}
+
+
+def fitted(cell: Cell, hw: Hardware, count: bool = True) -> Fit:
+    """The fit for ``cell``'s family, computed once per process. The family is every field but
+    those that change nothing in one step's allocations: the length (the fit's variable), the
+    step counts, the budget (it decides the status, after) and labels."""
+    family = dataclasses.replace(cell, seq_len=0, warmup=0, iters=0, budget_mib=None, extra={})
+    key = (family, hw.device, count)  # the budgets only decide statuses
+    if not count and (family, hw.device, True) in _CACHE:  # a counted fit serves too
+        return _CACHE[(family, hw.device, True)]
+    if key not in _CACHE:
+        cfg = cell.validate()
+        q = lattice(cell, cfg.dim)
+        k = _first_quantum(cell, q, cfg.dim)
+        run = {n: lambda s, n=n: measure_fake(dataclasses.replace(cell, seq_len=s),
+                                              dataclasses.replace(cfg, n_layers=n), hw, count)
+               for n in N_SAMPLE}
+        lengths = [k * q, (k + 1) * q, (k + 2) * q]
+        at_4 = [run[N_SAMPLE[0]](s) for s in lengths]
+        # A phase whose peak event changes between the samples (constant terms first, terms
+        # growing with S later) is not collinear yet: move the window to longer lengths.
+        for _ in range(MAX_EXTENSIONS):
+            if not _noncollinear(lengths[-3:], at_4[-3:]):
+                break
+            lengths.append(lengths[-1] + q)
+            at_4.append(run[N_SAMPLE[0]](lengths[-1]))
+        # the window is in one regime throughout: its two shortest lengths are the cheapest
+        at_5 = [run[N_SAMPLE[1]](s) for s in lengths[-3:-1]]
+        fit = Fit(tuple(lengths[-3:]), {N_SAMPLE[0]: at_4[-3:], N_SAMPLE[1]: at_5},
+                  _check_mid(at_5[-1], N_SAMPLE[1]))
+        _CACHE[key] = fit
+    return _CACHE[key]
+
+
+def _noncollinear(xs, ms: list[Measurement]) -> list[str]:
+    """The 4-layer series (phase peaks and their categories, host and communication bytes)
+    that are not collinear (``_line``) over ``xs``."""
+    phases = [_phases(m, N_SAMPLE[0]) for m in ms]
+    series: dict[str, list[int]] = {"host": [m.peak_host_bytes for m in ms]}
+    for key in set.intersection(*(set(ph) for ph in phases)):
+        series[" > ".join(key)] = [ph[key][0] for ph in phases]
+        for c in set().union(*(ph[key][1] for ph in phases)):
+            series[f"{' > '.join(key)} [{c}]"] = [ph[key][1].get(c, 0) for ph in phases]
+    for op in set().union(*(m.comm_bytes or {} for m in ms)):
+        series[f"comm {op}"] = [m.comm_bytes.get(op, 0) for m in ms]
+    return sorted(k for k, ys in series.items() if _line(xs, ys) is None)

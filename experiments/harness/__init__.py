@@ -1,0 +1,14 @@
+"""One measured cell (DESIGN.md §7): the model and its memory stack, the training step (or one
+attention layer), the launch of its ranks, and what is measured of them.
+
+    model, loss, offload   the Llama-style decoder and the ALST memory stack
+    train                  FSDP2, AdamW, the step; meshes for the hybrids
+    flops                  the shared model-FLOPs formula and MFU
+    stats                  timing, the cross-rank row, the CPU budget
+    measure                the ``step`` workload: a training step, measured
+    attention_layer        the ``attention`` workload: one attention layer, measured
+    launch                 ``run_cell``: a cell's ranks in a fresh process group -> one row
+
+Imports ``experiments.config`` and ``experiments.instruments`` only (never emulation, the
+runner or reporting).
+"""

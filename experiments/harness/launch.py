@@ -1,0 +1,225 @@
+"""Launch one cell in its own process group and turn whatever happens into a row.
+
+``run_cell(cell)`` validates the cell (``invalid`` rows never start a process), spawns
+``cell.nproc`` ranks (gloo on CPU; NCCL with one GPU per rank when CUDA is present), runs the
+cell's workload on each (``measure.measure_cell``, or ``attention_layer.measure_attention``)
+and returns rank 0's row. A fresh process group per cell means an OOM leaves no damaged
+allocator behind (STYLE.md §10). Outcomes (``experiments.config.Status``):
+
+- ``ok``, or ``oom`` over a CPU budget (decided by the ranks together);
+- ``oom``: a rank's CUDA allocator raised ``torch.OutOfMemoryError``. Nothing else is an OOM:
+  a rank killed by a signal (SIGKILL from a user, a scheduler or the kernel's OOM killer: the
+  launcher cannot tell which) or a CPU allocation failure is an ``error`` naming what
+  happened, which ``--retry-failed`` runs again and a max-context search does not read as a
+  limit;
+- ``timeout``: the cell ran past ``timeout_s``; its ranks are killed;
+- ``error``: anything else, with the failing rank's traceback as ``error``;
+- ``skipped``: the method cannot run on this machine (its ``unavailable_reason``, e.g. a
+  CUDA-only adapter on CPU); nothing is launched;
+- ``invalid``: a rule of the cell is broken, or its inputs cannot exist on this machine
+  (``host_inputs_fit``); nothing is launched.
+
+Under torchrun (``WORLD_SIZE`` set, ``dist`` initialised by the caller) cells run in that one
+process group instead, one after another; a cell whose ``nproc`` differs from the world size is
+``skipped``. Multi-node runs go through torchrun (DESIGN.md §2). Every rank of a cell must run
+the same cell (length, options): the launcher gives all its ranks the same one; under torchrun
+the caller must (collectives between ranks that disagree fail inside the backend).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from experiments.config import (
+    ERROR_TAIL_CHARS,
+    PROCESS_GROUP_TIMEOUT_S,
+    Cell,
+    ModelConfig,
+    Status,
+)
+from experiments.harness.attention_layer import measure_attention
+from experiments.harness.measure import measure_cell
+from experiments.provenance import provenance
+from upipe.registry import get_method
+
+WORKLOADS = {"step": measure_cell, "attention": measure_attention}
+
+
+def threads_per_rank(nproc: int) -> int:
+    """OMP_NUM_THREADS if set, else the cores shared out over the ranks."""
+    return int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // nproc)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago (for a spawned group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def describe(cell: Cell, cfg: ModelConfig | None) -> dict:
+    """The row's identity and config columns (flat, CSV-friendly)."""
+    d = cell.to_dict()
+    extra = d.pop("extra")
+    d["overrides"] = ";".join(f"{k}={v}" for k, v in cell.overrides)
+    d["cell_id"] = cell.cell_id()
+    if cfg is not None:
+        d |= {f"model_{k}": v for k, v in cfg.__dict__.items()}
+    return d | extra
+
+
+def host_inputs_fit(cell: Cell, cfg: ModelConfig) -> str | None:
+    """Why the cell's inputs cannot exist on this machine, or None.
+
+    Every rank draws the full sequence's tokens and labels (int64, ``S`` each: the same data on
+    every rank, sharded after) before anything else, so ``nproc`` ranks on this host need
+    16 B x S x nproc of host memory at least; beyond the host's physical memory the ranks would
+    only die allocating. The attention workload's inputs are the local (L, dim) activations.
+    """
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX host: nothing to check against
+        return None
+    ranks_here = min(cell.nproc, int(os.environ.get("LOCAL_WORLD_SIZE", cell.nproc)))
+    if cell.workload == "attention":
+        need = 2 * cell.seq_len * cfg.dim * 4 // cell.nproc * ranks_here
+    else:
+        need = 16 * cell.seq_len * ranks_here
+    if need > physical:
+        return (f"seq_len ({cell.seq_len}) needs at least {need / 2**30:.1f} GiB of inputs on "
+                f"this host's {ranks_here} rank(s), more than its {physical / 2**30:.1f} GiB of "
+                "memory")
+    return None
+
+
+def _rank_main(rank: int, cell: Cell, cfg: ModelConfig, port: int, threads: int, progress: bool,
+               results) -> None:
+    # The parent turns Ctrl-C into one line and ends the ranks itself: the ranks ignore it
+    # rather than each print a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ranks talk on stderr only: the parent's stdout carries its output (``--json``).
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    torch.set_num_threads(threads)
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = "nccl"
+    else:  # DeepSpeed (tiled MLP, ds-ulysses) would probe for accelerators and warn
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=cell.nproc,
+                            timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
+    try:
+        row = WORKLOADS[cell.workload](cell, cfg, progress=progress)
+        if rank == 0:
+            results.put(row | provenance())
+        # Tear down together: a rank that destroys its group while a peer's gloo thread still
+        # expects bytes from it makes that peer abort ("terminate called without an active
+        # exception"), seen in about 1 of 10 short cells without this barrier.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _killed(e: mp.ProcessExitedException) -> dict:
+    """A rank that died without a Python exception: killed by a signal, or exited by itself."""
+    what = (f"rank {e.error_index} was killed by {e.signal_name}" if e.signal_name
+            else f"rank {e.error_index} exited with code {e.exit_code}")
+    hint = (" (from outside the cell: a user, a scheduler, or the kernel's OOM killer, which "
+            "the launcher cannot tell apart; not a measured OOM)"
+            if e.signal_name == "SIGKILL" else "")
+    return {"status": Status.ERROR, "error": f"{what}{hint}: {e}"}
+
+
+def _raised(text: str) -> dict:
+    """A rank raised: its traceback is the message. Only the CUDA allocator's own error is an
+    OOM (a CPU allocation failure is an error: on CPU only the budget decides OOMs)."""
+    oom = "torch.OutOfMemoryError" in text or "CUDA out of memory" in text
+    return {"status": Status.OOM if oom else Status.ERROR, "error": text[-ERROR_TAIL_CHARS:]}
+
+
+def _spawn(cell: Cell, cfg: ModelConfig, timeout_s: float | None, threads: int,
+           progress: bool) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    pc = mp.start_processes(_rank_main, (cell, cfg, free_port(), threads, progress, results),
+                            nprocs=cell.nproc, join=False, start_method="spawn")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while not pc.join(timeout=1.0):
+            if deadline is not None and time.monotonic() > deadline:
+                return {"status": Status.TIMEOUT, "error": f"cell ran past timeout_s={timeout_s}"}
+    except mp.ProcessExitedException as e:
+        return _killed(e)
+    except mp.ProcessRaisedException as e:
+        return _raised(str(e))
+    finally:  # a timeout, an interrupt, or one rank failing: end every rank still running
+        for p in pc.processes:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+    if results.empty():
+        return {"status": Status.ERROR, "error": "rank 0 exited without a result"}
+    return results.get()
+
+
+def _in_process(cell: Cell, cfg: ModelConfig, progress: bool) -> dict:
+    world = dist.get_world_size()
+    if world != cell.nproc:
+        return {"status": Status.SKIPPED, "error": f"nproc {cell.nproc} != torchrun world {world}"}
+    try:
+        return WORKLOADS[cell.workload](cell, cfg, progress=progress) | provenance()
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {"status": Status.OOM, "error": traceback.format_exc()[-ERROR_TAIL_CHARS:]}
+    except Exception:
+        return {"status": Status.ERROR, "error": traceback.format_exc()[-ERROR_TAIL_CHARS:]}
+
+
+def unavailable_reason(cell: Cell) -> str | None:
+    """Why the cell's method cannot run on this machine (e.g. a CUDA-only adapter on a CPU
+    machine), or None; decided by the method class before anything is launched."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return get_method(cell.method).unavailable_reason(device_type)
+
+
+def run_cell(cell: Cell, timeout_s: float | None = None, progress: bool = False) -> dict:
+    """Run ``cell`` once; always returns a row (see the module docstring for the statuses),
+    with ``mode`` ``measured`` (``experiments.emulation.emulate_cell``'s rows say
+    ``emulated``). ``progress``: rank 0 prints a line per step on stderr."""
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"timeout must be positive (seconds per launch), got {timeout_s}")
+    try:
+        cfg = cell.validate()
+    except ValueError as e:
+        return describe(cell, None) | {"status": Status.INVALID, "error": str(e),
+                                       "mode": "measured"}
+    reason = unavailable_reason(cell)
+    if reason is not None:  # nothing to launch: a row saying why
+        return describe(cell, cfg) | {"status": Status.SKIPPED, "error": reason,
+                                      "mode": "measured"}
+    too_big = host_inputs_fit(cell, cfg)
+    if too_big is not None:
+        return describe(cell, cfg) | {"status": Status.INVALID, "error": too_big,
+                                      "mode": "measured"}
+    torchrun = dist.is_initialized()
+    threads = threads_per_rank(cell.nproc)
+    t0, load0 = time.monotonic(), os.getloadavg()[0]
+    res = (_in_process(cell, cfg, progress) if torchrun
+           else _spawn(cell, cfg, timeout_s, threads, progress))
+    res.setdefault("error", "")
+    # load averages flag other work on the machine during the cell (timing noise)
+    return describe(cell, cfg) | res | {
+        "mode": "measured", "wall_s": round(time.monotonic() - t0, 2), "load_1m_start": load0,
+        "load_1m_end": os.getloadavg()[0], "threads_per_rank": threads,
+        "launcher": "torchrun" if torchrun else "spawn"}

@@ -1,0 +1,209 @@
+"""A Llama-style decoder whose attention is any registered CP method, with the memory stack.
+
+Blocks are pre-norm: ``h = x + attention(norm(x)); out = h + mlp(norm(h))`` with RMSNorm (fp32
+statistics, as Llama), RoPE inside the attention (global positions), GQA, SwiGLU MLP, and an
+untied or tied output head. Names follow Meta's Llama (``tok_embeddings``, ``layers.i.attention.
+wq``, ``feed_forward.w1``/``w2``/``w3``, ``norm``, ``output``). Random init; nothing downloaded.
+
+The memory stack (``experiments.config.StackConfig``) is part of the model's forward because
+each level changes how the forward runs:
+
+- ``checkpoint``: ``torch.utils.checkpoint`` (non-reentrant) per block, inside the block's
+  forward so that FSDP2's all-gather hooks stay outside the recomputed region;
+- ``offload``: the checkpointed block input goes to host memory (``experiments.harness.offload``);
+- ``tiled``: MLP and RMSNorm through DeepSpeed's ``TiledMLP`` in ceil(L / dim) sequence shards
+  (ALST); it recomputes each shard in backward and accumulates the input gradient in place;
+- ``chunked_loss``: ``experiments.harness.loss.chunked_linear_cross_entropy``.
+
+Shapes: tokens and labels (B, L) int64 (this rank's shard); hidden states (B, L, dim).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
+
+from experiments.config import ModelConfig, StackConfig
+from experiments.harness.loss import IGNORE_INDEX, chunked_linear_cross_entropy, loss_chunk_tokens
+from experiments.harness.offload import offload_saved_inputs
+from upipe.registry import build_method
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, statistics in fp32 (Llama). x (..., dim) -> (..., dim)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x). x (..., dim) -> (..., dim)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def _call_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+def tiled(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for a per-token module over ceil(L / dim) sequence shards (ALST).
+
+    DeepSpeed's ``TiledMLP`` is the library implementation and runs on CPU and under fake
+    tensors; any per-token module fits it, so RMSNorm uses it too. x (B, L, dim).
+    """
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP  # heavy import: lazy
+
+    shards = max(1, math.ceil(x.shape[1] / x.shape[-1]))
+    if shards == 1:
+        return module(x)
+    return TiledMLP.apply(_call_module, module, x, shards, list(module.parameters()))
+
+
+class Block(nn.Module):
+    """One decoder layer; ``forward(x (B, L, dim)) -> (B, L, dim)``."""
+
+    def __init__(self, cfg: ModelConfig, attention: nn.Module, stack: StackConfig,
+                 offload: bool = False):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = attention
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.stack = stack
+        self.offload = offload  # this block's checkpointed input goes to host memory
+        # Set by the harness (Transformer.set_offload): its tracker's host() so offloaded bytes
+        # count as host bytes, and whether host memory is pinned.
+        self.host_context: Callable[[], contextlib.AbstractContextManager] = (
+            contextlib.nullcontext
+        )
+        self.pin_memory = True
+
+    def _per_token(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return tiled(module, x) if self.stack.tiled else module(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self._per_token(self.attention_norm, x))
+        return h + self._per_token(self.feed_forward, self._per_token(self.ffn_norm, h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.stack.checkpoint:
+            return self._forward(x)
+        # Non-reentrant checkpoint saves only the block input, through the saved-tensor hooks
+        # active *outside* it: that is where the offload hooks go.
+        ctx = (offload_saved_inputs(self.host_context, self.pin_memory) if self.offload
+               else contextlib.nullcontext())
+        with ctx:
+            return checkpoint(self._forward, x, use_reentrant=False)
+
+
+class Transformer(nn.Module):
+    """The decoder; ``forward(tokens, labels) -> summed token loss`` (fp32 scalar).
+
+    Args:
+        cfg: model shape.
+        method: registry name of the CP attention; ``group`` its process group, or ``mesh``
+            (hybrid methods: a 2-D DeviceMesh with dims ``("ring", "ulysses")``) instead.
+        stack: memory-stack switches.
+        kernel, method_options: passed to every attention module.
+    """
+
+    def __init__(self, cfg: ModelConfig, method: str, stack: StackConfig, *,
+                 group: ProcessGroup | None = None, mesh: DeviceMesh | None = None,
+                 kernel: str = "auto", method_options: dict | None = None):
+        super().__init__()
+        self.cfg, self.stack = cfg, stack
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        n = cfg.n_layers
+        # the method's constructor rejects group and mesh together; pass only the one given
+        where = {"group": group} if mesh is None else {"mesh": mesh}
+        self.layers = nn.ModuleList(
+            Block(cfg, build_method(method, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                    causal=True, rope_theta=cfg.rope_theta, kernel=kernel,
+                                    **where, **(method_options or {})),
+                  stack, offload=stack.offload and 0 < i < n - 1)  # ALST: not first and last
+            for i in range(n)
+        )
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size,
+                                                                bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Llama-like random init: N(0, 0.02) for matrices, output layers scaled by depth."""
+        std_out = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, std=std_out if name.endswith(("wo.weight", "w2.weight"))
+                                else 0.02)
+
+    @property
+    def attention_modules(self) -> list[nn.Module]:
+        return [layer.attention for layer in self.layers]
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a (B, S, ...) tensor in the attention method's layout."""
+        return self.layers[0].attention.shard(full, dim=1)
+
+    def set_offload(
+        self, *, host_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+        pin_memory: bool | None = None,
+    ) -> None:
+        """Where offloaded bytes are accounted (a tracker's ``host``) and whether to pin.
+
+        Applies to the blocks' checkpoint offload and to attention modules that offload to host
+        themselves (FPDT's chunks: they have the same two attributes).
+        """
+        for m in [*self.layers, *self.attention_modules]:
+            if host_context is not None and hasattr(m, "host_context"):
+                m.host_context = host_context
+            if pin_memory is not None and hasattr(m, "pin_memory"):
+                m.pin_memory = pin_memory
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        h = tiled(self.norm, h) if self.stack.tiled else self.norm(h)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        if self.stack.chunked_loss:
+            chunk = loss_chunk_tokens(self.cfg.dim, self.cfg.vocab_size)
+            return chunked_linear_cross_entropy(h.flatten(0, 1), weight, labels.flatten(), chunk)
+        logits = F.linear(h, weight).float()
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+
+
+def shifted_labels(tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token labels for a full (B, S) sequence; the last position is ignored.
+
+    Shift the *full* sequence, then shard tokens and labels with the same layout: a rank's last
+    label is then the next rank's first token, exactly as on one device.
+    """
+    labels = torch.full_like(tokens, IGNORE_INDEX)
+    labels[:, :-1] = tokens[:, 1:]
+    return labels

@@ -1,0 +1,32 @@
+"""Count the FLOPs of the ops a program runs, by torch's own per-op formulas.
+
+Used by the emulator on fake tensors (only shapes are read), so a paper-scale step's FLOPs per
+rank are counted without running it; recomputation is counted as it runs.
+"""
+
+from __future__ import annotations
+
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+
+class CountedFlops(TorchDispatchMode):
+    """Total FLOPs of the ops run while active, by torch's own per-op formulas
+    (``torch.utils.flop_counter.flop_registry``, which ``register_flop_formula`` extends).
+
+    ``torch.utils.flop_counter.FlopCounterMode`` counts the same ops but also tracks modules
+    with global hooks, which fail on DeepSpeed's ``TiledMLP`` (it calls the MLP under no_grad
+    on inputs that require grad); only the total is needed here.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out

@@ -1,0 +1,480 @@
+"""Plots of a sweep: a pure function of its two tables (rows.csv, max_context.csv; STYLE.md §12).
+
+Every plot reads only the CSVs that ``tables`` writes, so a figure can be redrawn or restyled
+without rerunning anything, and each shows its reference: the device-memory (or budget) line,
+or Ulysses = 1.0. No torch here: drawing needs no accelerator stack.
+
+Lengths are global tokens in binary units (128K = 131072), as the sweeps declare them. Tables
+whose rows are all emulated (``mode`` column, an emulated sweep) draw the same figures with
+"(emulated)" in the titles and axes and the emulated device budget as the reference line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MultipleLocator, NullLocator
+
+from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
+
+STACK_ORDER = ("none", "ac", "offload", "alst", "native")
+MiB, GiB = 2**20, 2**30
+DPI = 120
+SETTINGS = ("model", "nproc", "stack")  # a label names one of these only when it varies
+
+
+# -- formatting ------------------------------------------------------------------------------
+
+
+def format_tokens(n: float) -> str:
+    """131072 -> '128K', 2**20 -> '1M', 5.5 * 2**20 -> '5.5M', 1392640 -> '1.33M'."""
+    n = int(n)
+    for unit, mult in (("M", 2**20), ("K", 2**10)):
+        if n >= mult:
+            v = n / mult
+            return (f"{v:.0f}" if v.is_integer() or v >= 100 else f"{v:.3g}") + unit
+    return str(n)
+
+
+def _given(v) -> bool:
+    return v is not None and not pd.isna(v)
+
+
+def variant_label(method: str, heads_per_stage: float | None = None,
+                  ring_degree: float | None = None, chunk_size: float | None = None,
+                  nproc: float | None = None) -> str:
+    """A method and the options that make it a distinct variant (NaN/None: not set).
+
+    ('upipe', 8.0) -> 'upipe U=8'; ('ulysses', nan) -> 'ulysses'; hybrids as Ulysses x ring
+    degrees, the paper's notation: ('usp', nan, 2, nan, 16) -> 'usp 8x2'; FPDT's chunk in
+    tokens: ('fpdt', nan, 1, 1024) -> 'fpdt c=1K'.
+    """
+    parts = [str(method)]
+    if _given(ring_degree) and ring_degree > 1:
+        ring = int(ring_degree)
+        parts.append(f"{int(nproc) // ring}x{ring}" if _given(nproc) else f"ring={ring}")
+    if _given(heads_per_stage):
+        parts.append(f"U={int(heads_per_stage)}")
+    if _given(chunk_size):
+        parts.append(f"c={format_tokens(chunk_size)}")
+    return " ".join(parts)
+
+
+VARIANT = ("method", "heads_per_stage", "ring_degree", "chunk_size")  # what variant_label reads
+
+
+def _column(df: pd.DataFrame, col: str) -> pd.Series:
+    """``df[col]``, or NaN where the table has no such column (the ``hw_*`` columns exist in
+    emulated tables only)."""
+    return df[col] if col in df.columns else pd.Series(np.nan, index=df.index)
+
+
+def _plain(col: str, v) -> str:
+    if col in ("seq_len", "max_seq_len"):
+        return format_tokens(v)
+    return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+
+def _number(v: float) -> str:
+    """3 significant digits without exponents: 0.123, 12.3, 1,234."""
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _memory_unit(values: pd.Series) -> tuple[int, str]:
+    """GiB when the largest value reaches 1 GiB (GPU-size numbers), else MiB: one unit a plot."""
+    top = pd.to_numeric(values, errors="coerce").max()
+    return (GiB, "GiB") if top >= GiB else (MiB, "MiB")
+
+
+def _emulated(df: pd.DataFrame) -> bool:
+    """Every row says ``mode`` emulated (an emulated sweep's tables)."""
+    return set(df["mode"].dropna()) == {"emulated"}
+
+
+def _titled(title: str, df: pd.DataFrame) -> str:
+    """'Peak memory' -> 'Peak memory (emulated)' for emulated rows."""
+    return f"{title} (emulated)" if _emulated(df) else title
+
+
+def _context(df: pd.DataFrame, cols: Iterable[str] = (*SETTINGS, "device")) -> str:
+    """The settings every row shares, for a title: 'llama3-8b · nproc 8 · stack alst · H100'."""
+    parts = []
+    for col in cols:
+        vals = df[col].dropna().unique()
+        if len(vals) == 1:
+            parts.append(_plain(col, vals[0]) if col in ("model", "device")
+                         else f"{col} {_plain(col, vals[0])}")
+    return " · ".join(parts)
+
+
+# -- tables and figures ----------------------------------------------------------------------
+
+
+def _read(path: Path, columns: list[str]) -> pd.DataFrame:
+    """The CSV with every column of `columns` (absent ones NaN); empty when the file is absent.
+    Only empty cells are missing values: the stack 'none' stays a string."""
+    try:
+        df = pd.read_csv(path, keep_default_na=False, na_values=[""])
+    except (FileNotFoundError, pd.errors.EmptyDataError):
+        df = pd.DataFrame()
+    return df.reindex(columns=list(dict.fromkeys([*columns, *df.columns])))
+
+
+def _labelled(df: pd.DataFrame, vary: Sequence[str] = SETTINGS
+              ) -> tuple[pd.DataFrame, list[str]]:
+    """`df` with a `label` column (the variant, plus each `vary` column that takes several
+    values), sorted Ulysses first, then by method and U; returns it and the label order.
+
+    A `vary` column that is one value per variant (torch-cp on the ``native`` stack, the rest on
+    ``alst``) is named only on the variants that differ from the most common value."""
+    cols = [df[c] for c in (*VARIANT, "nproc")]
+    df = df.assign(label=[variant_label(*v) for v in zip(*cols, strict=True)])
+    variant = df["label"].copy()
+    for col in vary:
+        if df[col].nunique() < 2:
+            continue
+        marked = pd.Series(True, index=df.index)
+        if (df.groupby(variant)[col].nunique(dropna=False) == 1).all():
+            marked = df[col] != df[col].mode().iloc[0]
+        df.loc[marked, "label"] += [f", {col} {_plain(col, v)}" for v in df.loc[marked, col]]
+    keys = df.assign(_first=df["method"] != "ulysses", _u=df["heads_per_stage"].fillna(-1),
+                     _r=df["ring_degree"].fillna(1), _c=df["chunk_size"].fillna(-1),
+                     stack=df["stack"].map(_stack_rank))
+    df = df.loc[keys.sort_values(["_first", "method", "_u", "_r", "_c", *vary],
+                                 kind="stable").index]
+    return df.reset_index(drop=True), list(dict.fromkeys(df["label"]))
+
+
+def _stack_rank(stack: str) -> int:
+    return STACK_ORDER.index(stack) if stack in STACK_ORDER else len(STACK_ORDER)
+
+
+def _palette(labels: list[str]) -> dict[str, tuple]:
+    """A colour per label; colorblind-safe up to its 10 colours, then evenly spaced hues."""
+    name = "colorblind" if len(labels) <= 10 else "husl"
+    return dict(zip(labels, sns.color_palette(name, len(labels)), strict=True))
+
+
+def _focus_length(df: pd.DataFrame, cols: list[str]) -> int:
+    """The length with the most distinct `cols` values (ties: the longest): bar plots compare
+    variants at one length, and a sweep may hold several."""
+    counts = df.drop_duplicates(["seq_len", *cols]).groupby("seq_len").size()
+    return counts[counts == counts.max()].index.max()
+
+
+def _vs_ulysses(df: pd.DataFrame, value: str, keys: list[str]) -> np.ndarray:
+    """`value` of each row over Ulysses' (median) at the same `keys`; NaN where Ulysses has none.
+
+    A method measured on a stack of its own (torch-cp on ``native``, as the paper runs it) is
+    compared with Ulysses at the other keys when Ulysses ran on one stack there."""
+    ref = df[(df["method"] == "ulysses") & df["heads_per_stage"].isna()]
+
+    def ratio(on: list[str], ref: pd.DataFrame) -> pd.Series:
+        med = ref.groupby(on)[value].median().rename("_ref").reset_index()
+        merged = df[on + [value]].merge(med, on=on, how="left")  # a left merge keeps row order
+        return merged[value] / merged["_ref"]
+
+    out = ratio(keys, ref)
+    if "stack" in keys:
+        loose = [k for k in keys if k != "stack"]
+        one_stack = ref.groupby(loose)["stack"].transform("nunique") == 1
+        out = out.fillna(ratio(loose, ref[one_stack]))
+    return out.to_numpy()
+
+
+@contextmanager
+def _figure(path: Path, ncols: int = 1, width: float = 7.5, height: float = 4.8):
+    """Axes in a row on a whitegrid figure, saved to `path` on exit.
+
+    A bare ``Figure`` (matplotlib's object API, not pyplot): saving needs no backend and no
+    display, so sweeps draw on headless machines without selecting a backend for the process
+    (a notebook importing this module keeps its inline backend), and nothing stays open.
+    """
+    with sns.axes_style("whitegrid"), sns.plotting_context("notebook", font_scale=0.9):
+        fig = Figure(figsize=(width, height))
+        axes = fig.subplots(1, ncols, squeeze=False)
+        yield fig, list(axes[0])
+        fig.tight_layout()
+        fig.savefig(path, dpi=DPI, bbox_inches="tight")  # keeps outside legends
+
+
+def _finish_lines(ax, df: pd.DataFrame, ylabel: str, title: str) -> None:
+    """log2 length axis with a tick at every measured length (2K, 4K, 1M), y from 0, and the
+    legend outside the axes, clear of the lines."""
+    ticks = sorted({int(s) for s in df["seq_len"]})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [format_tokens(t) for t in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set(xlabel="sequence length (global tokens, log2 scale)", ylabel=ylabel, ylim=(0, None),
+           title=f"{_titled(title, df)} · {_context(df)}")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
+def _memory_line(ax, df: pd.DataFrame, scale: int, unit: str) -> None:
+    """Dashed line at the device memory (GPU), the per-rank budget (CPU) or the emulated
+    device's budget (its memory less the reserve), when rows name it."""
+    mem = pd.to_numeric(df["device_memory_bytes"], errors="coerce").dropna()
+    if mem.empty:
+        return
+    devices = df["device"].dropna().astype(str)
+    name = "budget" if len(devices) and devices.iloc[0].startswith("cpu") else "device memory"
+    if _emulated(df):
+        gpu, reserve = (pd.to_numeric(_column(df, c), errors="coerce").dropna()
+                        for c in ("hw_gpu_mem_gib", "hw_reserve_gib"))
+        name = "emulated device budget" + (
+            f": {gpu.iloc[0]:g} GiB - {reserve.iloc[0]:g} GiB reserve"
+            if len(gpu) and len(reserve) and mem.nunique() == 1 else "")
+    ax.axhline(mem.max() / scale, ls="--", lw=1.3, color="0.25",
+               label=f"{name} ({mem.max() / scale:.3g} {unit})")
+
+
+def _token_axis(axis, top: float) -> None:
+    """Ticks at whole binary steps of tokens (1M, 2M, ...), labelled 128K / 1M."""
+    axis.set_major_locator(MultipleLocator(2 ** max(0, int(np.log2(max(top, 4) / 4)))))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: format_tokens(v)))
+
+
+# -- the plots: each returns False (draws nothing) when the tables lack its data --------------
+
+
+def plot_max_context(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bool:
+    """Bar per variant at max_seq_len, the longest length that fit, with a whisker up to
+    first_failing_seq_len, the shortest that failed (the true limit lies between); no failing
+    length means the search limit passed. Reads max_context.csv: method, heads_per_stage,
+    model, nproc, stack, budget_mib, status, max_seq_len, first_failing_seq_len, device."""
+    if maxctx.empty:
+        return False
+    df, labels = _labelled(maxctx, (*SETTINGS, "budget_mib"))
+    df = df.drop_duplicates("label", keep="last").set_index("label").loc[labels]
+    fits, fails = df["max_seq_len"].fillna(0), df["first_failing_seq_len"]
+    gap = (fails - fits).fillna(0)
+    pal, x = _palette(labels), np.arange(len(labels))
+    with _figure(path, width=max(6.0, 1.4 * len(labels) + 2.5)) as (fig, (ax,)):
+        ax.bar(x, fits, color=[pal[lb] for lb in labels], width=0.6)
+        has = fails.notna().to_numpy()  # no whisker where the search limit passed
+        ax.errorbar(x[has], fits[has], yerr=[np.zeros(has.sum()), gap[has]], fmt="none",
+                    color="0.2", capsize=5, label="up to the first failing length")
+        for i, (fit, fail, status) in enumerate(zip(fits, fails, df["status"], strict=True)):
+            text = format_tokens(fit) if fit else (
+                "nothing fits" if status in ("ok", "oom") else str(status))
+            if pd.notna(fail):
+                text += f"\n(max < {format_tokens(fail)})"
+            elif fit:  # passed at the search's upper limit: the true max may be longer
+                text += "\n(search limit)"
+            ax.annotate(text, (i, fit + gap.iloc[i]), ha="center", va="bottom", fontsize=9,
+                        xytext=(0, 6), textcoords="offset points")
+        top = 1.25 * max((fits + gap).max(), 1)
+        ax.set(xticks=x, xticklabels=labels, ylim=(0, top),
+               ylabel=_titled("longest trainable context (global tokens)", df))
+        _token_axis(ax.yaxis, top)
+        budget = df["budget_mib"].dropna().unique()
+        where = [f"budget {_plain('', budget[0])} MiB/rank"] if len(budget) == 1 else []
+        ax.set_title(" · ".join(t for t in [_titled("Max context", df),
+                                            _context(df.reset_index()), *where] if t))
+        if gap.any():
+            ax.legend(loc="upper left")
+    return True
+
+
+def plot_memory_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bool:
+    """Peak device memory against length, a line per variant (ok rows); OOM cells as crosses at
+    the peak they reached; the device-memory or budget line. Reads rows.csv: method,
+    heads_per_stage, model, nproc, stack, seq_len, status, peak_device_bytes,
+    device_memory_bytes, device."""
+    df = rows[rows["status"].isin(["ok", "oom"]) & rows["peak_device_bytes"].notna()]
+    if not (df["status"] == "ok").any():
+        return False
+    df, labels = _labelled(df)
+    scale, unit = _memory_unit(pd.concat([df["peak_device_bytes"], df["device_memory_bytes"]]))
+    df = df.assign(mem=df["peak_device_bytes"] / scale)
+    pal = _palette(labels)
+    with _figure(path) as (fig, (ax,)):
+        sns.lineplot(df[df["status"] == "ok"], x="seq_len", y="mem", hue="label", palette=pal,
+                     hue_order=labels, marker="o", estimator="median", errorbar=None, ax=ax)
+        oom = df[df["status"] == "oom"]
+        if len(oom):
+            ax.scatter(oom["seq_len"], oom["mem"], marker="x", s=80, linewidths=2, zorder=3,
+                       color=[pal[lb] for lb in oom["label"]], label="OOM (peak reached)")
+        _memory_line(ax, df, scale, unit)
+        _finish_lines(ax, df, _titled(f"peak device memory per rank ({unit})", df),
+                      "Peak memory")
+    return True
+
+
+def _throughput(rows: pd.DataFrame) -> pd.DataFrame:
+    """ok rows with `tps` (tokens/s per GPU) and its p20/p80 bounds `lo`/`hi`, the median of
+    repetitions; tokens/s per GPU = seq_len / nproc / step time."""
+    df = rows[rows["status"] == "ok"]
+    per_gpu = df["seq_len"] / df["nproc"]
+    df = df.assign(tps=df["tokens_per_s_per_gpu"].fillna(per_gpu / df["time_median_s"]),
+                   lo=per_gpu / df["time_p80_s"], hi=per_gpu / df["time_p20_s"])
+    return df[df["tps"].notna()]
+
+
+def plot_throughput_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bool:
+    """Tokens/s per GPU against length, a line per variant, whiskers from the p80 to the p20
+    step time. Reads rows.csv: method, heads_per_stage, model, nproc, stack, seq_len, status,
+    tokens_per_s_per_gpu, time_median_s, time_p20_s, time_p80_s, device."""
+    df = _throughput(rows)
+    if df.empty:
+        return False
+    df, labels = _labelled(df)
+    pal = _palette(labels)
+    agg = df.groupby(["label", "seq_len"])[["tps", "lo", "hi"]].median()
+    with _figure(path) as (fig, (ax,)):
+        for label in labels:
+            g = agg.loc[label]
+            err = [(g["tps"] - g["lo"]).clip(lower=0).fillna(0),
+                   (g["hi"] - g["tps"]).clip(lower=0).fillna(0)]
+            ax.errorbar(g.index, g["tps"], yerr=err, marker="o", capsize=3, color=pal[label],
+                        label=label)
+        _finish_lines(ax, df, "tokens/s per GPU (whiskers: p20-p80 step)", "Throughput")
+    return True
+
+
+def plot_throughput_vs_ulysses(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bool:
+    """Tokens/s per GPU of each variant over Ulysses' at the same (seq_len, model, nproc,
+    stack), bars grouped by length, a line at 1.0. Reads rows.csv: method, heads_per_stage,
+    model, nproc, stack, seq_len, status, tokens_per_s_per_gpu, time_*_s, device."""
+    df = _throughput(rows)
+    df = df.assign(ratio=_vs_ulysses(df, "tps", ["seq_len", *SETTINGS]))
+    df = df[df["ratio"].notna() & ~((df["method"] == "ulysses") & df["heads_per_stage"].isna())]
+    if df.empty:
+        return False
+    df, labels = _labelled(df)
+    lengths = sorted(df["seq_len"].unique())
+    df = df.assign(length=df["seq_len"].map(format_tokens))
+    width = min(16.0, max(7.5, 0.4 * len(lengths) * len(labels) + 3))
+    with _figure(path, width=width) as (fig, (ax,)):
+        sns.barplot(df, x="length", y="ratio", hue="label", hue_order=labels,
+                    order=[format_tokens(n) for n in lengths], palette=_palette(labels),
+                    estimator="median", errorbar=None, ax=ax)
+        for bars in ax.containers:
+            ax.bar_label(bars, fmt="%.2f", fontsize=8, padding=2,  # readable over the 1.0 line
+                         bbox={"fc": "white", "ec": "none", "pad": 0.3, "alpha": 0.8})
+        ax.axhline(1.0, ls="--", lw=1.3, color="0.25", label="Ulysses = 1.0")
+        ax.set(xlabel="sequence length (global tokens)", ylim=(0, 1.2 * max(df["ratio"].max(), 1)),
+               ylabel="tokens/s per GPU relative to Ulysses",
+               title=f"Throughput vs Ulysses · {_context(df)}")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return True
+
+
+def _ladder_panel(ax, df: pd.DataFrame, stacks: list[str], scale: int) -> None:
+    """One variant's stacked device bars (model / attention / other) and hatched host bars."""
+    ok = df[df["status"] == "ok"].groupby("stack").median(numeric_only=True)
+    x = np.arange(len(stacks))
+    bottom = np.zeros(len(stacks))
+    parts = (("peak_model_bytes", "model states"), ("peak_attention_bytes", "attention"),
+             ("peak_other_bytes", "other"))
+    for (col, name), color in zip(parts, sns.color_palette("muted", 3), strict=True):
+        h = ok.reindex(stacks)[col].fillna(0).to_numpy() / scale
+        ax.bar(x - 0.2, h, 0.38, bottom=bottom, color=color, label=f"device: {name}")
+        bottom += h
+    host = ok.reindex(stacks)["peak_host_bytes"].fillna(0).to_numpy() / scale
+    ax.bar(x + 0.2, host, 0.38, color="white", edgecolor="0.4", hatch="//",
+           label="host (offloaded)")
+    for i, stack in enumerate(stacks):
+        status = df.loc[df["stack"] == stack, "status"]
+        if stack not in ok.index and len(status):  # the cell ran but measured nothing
+            ax.annotate(status.iloc[0], (i, 0), ha="center", va="bottom", color="firebrick")
+        elif bottom[i]:
+            ax.annotate(_number(bottom[i]), (i - 0.2, bottom[i]), ha="center", va="bottom",
+                        xytext=(0, 2), textcoords="offset points", fontsize=8)
+    ax.set_xticks(x, stacks)
+
+
+def plot_memory_ladder(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bool:
+    """A panel per variant; per stack level (none, ac, offload, alst) a bar of the device peak
+    split into model states / attention / other, and a hatched bar of host bytes. Reads
+    rows.csv: method, heads_per_stage, model, nproc, seq_len, stack, status, peak_model_bytes,
+    peak_attention_bytes, peak_other_bytes, peak_host_bytes, peak_device_bytes, device."""
+    ok = rows[rows["status"] == "ok"]
+    if ok.empty:
+        return False
+    df, labels = _labelled(rows[rows["seq_len"] == _focus_length(ok, ["stack"])],
+                           ("model", "nproc"))
+    stacks = sorted(df["stack"].dropna().unique(), key=lambda s: (_stack_rank(s), s))
+    cols = ["peak_device_bytes", "peak_host_bytes"]
+    scale, unit = _memory_unit(df.loc[df["status"] == "ok", cols].stack())
+    with _figure(path, ncols=len(labels), width=3.2 * len(labels) + 2.2) as (fig, axes):
+        for ax, label in zip(axes, labels, strict=True):
+            _ladder_panel(ax, df[df["label"] == label], stacks, scale)
+            ax.set(title=label, xlabel="memory stack")
+        axes[0].set_ylabel(_titled(f"peak per rank ({unit})", df))
+        top = max(ax.get_ylim()[1] for ax in axes)
+        for ax in axes:
+            ax.set_ylim(0, top * 1.05)
+        handles, names = axes[0].get_legend_handles_labels()
+        fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0), ncol=4,
+                   fontsize=8)  # below the panels, clear of every bar
+        fig.suptitle(f"{_titled('Memory ladder', df)} · "
+                     f"{_context(df, ('model', 'nproc', 'seq_len', 'device'))}")
+    return True
+
+
+def plot_heads_per_stage(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bool:
+    """Bars per variant (Ulysses, then UPipe by U), each annotated with its ratio to Ulysses:
+    peak device memory, and tokens/s per GPU beside it when the rows are timed (emulated rows
+    are not: the memory panel alone). Reads rows.csv: method, heads_per_stage, model, nproc,
+    stack, seq_len, status, peak_device_bytes, and the throughput columns."""
+    df = rows[(rows["status"] == "ok") & rows["method"].isin(["ulysses", "upipe"])]
+    timed = _throughput(df)
+    df = timed if len(timed) else df[df["peak_device_bytes"].notna()]
+    if df.empty:
+        return False
+    keys = [*SETTINGS, "seq_len"]
+    df = df[df["seq_len"] == _focus_length(df, ["method", "heads_per_stage"])]
+    df, labels = _labelled(df, keys)
+    scale, unit = _memory_unit(df["peak_device_bytes"])
+    df = df.assign(mem=df["peak_device_bytes"] / scale)
+    panels = [("mem", _titled(f"peak device memory per rank ({unit})", df))]
+    if len(timed):
+        panels.append(("tps", "tokens/s per GPU"))
+    width = max(4.5 * len(panels), 0.8 * len(panels) * len(labels) + 2 * len(panels))
+    with _figure(path, ncols=len(panels), width=width) as (fig, axes):
+        for ax, (col, name) in zip(axes, panels, strict=True):
+            agg = df.groupby(["label", "method", "heads_per_stage", *keys], dropna=False,
+                             sort=False)[col].median().reset_index()
+            agg = agg.assign(ratio=_vs_ulysses(agg, col, keys)).set_index("label").loc[labels]
+            sns.barplot(agg.reset_index(), x="label", y=col, hue="label", order=labels,
+                        hue_order=labels, palette=_palette(labels), legend=False, ax=ax)
+            for i, (v, r) in enumerate(zip(agg[col], agg["ratio"], strict=True)):
+                text = _number(v) + ("" if pd.isna(r) else f"\n{r:.2f}× Ulysses")
+                ax.annotate(text, (i, 0 if pd.isna(v) else v), ha="center", va="bottom",
+                            xytext=(0, 2), textcoords="offset points", fontsize=8)
+            ax.set(xlabel="variant", ylabel=name, ylim=(0, 1.25 * max(agg[col].max(), 1e-9)))
+            ax.tick_params(axis="x", rotation=20 if len(labels) > 4 else 0)
+        fig.suptitle(f"{_titled('Heads per stage', df)} · {_context(df, (*keys, 'device'))}")
+    return True
+
+
+PLOTS = {"max_context": plot_max_context, "memory_vs_seq": plot_memory_vs_seq,
+         "throughput_vs_seq": plot_throughput_vs_seq,
+         "throughput_vs_ulysses": plot_throughput_vs_ulysses,
+         "memory_ladder": plot_memory_ladder, "heads_per_stage": plot_heads_per_stage}
+
+
+def draw_plots(sweep_dir: Path, plots: Iterable[str]) -> dict[str, Path]:
+    """Draw each named plot that the tables support into sweep_dir/<name>.png; returns name ->
+    path. A plot whose data is missing (no ok rows, no max_context.csv) is skipped, not an
+    error; an unknown name raises ValueError before anything is drawn."""
+    plots = list(dict.fromkeys(plots))
+    bad = [p for p in plots if p not in PLOTS]
+    if bad:
+        raise ValueError(f"unknown plot(s) {bad}; valid plots are {list(PLOTS)}")
+    sweep_dir = Path(sweep_dir)
+    rows = _read(sweep_dir / ROWS, ROW_COLUMNS)
+    maxctx = _read(sweep_dir / MAXCTX, MAXCTX_COLUMNS)
+    out = {}
+    for name in plots:
+        path = sweep_dir / f"{name}.png"
+        if PLOTS[name](rows, maxctx, path):
+            out[name] = path
+    return out

@@ -1,0 +1,86 @@
+"""Tidy tables rebuilt from a sweep's run directories (DESIGN.md §7).
+
+Layout of ``results/<sweep>/``::
+
+    sweep.json            the declaration that ran (and env.json: the invoking process)
+    runs/<cell_id>/       cell.json (resolved config) and row.json (metrics, status, provenance)
+    searches/<id>.json    one max-context search: summary and the cell ids of its probes
+    rows.csv              one row per cell x repetition, every status (rebuilt from runs/);
+                          ``mode`` says how: measured (a launch) or emulated (the emulator)
+    max_context.csv       one row per search (rebuilt from searches/)
+    *.png                 plots, a pure function of the two tables (experiments.reporting.plots)
+
+Tables are always rebuilt from the run directories, never edited, so an interrupted sweep
+loses nothing already measured and a resumed one produces the same tables.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from experiments.store import read_row, read_search, write_text
+
+ROWS, MAXCTX = "rows.csv", "max_context.csv"
+# first columns of rows.csv; the rest follow in the order the rows first name them
+ROW_COLUMNS = ["sweep", "cell_id", "method", "heads_per_stage", "ring_degree", "chunk_size",
+               "model", "seq_len", "nproc", "stack", "dtype", "kernel", "budget_mib",
+               "overrides", "status", "mode", "emulation", "time_median_s", "time_p20_s",
+               "time_p80_s", "tokens_per_s_per_gpu", "mfu", "peak_device_bytes", "peak_host_bytes",
+               "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes",
+               "device_memory_bytes", "device_budget_bytes", "host_budget_bytes",
+               "rank_flops_per_step", "comm_bytes_per_step", "comm_bytes_by_op", "device", "error"]
+MAXCTX_COLUMNS = ["sweep", "method", "heads_per_stage", "ring_degree", "chunk_size", "model",
+                  "nproc", "stack", "dtype", "budget_mib", "status", "mode", "max_seq_len",
+                  "first_failing_seq_len", "granularity", "n_probes", "peak_device_bytes",
+                  "peak_host_bytes", "peak_model_bytes", "peak_attention_bytes",
+                  "peak_other_bytes", "device_budget_bytes", "host_budget_bytes", "device",
+                  "error"]
+
+
+def _frame(records: list[dict], first: list[str]) -> pd.DataFrame:
+    df = pd.DataFrame.from_records(records)
+    # lists (per-step times, losses) and dicts (comm_bytes_by_op) as JSON text in the CSV
+    for col in df.columns:
+        if df[col].map(lambda v: isinstance(v, (list, dict))).any():
+            df[col] = df[col].map(lambda v: json.dumps(v, sort_keys=True)
+                                  if isinstance(v, (list, dict)) else v)
+    cols = [c for c in first if c in df.columns] + [c for c in df.columns if c not in first]
+    return df.reindex(columns=cols)
+
+
+def load_rows(sweep_dir: Path) -> pd.DataFrame:
+    """Every run's row (runs/*/row.json) as one frame, sorted by method and length."""
+    records = [read_row(p) for p in sorted(Path(sweep_dir).glob("runs/*/row.json"))]
+    if not records:
+        return pd.DataFrame(columns=ROW_COLUMNS)
+    df = _frame(records, ROW_COLUMNS)
+    keys = ["method", "heads_per_stage", "ring_degree", "chunk_size", "seq_len", "stack"]
+    return df.sort_values(keys, na_position="first", kind="stable").reset_index(drop=True)
+
+
+def load_searches(sweep_dir: Path) -> pd.DataFrame:
+    records = []
+    for p in sorted(Path(sweep_dir).glob("searches/*.json")):
+        s = read_search(p)
+        records.append({k: v for k, v in s.items() if k not in ("probes", "probe_cell_ids")})
+    if not records:
+        return pd.DataFrame(columns=MAXCTX_COLUMNS)
+    return _frame(records, MAXCTX_COLUMNS)
+
+
+def write_tables(sweep_dir: Path) -> dict[str, Path]:
+    """Rebuild rows.csv and max_context.csv from the run directories; returns their paths.
+    A run file that is not a valid row or search raises ``store.BadResultFile`` naming it."""
+    sweep_dir = Path(sweep_dir)
+    out = {}
+    # written only when their text changes: a rebuild from unchanged runs touches nothing
+    write_text(sweep_dir / ROWS, load_rows(sweep_dir).to_csv(index=False))
+    out["rows_csv"] = sweep_dir / ROWS
+    searches = load_searches(sweep_dir)
+    if len(searches):
+        write_text(sweep_dir / MAXCTX, searches.to_csv(index=False))
+        out["max_context_csv"] = sweep_dir / MAXCTX
+    return out

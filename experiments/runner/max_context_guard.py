@@ -1,0 +1,185 @@
+"""The maximum-context baseline CI guards (``results/baselines/max_context.csv``).
+
+Rows: every registered method x the paper's two settings, emulated on 80 GiB GPUs with the
+paper's stack for the method (DESIGN.md §6) -- Llama3-8B on 8 ranks, Qwen3-32B on 16 (the
+hybrids on the 8 (Ulysses) x 2 (ring) mesh, UPipe also on all 16 ranks as one Ulysses group;
+on 8 ranks the hybrids run 4 x 2) -- searched to a 64K-token granularity; plus one real CPU
+run: UPipe on the tiny preset, 4 gloo ranks, under a 48 MiB tracked budget (1K-token
+granularity, from 8K tokens). A method that cannot run or be
+emulated here is a row with its status and no length.
+
+    python -m experiments.runner.max_context_guard            # recompute, compare with the table
+    python -m experiments.runner.max_context_guard --update   # recompute and rewrite the table
+
+``tests/test_max_context_regression.py`` recomputes the table and fails when a method's
+maximum context falls below its baseline (or a row that had a length no longer gets one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pandas as pd
+
+from experiments.config import (
+    EMULATED_GRANULARITY,
+    EMULATED_LIMIT,
+    EMULATED_START,
+    Cell,
+    SearchSpec,
+    paper_stack,
+)
+from experiments.provenance import provenance
+from experiments.runner.executor import Emulator, Launcher
+from experiments.runner.search import run_search
+from upipe.registry import available_methods, get_method
+
+PATH = Path(__file__).resolve().parents[2] / "results" / "baselines" / "max_context.csv"
+UPDATE = "python -m experiments.runner.max_context_guard --update"
+# The real CPU search's probes take a minute or two each on 2 cores; 600 s is far above that
+# and ends a stuck probe well inside CI's limit.
+CPU_PROBE_TIMEOUT_S = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One baseline row: a search (emulated or real) of one cell family."""
+
+    name: str
+    base: Cell
+    spec: SearchSpec
+    emulated: bool = True
+
+
+def entries() -> list[Entry]:
+    """The baseline's rows, in a fixed order."""
+    out = []
+    settings = (("llama3-8b", 8, "8x80GB"), ("qwen3-32b", 16, "16x80GB"))
+    for model, world, label in settings:
+        spec = SearchSpec(start=EMULATED_START, block=EMULATED_GRANULARITY // world,
+                          limit=EMULATED_LIMIT)
+        for method in available_methods():
+            cls = get_method(method)
+            variants = [{}]
+            if cls.supports_mesh:  # hybrids on a (world/2 x 2) mesh: the paper's 8 x 2 on 16
+                variants = [{"ring_degree": 2}] + ([{}] if method == "upipe" else [])
+            for v in variants:
+                cell = Cell(method=method, model=model, nproc=world, seq_len=spec.start,
+                            stack=paper_stack(method), dtype="bf16", **v)
+                mesh = f"-{world // 2}x2" if v else ""
+                out.append(Entry(f"{method}{mesh}-{model}-{label}", cell, spec))
+    tiny = Cell(method="upipe", model="tiny", nproc=4, seq_len=8192, dtype="fp32",
+                budget_mib=48, warmup=1, iters=0)
+    out.append(Entry("upipe-tiny-4xcpu-48MiB", tiny, SearchSpec(start=8192, block=256,
+                                                               limit=9216), emulated=False))
+    return out
+
+
+def _search(entry: Entry) -> dict:
+    """Run one entry's search (in a worker process); its baseline row."""
+    t0 = time.monotonic()
+    # emulated: memory only (no FLOP or byte counters: two dispatch layers fewer per op)
+    executor = Emulator(count=False) if entry.emulated else Launcher(CPU_PROBE_TIMEOUT_S)
+    res = run_search(executor, entry.base, entry.spec)
+    best = next((p for p in reversed(res["probes"])
+                 if p.get("seq_len") == res["max_seq_len"]), {})
+    c = entry.base
+    return {
+        "name": entry.name, "mode": "emulated" if entry.emulated else "measured",
+        "method": c.method, "model": c.model, "nproc": c.nproc, "ring_degree": c.ring_degree,
+        "stack": c.stack, "dtype": c.dtype, "budget_mib": c.budget_mib,
+        "granularity": c.nproc * entry.spec.block, "status": res["status"],
+        "max_seq_len": res["max_seq_len"], "first_failing_seq_len": res["first_failing_seq_len"],
+        "peak_device_bytes_at_max": best.get("peak_device_bytes"),
+        # phases the fit could not confirm affine (empty when the prediction is exact)
+        "fit_nonaffine_phases": ";".join(best.get("fit_nonaffine_phases") or []),
+        "error": (res.get("error") or "").splitlines()[0][:200] if res.get("error") else "",
+        "search_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def compute(workers: int = 2) -> pd.DataFrame:
+    """Every entry's row, in ``entries()`` order. The real CPU search runs first and alone (its
+    probes are 4-rank launches that need the cores); the emulated ones then share ``workers``
+    processes (CPU-bound and independent), slowest first so the pool ends together."""
+    todo = entries()
+    rows = {e.name: _search(e) for e in todo if not e.emulated}
+    emulated = sorted((e for e in todo if e.emulated), key=_expected_cost, reverse=True)
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        rows |= {r["name"]: r for r in pool.map(_search, emulated)}
+    return pd.DataFrame([rows[e.name] for e in todo])
+
+
+def _expected_cost(entry: Entry) -> int:
+    """A rough order of the emulated searches' cost (chunked and hybrid methods fit longer)."""
+    c = entry.base
+    return 2 * (c.method == "fpdt") + (c.ring_degree > 1) + (c.model == "qwen3-32b")
+
+
+def read(path: Path = PATH) -> pd.DataFrame:
+    return pd.read_csv(path, dtype={"max_seq_len": "Int64", "first_failing_seq_len": "Int64"})
+
+
+def compare(old: pd.DataFrame, new: pd.DataFrame) -> tuple[list[str], list[str]]:
+    """(regressions, improvements) as lines naming the row and the old and new lengths.
+
+    A regression: a row whose maximum context is below its baseline, a row that had a length
+    and no longer gets one, or a baseline row that disappeared.
+    """
+    new_by = {r["name"]: r for r in new.to_dict("records")}
+    bad, better = [], []
+    for r in old.to_dict("records"):
+        was = None if pd.isna(r["max_seq_len"]) else int(r["max_seq_len"])
+        cur = new_by.get(r["name"])
+        if cur is None:
+            bad.append(f"{r['name']}: row missing (baseline {was})")
+            continue
+        now = None if pd.isna(cur["max_seq_len"]) else int(cur["max_seq_len"])
+        if was is not None and (now is None or now < was):
+            bad.append(f"{r['name']}: max context {was} -> {now} "
+                       f"(status {cur['status']}{': ' + cur['error'] if cur['error'] else ''})")
+        elif now is not None and (was is None or now > was):
+            better.append(f"{r['name']}: max context {was} -> {now}")
+    return bad, better
+
+
+def write(table: pd.DataFrame, path: Path = PATH) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table.drop(columns=["search_s"]).to_csv(path, index=False)
+    meta = provenance() | {"command": UPDATE, "search_s": dict(zip(table["name"],
+                                                                    table["search_s"],
+                                                                    strict=True))}
+    path.with_suffix(".json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--update", action="store_true", help="rewrite the committed table")
+    p.add_argument("--workers", type=int, default=2)
+    a = p.parse_args(argv)
+    t0 = time.monotonic()
+    table = compute(a.workers)
+    print(table.drop(columns=["error"]).to_string(index=False))
+    print(f"({time.monotonic() - t0:.0f} s)")
+    if a.update:
+        write(table)
+        print(f"wrote {PATH}")
+        return 0
+    bad, better = compare(read(), table)
+    for line in better:
+        print("improved:", line)
+    for line in bad:
+        print("REGRESSED:", line, file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

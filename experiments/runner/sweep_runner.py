@@ -1,0 +1,222 @@
+"""Run a declared sweep into ``results/<sweep>/``: cells, max-context searches, tables, plots.
+
+Every cell runs through the sweep's executor (``runner.executor``): a fresh process-group launch
+per cell, or, for an emulated sweep (``scale == "emulated"``), the emulator on the sweep's
+``hardware`` in this process. Its row is written to ``runs/<cell_id>/row.json`` as soon as it
+finishes and the tables are rebuilt, so an interrupted sweep keeps everything measured.
+
+Resuming skips cells that already have a row; ``retry_failed`` re-runs error and timeout rows;
+a ``skipped`` row re-runs on a machine where its method is available; a run file that is not a
+valid row (truncated, malformed, not a row) is set aside as ``row.json.bad`` with a warning
+naming it, and its cell runs again. A search's probes are cells too, cached the same way.
+
+One sweep at a time per results directory (``lock``). Under torchrun every rank walks the same
+list; rank 0 decides what to skip, holds the lock and writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from experiments.config import Cell, Status, Sweep, format_size
+from experiments.provenance import provenance
+from experiments.reporting.plots import draw_plots
+from experiments.reporting.tables import write_tables
+from experiments.runner.executor import Emulator, Launcher
+from experiments.runner.lock import results_lock
+from experiments.runner.search import print_probe, run_search, summarize
+from experiments.store import BadResultFile, read_row, set_aside, write_json
+
+
+def _is_writer() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _agree(value):
+    """Rank 0's value on every rank (torchrun: only rank 0 reads the results directory)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _headline(row: dict) -> str:
+    """What a progress line shows of a row: tokens/s when measured, the peak when emulated."""
+    rate, peak = row.get("tokens_per_s_per_gpu"), row.get("peak_device_bytes")
+    if rate:
+        return f"  {rate:.0f} tokens/s/gpu"
+    if row.get("mode") == "emulated" and peak:
+        return f"  peak {peak / 2**30:.2f} GiB/rank (emulated)"
+    return ""
+
+
+def _label(cell: Cell) -> str:
+    u = "" if cell.heads_per_stage is None else f":U={cell.heads_per_stage}"
+    r = "" if cell.ring_degree == 1 else f":{cell.nproc // cell.ring_degree}x{cell.ring_degree}"
+    c = "" if cell.chunk_size is None else f":c={format_size(cell.chunk_size)}"
+    return f"{cell.method}{u}{r}{c} {format_size(cell.seq_len)} {cell.stack}"
+
+
+def sweep_executor(sweep: Sweep, timeout_s: float | None = None, progress: bool = False):
+    """The executor a sweep's cells run on: the emulator on its hardware for an emulated sweep,
+    else a launcher with the sweep's (or the given) timeout."""
+    if sweep.scale == "emulated":
+        return Emulator(sweep.hardware, exact=sweep.exact)
+    return Launcher(sweep.timeout_s if timeout_s is None else timeout_s, progress=progress)
+
+
+class SweepRunner:
+    """Runs one sweep into ``out_root / sweep.name``."""
+
+    def __init__(self, sweep: Sweep, out_root: Path, *, retry_failed: bool = False,
+                 progress: bool = True, timeout_s: float | None = None):
+        self.sweep, self.dir = sweep, Path(out_root) / sweep.name
+        self.retry_failed, self.progress = retry_failed, progress
+        self.executor = sweep_executor(sweep, timeout_s, progress)
+        self.run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        self.counts: dict[str, int] = {}
+        self._env_recorded = False
+
+    def _record_env(self) -> None:
+        """env.json: the invocation that last ran a cell. A resume that runs none keeps the
+        one that did, so the file keeps describing the process that made the rows."""
+        if _is_writer() and not self._env_recorded:
+            write_json(self.dir / "env.json", provenance() | {"argv": sys.argv,
+                                                               "run_id": self.run_id})
+            self._env_recorded = True
+
+    # -- cells ---------------------------------------------------------------------------------
+
+    def _row_path(self, cell: Cell) -> Path:
+        return self.dir / "runs" / cell.cell_id() / "row.json"
+
+    def action(self, cell: Cell) -> str:
+        """What the sweep will do with ``cell`` (rank 0's view): ``resume`` (its row stands),
+        ``run`` (no row), ``retry`` (an error/timeout row under ``retry_failed``), ``run here``
+        (skipped elsewhere, runnable here) or ``re-run`` (its run file is not a valid row)."""
+        path = self._row_path(cell)
+        if not path.exists():
+            return "run"
+        try:
+            row = read_row(path)
+        except BadResultFile:
+            return "re-run"
+        if self.retry_failed and row["status"] in Status.RETRYABLE:
+            return "retry"
+        if row["status"] == Status.SKIPPED and self.executor.unavailable(cell) is None:
+            return "run here"  # skipped elsewhere (a CPU machine), runnable here
+        return "resume"
+
+    def cached_row(self, cell: Cell) -> dict | None:
+        """The cell's stored row if it stands (``action`` is ``resume``), else None; a bad run
+        file is set aside first, with a warning naming it."""
+        row = None
+        if _is_writer():
+            path = self._row_path(cell)
+            action = self.action(cell)
+            if action == "re-run":
+                try:
+                    read_row(path)
+                except BadResultFile as e:
+                    kept = set_aside(path)
+                    print(f"warning: {e}; kept as {kept.name}, running the cell again",
+                          file=sys.stderr, flush=True)
+            elif action == "resume":
+                row = read_row(path)
+        return _agree(row)
+
+    def run(self, cell: Cell) -> dict:
+        """The cell's row: cached, or run now and written."""
+        row = self.cached_row(cell)
+        if row is not None:
+            self.counts["cached"] = self.counts.get("cached", 0) + 1
+            return row
+        self._record_env()
+        row = self.executor.run(cell) | {"sweep": self.sweep.name, "run_id": self.run_id}
+        self.counts[row["status"]] = self.counts.get(row["status"], 0) + 1
+        if _is_writer():
+            d = self.dir / "runs" / cell.cell_id()
+            write_json(d / "cell.json", cell.to_dict())
+            write_json(d / "row.json", row)
+            write_tables(self.dir)
+        return row
+
+    # -- the sweep -----------------------------------------------------------------------------
+
+    def _write_declaration(self) -> None:
+        s = self.sweep
+        write_json(self.dir / "sweep.json", {
+            "name": s.name, "description": s.description, "scale": s.scale, "base": s.base,
+            "axes": s.axes, "search": None if s.search is None else vars(s.search),
+            "search_methods": s.search_methods, "search_base": s.search_base,
+            "repeats": s.repeats, "plots": list(s.plots),
+            "hardware": None if s.hardware is None else dataclasses.asdict(s.hardware),
+            "exact": s.exact, "invalid_cells": [[c.cell_id(), e] for c, e in s.validate()]})
+
+    def __call__(self) -> dict:
+        """Run every cell, then every search; returns the table and plot paths. Refused
+        (``ResultsInUse``) while another sweep runs on the same directory."""
+        if not _is_writer():
+            return self._run_all()
+        with results_lock(self.dir):
+            self._write_declaration()
+            if not (self.dir / "env.json").exists():
+                self._record_env()
+            return self._run_all()
+
+    def _run_all(self) -> dict:
+        cells = self.sweep.cells()
+        searches = self.sweep.search_cells()
+        bar = tqdm(total=len(cells) + len(searches), desc=self.sweep.name, unit="cell",
+                   disable=not (self.progress and _is_writer()), file=sys.stderr)
+        with bar:
+            for cell in cells:
+                bar.set_postfix_str(_label(cell))
+                row = self.run(cell)
+                if self.progress and _is_writer():
+                    bar.write(f"  [{row['status']}] {_label(cell)}{_headline(row)}",
+                              file=sys.stderr)
+                bar.update()
+            for base in searches:
+                bar.set_postfix_str(f"max context {_label(base)}")
+                self.search(base)
+                bar.update()
+        if not _is_writer():
+            return {}
+        return write_tables(self.dir) | draw_plots(self.dir, self.sweep.plots)
+
+    def search(self, base: Cell) -> dict:
+        """Search ``base``'s maximum context (probes cached as cells); its summary, written to
+        ``searches/``."""
+        on_probe = print_probe if self.progress and _is_writer() else None
+        res = run_search(_Cached(self), base, self.sweep.search, on_probe)
+        summary = {"sweep": self.sweep.name, **summarize(base, res, self.sweep.hardware),
+                   "device": next((p.get("device") for p in res["probes"] if p.get("device")),
+                                  None),
+                   "probe_cell_ids": [p.get("cell_id") for p in res["probes"]],
+                   "probe_statuses": [p.get("status") for p in res["probes"]]}
+        if _is_writer():
+            name = base.cell_id().replace(f"-{format_size(base.seq_len)}-", "-")
+            write_json(self.dir / "searches" / f"{name}.json", summary)
+            write_tables(self.dir)
+        return summary
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cached:
+    """The runner's executor, with every probe resumed from (and written to) ``runs/``."""
+
+    runner: SweepRunner
+
+    def unavailable(self, cell: Cell) -> str | None:
+        return self.runner.executor.unavailable(cell)
+
+    def run(self, cell: Cell) -> dict:
+        return self.runner.run(cell)

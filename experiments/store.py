@@ -18,7 +18,9 @@ from pathlib import Path
 from experiments.config.status import Status
 
 # What every row and every search summary carries; a file without one of these is not a result.
-ROW_FIELDS = ("cell_id", "method", "model", "seq_len", "nproc", "status", "mode")
+# A row is its cell's identity (``harness.launch.describe``) plus what happened.
+ROW_FIELDS = ("cell_id", "method", "heads_per_stage", "ring_degree", "chunk_size", "model",
+              "seq_len", "nproc", "stack", "status", "mode")
 SEARCH_FIELDS = ("method", "model", "nproc", "status", "mode", "max_seq_len",
                  "first_failing_seq_len")
 

@@ -51,12 +51,12 @@ def _row(status: str, mode: str, **kw) -> dict:
 
 
 def test_sweep_row_counts_statuses_and_modes(tmp_path):
-    rows = [_row("ok", ""), _row("ok", "emulated"), _row("oom", "emulated"),
-            _row("skipped", "measured"), _row("error", "")]
+    rows = [_row("ok", "measured"), _row("ok", "emulated"), _row("oom", "emulated"),
+            _row("skipped", "measured"), _row("error", "measured")]
     cells = [c.strip() for c in sweep_line(_sweep(tmp_path, rows)).strip("|").split(" | ")]
     assert cells[0] == f"[`{NAME}`]({NAME}/)"
     assert cells[1] == "a toy sweep"  # no paper artefact known: the declaration's description
-    assert cells[2] == "3 measured, 2 emulated"  # an empty mode is a row from before the column
+    assert cells[2] == "3 measured, 2 emulated"
     assert cells[3] == "cpu"
     assert cells[5] == "2030-01-01 (1 run)"  # the rows' run_id, not env.json's date
     assert cells[6] == f"01234567+dirty {ENV}"  # rows without git_rev: env.json's, marked
@@ -67,9 +67,9 @@ def test_sweep_row_counts_statuses_and_modes(tmp_path):
 
 
 def test_rows_provenance_wins_over_env(tmp_path):
-    rows = [_row("ok", "", git_rev="fedcba9876543210", torch_version="2.13.0",
+    rows = [_row("ok", "measured", git_rev="fedcba9876543210", torch_version="2.13.0",
                  date_utc="2031-05-06T00:00:00+00:00", device="cpu (x86_64)"),
-            _row("ok", "", git_rev="aaaaaaaaaaaaaaaa+dirty", torch_version="2.13.0",
+            _row("ok", "measured", git_rev="aaaaaaaaaaaaaaaa+dirty", torch_version="2.13.0",
                  date_utc="2031-05-07T00:00:00+00:00", device="cpu (x86_64)")]
     line = sweep_line(_sweep(tmp_path, rows))
     assert "fedcba98" in line and "aaaaaaaa+dirty" in line and "torch 2.13.0;" in line
@@ -96,7 +96,7 @@ def test_write_then_check_names_the_stale_sweep(tmp_path, capsys):
 
 
 def test_missing_readme_or_markers(tmp_path):
-    _sweep(tmp_path, [_row("ok", "")])
+    _sweep(tmp_path, [_row("ok", "measured")])
     assert "no" in stale(tmp_path)[0]  # no README at all
     main(["--results", str(tmp_path)])  # creates it
     assert stale(tmp_path) == []

@@ -27,6 +27,9 @@ RULES = [
      "heads_per_stage (3) must be a positive multiple of the CP degree (2)"),
     (dict(dim=32, n_heads=8, n_kv_heads=2, head_dim=8, heads_per_stage=6), ("upipe",),
      "heads_per_stage (6) must divide n_heads (8)"),
+    # 0 is not "the default" (U = C): it is refused like any other non-positive U
+    (dict(dim=32, n_heads=8, n_kv_heads=2, head_dim=8, heads_per_stage=0), ("upipe",),
+     "heads_per_stage (0) must be a positive multiple of the CP degree (2)"),
     (dict(dim=32, n_heads=8, n_kv_heads=2, head_dim=8, kernel="cudnn"), METHODS,
      "kernel must be one of"),
     (dict(dim=30, n_heads=8, n_kv_heads=2), METHODS,

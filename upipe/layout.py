@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from upipe.comm import group_rank, group_size
+from upipe.comm import group_size
 
 LAYOUTS = ("contiguous", "zigzag", "chunked")
 
@@ -157,20 +157,8 @@ def _slice_segments(segs: list[tuple[int, int]], start: int, n: int) -> list[tup
     return out
 
 
-def check_seq_len(seq_len: int, cp: int) -> None:
-    """The global sequence must split evenly over the CP ranks."""
-    SeqLayout().check(seq_len, cp)
-
-
 def _as_layout(layout: str | SeqLayout) -> SeqLayout:
     return layout if isinstance(layout, SeqLayout) else SeqLayout(layout)
-
-
-def shard_sequence(
-    x: torch.Tensor, rank: int, world: int, layout: str | SeqLayout = "contiguous", dim: int = 1
-) -> torch.Tensor:
-    """This rank's shard of the full sequence ``x`` along ``dim``."""
-    return _as_layout(layout).shard(x, rank, world, dim)
 
 
 def gather_parts(x_local: torch.Tensor, groups: list[ProcessGroup | None]) -> list[torch.Tensor]:
@@ -203,14 +191,3 @@ def unshard_sequence(
         return x_local
     return _as_layout(layout).assemble(parts, dim)
 
-
-def local_positions(
-    seq_local: int, rank: int, world: int, layout: str | SeqLayout = "contiguous", device=None
-) -> torch.Tensor:
-    """Global token indices (seq_local,) of this rank's shard, used for RoPE."""
-    return _as_layout(layout).positions(seq_local, rank, world, device)
-
-
-def group_shard(x: torch.Tensor, group: ProcessGroup | None, layout: str, dim: int = 1):
-    """:func:`shard_sequence` for the calling rank of ``group``."""
-    return shard_sequence(x, group_rank(group), group_size(group), layout, dim)

@@ -254,7 +254,8 @@ def upipe_attention(
     """
     cp = group_size(group)
     check_ulysses_heads(n_heads, n_kv_heads, cp)
-    plan = make_stage_plan(n_heads, n_kv_heads, cp, heads_per_stage or cp)
+    u = cp if heads_per_stage is None else heads_per_stage  # 0 is refused, not the default
+    plan = make_stage_plan(n_heads, n_kv_heads, cp, u)
     return _UPipeFunction.apply(
         x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, cos, sin, plan, group,
         SequenceAttention(causal=causal, scale=scale, kernel=kernel, ring_group=ring_group),
@@ -280,7 +281,8 @@ class UPipeAttention(ContextParallelAttention):
     def __init__(self, *args, heads_per_stage: int | None = None, **kwargs):
         self.heads_per_stage = heads_per_stage
         super().__init__(*args, **kwargs)
-        self.heads_per_stage = heads_per_stage or self.ulysses_degree
+        # None is the default (U = C); 0 is not, and is refused by make_stage_plan
+        self.heads_per_stage = self.ulysses_degree if heads_per_stage is None else heads_per_stage
         self.plan: StagePlan = make_stage_plan(
             self.n_heads, self.n_kv_heads, self.ulysses_degree, self.heads_per_stage
         )
@@ -291,7 +293,8 @@ class UPipeAttention(ContextParallelAttention):
     @classmethod
     def check_heads(cls, n_heads, n_kv_heads, ulysses_degree, *, heads_per_stage=None, **_):
         super().check_heads(n_heads, n_kv_heads, ulysses_degree)
-        check_heads_per_stage(n_heads, ulysses_degree, heads_per_stage or ulysses_degree)
+        check_heads_per_stage(n_heads, ulysses_degree,
+                              ulysses_degree if heads_per_stage is None else heads_per_stage)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)

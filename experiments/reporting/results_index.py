@@ -147,7 +147,8 @@ def other_lines(results: Path) -> list[str]:
 def _footnote(dirs: list[Path]) -> str:
     """The dagger's meaning, naming the sweeps whose env.json is from a run that wrote no row."""
     note = (f"{ENV} from `env.json` (`baselines`: `max_context.json`): the rows carry none. A "
-            "sweep's `env.json` is rewritten by every invocation, a resume that runs nothing too.")
+            "sweep's `env.json` describes the last invocation that ran one of its cells (code "
+            "before 7f33356 rewrote it on every invocation, a resume that ran nothing too).")
     later = [f"`{d.name}` (run {run})" for d in dirs
              if (run := _json(d / "env.json").get("run_id"))
              and run not in {r.get("run_id") for r in _csv(d / "rows.csv")}]

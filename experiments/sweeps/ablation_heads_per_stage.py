@@ -14,7 +14,6 @@ SWEEPS = [
         axes={"variant": [{"method": "ulysses"}] + [
             {"method": "upipe", "heads_per_stage": u} for u in (8, 16, 32)]},
         plots=("heads_per_stage",),
-        timeout_s=3600,
     ),
     Sweep(
         name="ablation_heads_per_stage_llama3_8b_h100x8-cpu",

@@ -16,7 +16,6 @@ SWEEPS = [
               "warmup": 2, "iters": 4},
         axes={"variant": METHODS, "stack": STACKS},
         plots=("memory_ladder",),
-        timeout_s=3600,
     ),
     Sweep(
         name="memory_ladder_llama3_8b_h100x8-cpu",

@@ -41,7 +41,6 @@ SWEEPS = [
               "seq_len": ["128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M"]},
         search=SearchSpec(start=2**20, block=2**14, limit=2**23),
         plots=PLOTS,
-        timeout_s=3600,
     ),
     Sweep(
         name="table3_llama3_8b_h100x8-cpu",

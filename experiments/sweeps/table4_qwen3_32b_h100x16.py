@@ -36,7 +36,6 @@ SWEEPS = [
         axes={"variant": METHODS, "seq_len": ["128K", "256K", "512K", "1M", "2M", "3M", "4M"]},
         search=SearchSpec(start=2**20, block=2**14, limit=2**23),
         plots=PLOTS,
-        timeout_s=3600,
     ),
     Sweep(
         name="table4_qwen3_32b_h100x16-cpu",

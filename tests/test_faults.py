@@ -30,10 +30,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from experiments.cli import main, parser
 from experiments.config import Cell, SearchSpec, Status, Sweep
-from experiments.harness.launch import describe, run_cell
+from experiments.harness.launch import describe, disagreement, run_cell
 from experiments.reporting.tables import write_tables
 from experiments.runner.lock import ResultsInUse, results_lock
 from experiments.runner.search import search_max_context
@@ -312,6 +313,23 @@ def test_a_length_whose_inputs_cannot_exist_here_is_not_launched():
     row = run_cell(Cell("ulysses", **(SMALL | {"seq_len": seq})))
     assert row["status"] == Status.INVALID and "wall_s" not in row  # nothing launched
     assert f"seq_len ({seq}) needs at least" in row["error"] and "memory" in row["error"]
+
+
+def _cells_that_disagree() -> tuple[str | None, str | None]:
+    rank = dist.get_rank()
+    agree = Cell("ulysses", **(SMALL | {"seq_len": 256}))
+    differ = Cell("ulysses", **(SMALL | {"seq_len": 256 * (rank + 1), "iters": 1 + rank}))
+    return disagreement(agree), disagreement(differ)
+
+
+def test_ranks_given_different_cells_are_told_which_fields_differ(dist_pool):
+    """Under torchrun every rank parses its own command line: a length that differs between
+    ranks is named on every rank before the cell's first collective (it used to abort inside
+    gloo with "Received data size doesn't match")."""
+    for same, differ in dist_pool(2).run(_cells_that_disagree):
+        assert same is None
+        assert differ.startswith("the ranks were given different cells")
+        assert "iters: [1, 2]; seq_len: [256, 512]" in differ
 
 
 def test_the_library_refuses_zero_heads_per_stage():

@@ -258,7 +258,14 @@ class ContextParallelAttention(nn.Module):
     # -- helpers for subclasses ---------------------------------------------------------------
 
     def check_input(self, x: torch.Tensor) -> None:
-        """Shape rules for ``x_local``; raised before any collective."""
+        """Shape rules for ``x_local``; raised before any collective.
+
+        What one rank can check alone is checked here. The rule it cannot check alone: every
+        rank of the group calls the module with the same batch size and the same local length
+        (its shard of one sequence all ranks share) and the same options; ranks that disagree
+        fail inside the collectives (gloo: "Received data size doesn't match"), since telling
+        them apart would cost a collective of its own on every call.
+        """
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(
                 f"x_local must have shape (batch, seq_local, dim={self.dim}), got {tuple(x.shape)}"

@@ -173,10 +173,26 @@ def _spawn(cell: Cell, cfg: ModelConfig, timeout_s: float | None, threads: int,
     return results.get()
 
 
+def disagreement(cell: Cell) -> str | None:
+    """Under torchrun, which cell fields the ranks disagree on (every rank was given its own
+    command line), or None. One small all-gather, before the cell's first collective: ranks
+    that disagree on a length would otherwise fail inside the backend without naming it."""
+    cells = [None] * dist.get_world_size()
+    dist.all_gather_object(cells, cell.to_dict())
+    fields = sorted({k for c in cells for k in c if c[k] != cells[0][k]})
+    if not fields:
+        return None
+    values = "; ".join(f"{k}: {[c[k] for c in cells]}" for k in fields)
+    return f"the ranks were given different cells (every rank must run the same one): {values}"
+
+
 def _in_process(cell: Cell, cfg: ModelConfig, progress: bool) -> dict:
     world = dist.get_world_size()
     if world != cell.nproc:
         return {"status": Status.SKIPPED, "error": f"nproc {cell.nproc} != torchrun world {world}"}
+    differ = disagreement(cell)
+    if differ is not None:
+        return {"status": Status.INVALID, "error": differ}
     try:
         return WORKLOADS[cell.workload](cell, cfg, progress=progress) | provenance()
     except torch.OutOfMemoryError:

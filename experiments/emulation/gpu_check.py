@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from experiments.config import Cell, Hardware
+from experiments.config import Cell, Hardware, Status
 from experiments.emulation.emulate import emulate_cell
 from experiments.emulation.fake_step import fake_world
 from experiments.harness.measure import measure_cell
@@ -70,7 +70,7 @@ def compare(cell: Cell) -> dict:
         "method": cell.method, "nproc": cell.nproc, "seq_len": cell.seq_len,
         "ring_degree": cell.ring_degree, "chunk_size": cell.chunk_size, "model": cell.model,
         "overrides": dict(cell.overrides), "dtype": cell.dtype, "stack": cell.stack,
-        "status": emu["status"] if real["status"] == "ok" else real["status"],
+        "status": emu["status"] if real["status"] == Status.OK else real["status"],
         "allocator_peak_allocated_bytes": alloc,
         "allocator_peak_reserved_bytes": real["allocator_peak_reserved_bytes"],
         "tracked_peak_device_bytes_real": real["tracked_peak_device_bytes"],
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(compare(cell))
         except Exception as e:  # a failed cell is a row with its status; the others go on
             rows.append({"method": method, "nproc": nproc, "seq_len": seq_len, **extra,
-                         "status": "error", "error": f"{type(e).__name__}: {e}"[:500]})
+                         "status": Status.ERROR, "error": f"{type(e).__name__}: {e}"[:500]})
             torch.cuda.empty_cache()
         r = rows[-1]
         print(f"{method:12s} P={nproc} S={seq_len:>7d}: emulated/allocated "

@@ -21,6 +21,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MultipleLocator, NullLocator
 
+from experiments.config.status import Status
 from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
 
 STACK_ORDER = ("none", "ac", "offload", "alst", "native")
@@ -262,7 +263,7 @@ def plot_max_context(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bo
                     color="0.2", capsize=5, label="up to the first failing length")
         for i, (fit, fail, status) in enumerate(zip(fits, fails, df["status"], strict=True)):
             text = format_tokens(fit) if fit else (
-                "nothing fits" if status in ("ok", "oom") else str(status))
+                "nothing fits" if status in Status.RESULTS else str(status))
             if pd.notna(fail):
                 text += f"\n(max < {format_tokens(fail)})"
             elif fit:  # passed at the search's upper limit: the true max may be longer
@@ -287,17 +288,17 @@ def plot_memory_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
     the peak they reached; the device-memory or budget line. Reads rows.csv: method,
     heads_per_stage, model, nproc, stack, seq_len, status, peak_device_bytes,
     device_memory_bytes, device."""
-    df = rows[rows["status"].isin(["ok", "oom"]) & rows["peak_device_bytes"].notna()]
-    if not (df["status"] == "ok").any():
+    df = rows[rows["status"].isin(Status.RESULTS) & rows["peak_device_bytes"].notna()]
+    if not (df["status"] == Status.OK).any():
         return False
     df, labels = _labelled(df)
     scale, unit = _memory_unit(pd.concat([df["peak_device_bytes"], df["device_memory_bytes"]]))
     df = df.assign(mem=df["peak_device_bytes"] / scale)
     pal = _palette(labels)
     with _figure(path) as (fig, (ax,)):
-        sns.lineplot(df[df["status"] == "ok"], x="seq_len", y="mem", hue="label", palette=pal,
+        sns.lineplot(df[df["status"] == Status.OK], x="seq_len", y="mem", hue="label", palette=pal,
                      hue_order=labels, marker="o", estimator="median", errorbar=None, ax=ax)
-        oom = df[df["status"] == "oom"]
+        oom = df[df["status"] == Status.OOM]
         if len(oom):
             ax.scatter(oom["seq_len"], oom["mem"], marker="x", s=80, linewidths=2, zorder=3,
                        color=[pal[lb] for lb in oom["label"]], label="OOM (peak reached)")
@@ -310,7 +311,7 @@ def plot_memory_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
 def _throughput(rows: pd.DataFrame) -> pd.DataFrame:
     """ok rows with `tps` (tokens/s per GPU) and its p20/p80 bounds `lo`/`hi`, the median of
     repetitions; tokens/s per GPU = seq_len / nproc / step time."""
-    df = rows[rows["status"] == "ok"]
+    df = rows[rows["status"] == Status.OK]
     per_gpu = df["seq_len"] / df["nproc"]
     df = df.assign(tps=df["tokens_per_s_per_gpu"].fillna(per_gpu / df["time_median_s"]),
                    lo=per_gpu / df["time_p80_s"], hi=per_gpu / df["time_p20_s"])
@@ -368,7 +369,7 @@ def plot_throughput_vs_ulysses(rows: pd.DataFrame, maxctx: pd.DataFrame, path: P
 
 def _ladder_panel(ax, df: pd.DataFrame, stacks: list[str], scale: int) -> None:
     """One variant's stacked device bars (model / attention / other) and hatched host bars."""
-    ok = df[df["status"] == "ok"].groupby("stack").median(numeric_only=True)
+    ok = df[df["status"] == Status.OK].groupby("stack").median(numeric_only=True)
     x = np.arange(len(stacks))
     bottom = np.zeros(len(stacks))
     parts = (("peak_model_bytes", "model states"), ("peak_attention_bytes", "attention"),
@@ -395,14 +396,14 @@ def plot_memory_ladder(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
     split into model states / attention / other, and a hatched bar of host bytes. Reads
     rows.csv: method, heads_per_stage, model, nproc, seq_len, stack, status, peak_model_bytes,
     peak_attention_bytes, peak_other_bytes, peak_host_bytes, peak_device_bytes, device."""
-    ok = rows[rows["status"] == "ok"]
+    ok = rows[rows["status"] == Status.OK]
     if ok.empty:
         return False
     df, labels = _labelled(rows[rows["seq_len"] == _focus_length(ok, ["stack"])],
                            ("model", "nproc"))
     stacks = sorted(df["stack"].dropna().unique(), key=lambda s: (_stack_rank(s), s))
     cols = ["peak_device_bytes", "peak_host_bytes"]
-    scale, unit = _memory_unit(df.loc[df["status"] == "ok", cols].stack())
+    scale, unit = _memory_unit(df.loc[df["status"] == Status.OK, cols].stack())
     with _figure(path, ncols=len(labels), width=3.2 * len(labels) + 2.2) as (fig, axes):
         for ax, label in zip(axes, labels, strict=True):
             _ladder_panel(ax, df[df["label"] == label], stacks, scale)
@@ -424,7 +425,7 @@ def plot_heads_per_stage(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -
     peak device memory, and tokens/s per GPU beside it when the rows are timed (emulated rows
     are not: the memory panel alone). Reads rows.csv: method, heads_per_stage, model, nproc,
     stack, seq_len, status, peak_device_bytes, and the throughput columns."""
-    df = rows[(rows["status"] == "ok") & rows["method"].isin(["ulysses", "upipe"])]
+    df = rows[(rows["status"] == Status.OK) & rows["method"].isin(["ulysses", "upipe"])]
     timed = _throughput(df)
     df = timed if len(timed) else df[df["peak_device_bytes"].notna()]
     if df.empty:

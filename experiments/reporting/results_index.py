@@ -21,6 +21,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from experiments.config.status import Status
+
 BEGIN, END = "<!-- results-index:begin -->", "<!-- results-index:end -->"
 COMMAND = "python -m experiments.reporting.results_index"
 # how the folders that are not sweeps are regenerated today (their json may name an older path)
@@ -28,7 +30,7 @@ GUARD_COMMAND = "python -m experiments.runner.max_context_guard --update"
 GPU_CHECK_COMMAND = "python -m experiments.emulation.gpu_check"
 COLUMNS = ("sweep", "reproduces", "mode", "scale", "device", "date", "git rev", "versions",
            "rows (by status)", "plots", "regenerate")
-STATUSES = ("ok", "oom", "error", "timeout", "invalid", "skipped")
+STATUSES = Status.ALL
 ENV = "†"  # marks a value taken from env.json because the rows carry none
 ENTRY = re.compile(r"\| \[`([^`]+)`\]")  # a table row's first cell: the entry's name
 RUN_ID = re.compile(r"(\d{4})(\d{2})(\d{2})T\d{6}Z")  # the runner's run_id: its start, UTC

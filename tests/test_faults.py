@@ -343,14 +343,12 @@ def test_the_library_refuses_zero_heads_per_stage():
 
 
 @pytest.mark.slow
-def test_progress_on_stderr_and_none_with_json(capfd):
+def test_progress_on_stderr(capfd):
     assert main(["run", "--method", "ulysses", "--seq-len", "256", "--iters", "2", *FLAGS]) == 0
     out, err = capfd.readouterr()
     assert "step 1/3 (warm-up and memory, tracked)" in err and "step 3/3 (timed)" in err
     assert "status" in out and "step 1/" not in out
-    assert main(["run", "--method", "ulysses", "--seq-len", "256", "--json", *FLAGS]) == 0
-    out, err = capfd.readouterr()
-    assert json.loads(out)["status"] == "ok" and "step 1/" not in err
+    # --json prints none: test_runner.py::test_cli_run_and_max_context_print_one_json_object
 
 
 @pytest.mark.slow

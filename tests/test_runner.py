@@ -4,13 +4,12 @@ rows, resume, a real max-context search, tables and plots."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
 import torch
 
+from experiments.cli import main
 from experiments.config import Cell, SearchSpec, Sweep
 from experiments.harness.launch import run_cell
 from experiments.runner.sweep_runner import SweepRunner
@@ -51,6 +50,7 @@ def test_unavailable_method_is_a_skipped_row_without_a_launch(tmp_path):
     assert list(pd.read_csv(paths["rows_csv"]).status) == ["skipped"]  # the grid cell only
 
 
+@pytest.mark.slow
 @needs("usp", "fpdt")
 def test_hybrid_and_fpdt_cells_run_end_to_end():
     """A 2 x 2 USP mesh and FPDT on 4 ranks through the launcher, as a sweep runs them. FPDT
@@ -92,6 +92,7 @@ def swept(tmp_path_factory):
     return sweep, out, runner, paths
 
 
+@pytest.mark.slow
 def test_sweep_writes_rows_searches_and_plots(swept):
     sweep, out, runner, paths = swept
     rows = pd.read_csv(paths["rows_csv"])
@@ -115,6 +116,7 @@ def test_sweep_writes_rows_searches_and_plots(swept):
     assert env["torch_version"] and env["git_rev"]
 
 
+@pytest.mark.slow
 def test_sweep_resumes_without_rerunning(swept):
     sweep, out, first, _ = swept
     before = pd.read_csv(out / "mini" / "rows.csv")
@@ -128,54 +130,57 @@ def test_sweep_resumes_without_rerunning(swept):
     assert json.loads((out / "mini" / "env.json").read_text())["run_id"] == first.run_id
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "experiments.cli", *args],
-                          capture_output=True, text=True, timeout=600)
-
-
-def test_cli_run_and_max_context_print_one_json_object():
+@pytest.mark.slow
+def test_cli_run_and_max_context_print_one_json_object(capfd):
     flags = ["--model", "tiny", "--nproc", "2", "--stack", "alst", "--warmup", "0"]
     for o in OVERRIDES:
         flags += ["--override", "=".join(o)]
-    r = _cli("run", "--method", "upipe", "--seq-len", "512", "--iters", "1", "--json", *flags)
-    assert r.returncode == 0, r.stderr
-    row = json.loads(r.stdout)
+    assert main(["run", "--method", "upipe", "--seq-len", "512", "--iters", "1", "--json",
+                 *flags]) == 0
+    out, err = capfd.readouterr()
+    row = json.loads(out)  # the whole of stdout is one JSON object
+    assert "step 1/" not in err  # --json: no progress either
     for key in ("status", "method", "seq_len", "peak_device_bytes", "peak_host_bytes",
                 "tokens_per_s_per_gpu"):
         assert key in row
     assert row["status"] == "ok" and row["seq_len"] == 512
-    r = _cli("max-context", "--method", "ulysses", "--budget-mib", "5", "--start", "512",
-             "--block", "256", "--limit", "1K", "--json", *flags)
-    assert r.returncode == 0, r.stderr
-    res = json.loads(r.stdout)
+    assert main(["max-context", "--method", "ulysses", "--budget-mib", "5", "--start", "512",
+                 "--block", "256", "--limit", "1K", "--json", *flags]) == 0
+    res = json.loads(capfd.readouterr().out)
     assert {"max_seq_len", "first_failing_seq_len"} <= set(res)
 
 
-def test_cli_rejects_bad_input_listing_choices():
-    r = _cli("run", "--method", "nope")
-    assert r.returncode == 2 and "method must be one of" in r.stderr and "upipe" in r.stderr
-    r = _cli("run", "--method", "upipe", "--model", "gpt9")
-    assert r.returncode == 2 and "tiny" in r.stderr
-    r = _cli("run", "--method", "upipe", "--override", "layers=2")
-    assert r.returncode == 2 and "n_layers" in r.stderr
-    r = _cli("run", "--method", "upipe", "--seq-len", "1.5M")
-    assert r.returncode == 2 and "128K" in r.stderr
-    r = _cli("sweep", "table9")
-    assert r.returncode == 2 and "table3_llama3_8b_h100x8-cpu" in r.stderr
+@pytest.mark.parametrize("argv, says", [
+    (["run", "--method", "nope"], ["method must be one of", "upipe"]),
+    (["run", "--method", "upipe", "--model", "gpt9"], ["tiny"]),
+    (["run", "--method", "upipe", "--override", "layers=2"], ["n_layers"]),
+    (["sweep", "table9"], ["table3_llama3_8b_h100x8-cpu"]),
+])
+def test_cli_rejects_bad_input_listing_choices(capsys, argv, says):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert all(text in err for text in says), err
 
 
-def test_cli_list_and_dry_run():
-    r = _cli("list", "--json")
-    cat = json.loads(r.stdout)
+def test_cli_rejects_a_length_that_is_not_a_size(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--method", "upipe", "--seq-len", "1.5M"])
+    assert e.value.code == 2 and "128K" in capsys.readouterr().err
+
+
+def test_cli_list_and_dry_run(capsys):
+    assert main(["list", "--json"]) == 0
+    cat = json.loads(capsys.readouterr().out)
     assert {"upipe", "ulysses"} <= set(cat["methods"]) and "llama3-8b" in cat["presets"]
     assert cat["methods"]["ulysses"]["available"] and cat["methods"]["ulysses"]["reason"] is None
     assert cat["methods"]["upipe"]["options"] == ["heads_per_stage", "ring_degree"]
     if "torch-cp" in cat["methods"] and cat["methods"]["torch-cp"]["device"] == "cpu":
         assert not cat["methods"]["torch-cp"]["available"]
         assert "CUDA" in cat["methods"]["torch-cp"]["reason"]
-    r = _cli("sweep", "--dry-run", "table3_llama3_8b_h100x8", "table3_llama3_8b_h100x8-cpu")
+    code = main(["sweep", "--dry-run", "table3_llama3_8b_h100x8", "table3_llama3_8b_h100x8-cpu"])
+    out = capsys.readouterr().out
     # 6 methods x 8 lengths, each searched; the CPU one: 6 x 3 and three searches
-    assert "48 cells, 6 max-context searches" in r.stdout, r.stdout + r.stderr
-    assert "18 cells, 3 max-context searches" in r.stdout
+    assert "48 cells, 6 max-context searches" in out, out
+    assert "18 cells, 3 max-context searches" in out
     if {"torch-cp", "fpdt"} <= set(cat["methods"]):  # else INVALID until they are registered
-        assert r.returncode == 0 and "INVALID" not in r.stdout, r.stdout + r.stderr
+        assert code == 0 and "INVALID" not in out, out

@@ -24,4 +24,5 @@ for step in range(3):
     dist.all_reduce(loss)  # the full sequence's mean token loss
     if dist.get_rank() == 0:
         print(f"step {step}: loss {loss.item():.4f}")
-dist.destroy_process_group()
+del model, out  # both hold the process group (out through its autograd graph); freeing them
+dist.destroy_process_group()  # lets this end it and join gloo's threads before Python exits

@@ -14,4 +14,5 @@ y_local = attn(attn.shard(x))  # ...of which each rank runs its part: (1, 1024 /
 y_local.sum().backward()  # attn's weight gradients: this rank's share (sum them over ranks)
 torch.testing.assert_close(attn.unshard(y_local), ref(x), rtol=1e-4, atol=1e-5)
 print(f"rank {dist.get_rank()}: UPipe output equals the reference, y_local {tuple(y_local.shape)}")
-dist.destroy_process_group()
+del attn, y_local  # both hold the process group (y_local through its autograd graph); freeing
+dist.destroy_process_group()  # them lets this end it and join gloo's threads before Python exits

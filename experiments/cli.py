@@ -72,6 +72,7 @@ from experiments.config import (
     Status,
     takes_option,
 )
+from experiments.harness.launch import exit_without_finalizing
 from experiments.reporting.plots import draw_plots
 from experiments.reporting.tables import write_tables
 from experiments.runner.executor import Emulator, Launcher
@@ -367,13 +368,21 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
         with _command_output() as a.stdout:
-            return a.fn(a)
+            code = a.fn(a)
     except ValueError as e:  # bad input: name the field and the rule, no traceback
         print(f"upipe-bench {a.cmd}: error: {e}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:  # the launcher has ended the ranks; one line, not tracebacks
         print(f"upipe-bench {a.cmd}: interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    if "WORLD_SIZE" in os.environ and dist.is_initialized():
+        # under torchrun this process joined the group (_init_torchrun): end it as a launched
+        # rank ends (harness.launch.exit_without_finalizing says why)
+        if code == 0:
+            dist.barrier()
+        dist.destroy_process_group()
+        exit_without_finalizing(code)
+    return code
 
 
 if __name__ == "__main__":

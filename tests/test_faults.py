@@ -58,16 +58,19 @@ def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600, **kw)
 
 
-def _children(pid: int) -> list[int]:
-    """The process ids whose parent is ``pid`` (Linux /proc)."""
+def _ranks(pid: int) -> list[int]:
+    """The rank processes ``pid`` spawned (Linux /proc): its children started by
+    multiprocessing's spawn, not its resource tracker."""
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            if (int(stat.rsplit(")", 1)[1].split()[1]) == pid
+                    and b"multiprocessing-fork" in cmdline and b"resource_tracker" not in cmdline):
                 out.append(int(entry.name))
     return out
 
@@ -131,9 +134,9 @@ def test_max_context_search_that_meets_a_killed_rank_reports_no_maximum():
            "--json", *FLAGS]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    first = set(_wait_for(lambda: _children(proc.pid), what="the first probe's ranks"))
+    first = set(_wait_for(lambda: _ranks(proc.pid), what="the first probe's ranks"))
     # the second probe's ranks: children that were not the first probe's
-    second = _wait_for(lambda: set(_children(proc.pid)) - first - {proc.pid},
+    second = _wait_for(lambda: set(_ranks(proc.pid)) - first - {proc.pid},
                        what="the second probe's ranks")
     time.sleep(1.0)  # inside the probe, not at its start-up only
     os.kill(max(second), signal.SIGKILL)
@@ -356,7 +359,7 @@ def test_ctrl_c_prints_one_line_and_ends_the_ranks():
     proc = subprocess.Popen([sys.executable, "-m", "experiments.cli", "run", "--method",
                              "ulysses", "--seq-len", "256", *FLAGS], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ranks = _wait_for(lambda: _children(proc.pid), what="the ranks")
+    ranks = _wait_for(lambda: _ranks(proc.pid), what="the ranks")
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)

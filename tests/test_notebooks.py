@@ -3,15 +3,20 @@
 Each notebook in notebooks/ must be committed without outputs, open with a markdown cell that
 names the command that produced its data, and execute top to bottom in a fresh kernel started
 from the repository root, as `jupyter nbconvert --execute` would: an error in any cell fails
-the test (nbclient raises CellExecutionError with the cell and its traceback).
+the test (nbclient raises CellExecutionError with the cell and its traceback). The notebooks
+stay thin: what they share lives in experiments.reporting.notebook, never pasted into a cell,
+and the Table 3 and Table 4 notebooks are one notebook with two parameters.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
 import pytest
+
+from experiments.reporting import notebook as helpers
 
 REASON = "the notebook tests need nbclient, nbformat and ipykernel: pip install 'upipe[notebooks]'"
 nbformat = pytest.importorskip("nbformat", reason=REASON)
@@ -23,6 +28,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # what the first cell must name: the runner, the CLI, or a harness module run with -m
 COMMAND = re.compile(r"run_all\.sh|upipe-bench \w|python -m experiments\.\w")
 CELL_TIMEOUT_S = 120  # per cell; a whole notebook takes a few seconds on 2 cores
+# one notebook read with two parameters: they may differ in the title cell and the parameter cell
+TWINS = ("table3_llama3_8b.ipynb", "table4_qwen3_32b.ipynb")
 
 
 def _read(path: Path):
@@ -63,3 +70,45 @@ def test_executes(path: Path, monkeypatch: pytest.MonkeyPatch):
     errors = [out for cell in nb.cells for out in cell.get("outputs", [])
               if out.output_type == "error"]
     assert not errors
+
+
+def _parameter_cell(nb) -> int:
+    """The index of the one code cell tagged ``parameters`` (the papermill convention)."""
+    tagged = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+              and "parameters" in cell.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"expected one cell tagged 'parameters', found cells {tagged}"
+    return tagged[0]
+
+
+def test_table_notebooks_differ_only_in_title_and_parameters():
+    a, b = (_read(ROOT / "notebooks" / name) for name in TWINS)
+    assert len(a.cells) == len(b.cells), f"{TWINS}: different numbers of cells"
+    param = _parameter_cell(a)
+    assert _parameter_cell(b) == param
+    differ = [i for i, (x, y) in enumerate(zip(a.cells, b.cells, strict=True))
+              if (x.cell_type, x.source) != (y.cell_type, y.source)]
+    assert differ == [0, param], (
+        f"{TWINS} may differ only in the title (cell 0) and the parameter cell ({param}); "
+        f"they differ in cells {differ}")
+    artefacts = [re.search(r'ARTEFACT = "(\w+)"', nb.cells[param].source) for nb in (a, b)]
+    assert all(artefacts) and artefacts[0][1] != artefacts[1][1]
+
+
+def _defined(path: Path) -> set[str]:
+    """The names of the functions that a notebook's code cells define (magics skipped)."""
+    names = set()
+    for cell in _read(path).cells:
+        if cell.cell_type == "code":
+            code = "\n".join(ln for ln in cell.source.splitlines() if not ln.startswith("%"))
+            names |= {n.name for n in ast.walk(ast.parse(code)) if isinstance(n, ast.FunctionDef)}
+    return names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_uses_the_helpers_instead_of_pasting_them(path: Path):
+    public = {name for name in dir(helpers) if not name.startswith("_")}
+    pasted = _defined(path) & public
+    assert not pasted, (f"{path.name} defines {sorted(pasted)}: import them from "
+                        "experiments.reporting.notebook instead")
+    sources = "\n".join(cell.source for cell in _read(path).cells)
+    assert "from experiments.reporting import notebook as nb" in sources

@@ -123,13 +123,27 @@ def _rank_main(rank: int, cell: Cell, cfg: ModelConfig, port: int, threads: int,
     try:
         row = WORKLOADS[cell.workload](cell, cfg, progress=progress)
         if rank == 0:
-            results.put(row | provenance())
-        # Tear down together: a rank that destroys its group while a peer's gloo thread still
-        # expects bytes from it makes that peer abort ("terminate called without an active
-        # exception"), seen in about 1 of 10 short cells without this barrier.
-        dist.barrier()
+            results.put(row | provenance())  # a pipe write: delivered when put returns
+        dist.barrier()  # every rank is past its last collective
     finally:
         dist.destroy_process_group()
+    exit_without_finalizing(0)
+
+
+def exit_without_finalizing(code: int) -> None:
+    """End this rank now, skipping the interpreter's finalization.
+
+    ``destroy_process_group`` does not join gloo's worker threads while anything still holds
+    the group (the model, an autograd graph, torch's own caches). A worker that releases its
+    last collective's tensors after Python began finalizing needs the GIL, is ended by
+    ``pthread_exit`` inside a C++ destructor, and aborts the rank ("terminate called without
+    an active exception"; pytorch/pytorch#190489, seen in about 1 in 10 short cells). A rank's
+    results are already delivered (the result queue, flushed streams), so it leaves without
+    finalizing, as ``os.fork``'s children do.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _killed(e: mp.ProcessExitedException) -> dict:
@@ -153,10 +167,18 @@ def _spawn(cell: Cell, cfg: ModelConfig, timeout_s: float | None, threads: int,
            progress: bool) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    pc = mp.start_processes(_rank_main, (cell, cfg, free_port(), threads, progress, results),
-                            nprocs=cell.nproc, join=False, start_method="spawn")
+    # Ctrl-C while the ranks start would leave the ones already started waiting for the others:
+    # it is held back until they are all known, and arrives inside the ``try`` that ends them.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        pc = mp.start_processes(_rank_main, (cell, cfg, free_port(), threads, progress, results),
+                                nprocs=cell.nproc, join=False, start_method="spawn")
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        raise
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a pending Ctrl-C is raised here
         while not pc.join(timeout=1.0):
             if deadline is not None and time.monotonic() > deadline:
                 return {"status": Status.TIMEOUT, "error": f"cell ran past timeout_s={timeout_s}"}

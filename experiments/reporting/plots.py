@@ -21,11 +21,11 @@ import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MultipleLocator, NullLocator
 
+from experiments.config.sizes import GiB, MiB
 from experiments.config.status import Status
 from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
 
 STACK_ORDER = ("none", "ac", "offload", "alst", "native")
-MiB, GiB = 2**20, 2**30
 DPI = 120
 SETTINGS = ("model", "nproc", "stack")  # a label names one of these only when it varies
 
@@ -87,7 +87,7 @@ def _number(v: float) -> str:
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
-def _memory_unit(values: pd.Series) -> tuple[int, str]:
+def memory_unit(values: pd.Series) -> tuple[int, str]:
     """GiB when the largest value reaches 1 GiB (GPU-size numbers), else MiB: one unit a plot."""
     top = pd.to_numeric(values, errors="coerce").max()
     return (GiB, "GiB") if top >= GiB else (MiB, "MiB")
@@ -292,7 +292,7 @@ def plot_memory_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
     if not (df["status"] == Status.OK).any():
         return False
     df, labels = _labelled(df)
-    scale, unit = _memory_unit(pd.concat([df["peak_device_bytes"], df["device_memory_bytes"]]))
+    scale, unit = memory_unit(pd.concat([df["peak_device_bytes"], df["device_memory_bytes"]]))
     df = df.assign(mem=df["peak_device_bytes"] / scale)
     pal = _palette(labels)
     with _figure(path) as (fig, (ax,)):
@@ -403,7 +403,7 @@ def plot_memory_ladder(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
                            ("model", "nproc"))
     stacks = sorted(df["stack"].dropna().unique(), key=lambda s: (_stack_rank(s), s))
     cols = ["peak_device_bytes", "peak_host_bytes"]
-    scale, unit = _memory_unit(df.loc[df["status"] == Status.OK, cols].stack())
+    scale, unit = memory_unit(df.loc[df["status"] == Status.OK, cols].stack())
     with _figure(path, ncols=len(labels), width=3.2 * len(labels) + 2.2) as (fig, axes):
         for ax, label in zip(axes, labels, strict=True):
             _ladder_panel(ax, df[df["label"] == label], stacks, scale)
@@ -433,7 +433,7 @@ def plot_heads_per_stage(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -
     keys = [*SETTINGS, "seq_len"]
     df = df[df["seq_len"] == _focus_length(df, ["method", "heads_per_stage"])]
     df, labels = _labelled(df, keys)
-    scale, unit = _memory_unit(df["peak_device_bytes"])
+    scale, unit = memory_unit(df["peak_device_bytes"])
     df = df.assign(mem=df["peak_device_bytes"] / scale)
     panels = [("mem", _titled(f"peak device memory per rank ({unit})", df))]
     if len(timed):

@@ -16,6 +16,7 @@ list; rank 0 decides what to skip, holds the lock and writes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import sys
@@ -29,7 +30,7 @@ from experiments.provenance import provenance
 from experiments.reporting.plots import draw_plots
 from experiments.reporting.tables import write_tables
 from experiments.runner.executor import Emulator, Launcher
-from experiments.runner.lock import results_lock
+from experiments.runner.lock import ResultsInUse, results_lock
 from experiments.runner.search import print_probe, run_search, summarize
 from experiments.store import BadResultFile, read_row, set_aside, write_json
 
@@ -162,13 +163,21 @@ class SweepRunner:
 
     def __call__(self) -> dict:
         """Run every cell, then every search; returns the table and plot paths. Refused
-        (``ResultsInUse``) while another sweep runs on the same directory."""
-        if not _is_writer():
-            return self._run_all()
-        with results_lock(self.dir):
-            self._write_declaration()
-            if not (self.dir / "env.json").exists():
-                self._record_env()
+        (``ResultsInUse``, on every rank) while another sweep runs on the same directory."""
+        with contextlib.ExitStack() as held:
+            refused = None
+            if _is_writer():
+                try:
+                    held.enter_context(results_lock(self.dir))
+                except ResultsInUse as e:
+                    refused = str(e)
+            refused = _agree(refused)  # under torchrun only rank 0 holds the lock
+            if refused is not None:
+                raise ResultsInUse(refused)
+            if _is_writer():
+                self._write_declaration()
+                if not (self.dir / "env.json").exists():
+                    self._record_env()
             return self._run_all()
 
     def _run_all(self) -> dict:

@@ -1,0 +1,421 @@
+"""What the analysis notebooks share (notebooks/; STYLE.md §13): find ``results/``, read its
+tables and provenance, label and order variants, list what did not run, and build the tables
+the notebooks show.
+
+A notebook stays a sequence of ``display(nb.something(...))`` cells with markdown between them::
+
+    from experiments.reporting import notebook as nb
+    RESULTS = nb.find_results()
+    SWEEPS = nb.sweep_dirs(RESULTS, "table3_llama3_8b_h100x8")   # scale -> results/<sweep>/
+    rows, maxctx = nb.load_tables(SWEEPS)
+
+Reads result files only (``sweep.json``, ``env.json``, ``rows.csv``, ``max_context.csv``, the
+baseline's ``max_context.json``) and writes nothing; figures are the sweeps' own plot functions
+(``experiments.reporting.plots``) drawn into a temporary file and returned as PNG bytes.
+Lengths are global tokens in binary units (128K = 131072), as the sweeps declare them.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from experiments import store
+from experiments.config.sizes import MiB
+from experiments.config.status import Status
+from experiments.reporting import plots
+from experiments.reporting.plots import memory_unit  # noqa: F401  (the notebooks' too)
+from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
+
+SCALES = {"paper": "", "cpu": "-cpu", "emulated": "-emulated"}  # scale -> sweep-name suffix
+VARIANT_COLUMNS = ["method", "heads_per_stage", "ring_degree", "chunk_size", "nproc"]
+# columns of rows.csv the notebooks read beyond ROW_COLUMNS (absent ones load as NaN)
+ROW_EXTRA = ["iters", "workload", "model_n_heads", "attention_peak_bytes"]
+
+
+# -- files -----------------------------------------------------------------------------------
+
+
+def find_results(start: Path | None = None) -> Path:
+    """The repository's ``results/`` folder, from ``start`` (default: the working directory,
+    the repository root or ``notebooks/``) or a folder above it."""
+    start = Path.cwd() if start is None else Path(start)
+    for folder in (start, *start.parents):
+        if (folder / "results" / "README.md").is_file():
+            return folder / "results"
+    raise FileNotFoundError(f"no results/ folder (with a README.md) in {start} or above it")
+
+
+def read_csv(path: Path) -> pd.DataFrame:
+    """A table as the harness writes it: only empty cells are missing (the stack 'none' and
+    the status text stay strings)."""
+    return pd.read_csv(path, keep_default_na=False, na_values=[""])
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path``; ``{}`` when there is no such file, ``store.BadResultFile``
+    (naming it) when it is not valid JSON."""
+    path = Path(path)
+    return store.read_json(path) if path.is_file() else {}
+
+
+def tokens(n: float | None) -> str:
+    """131072 -> '128K', 2**20 -> '1M' (binary units, as the sweeps declare lengths); '' when
+    missing."""
+    return "" if n is None or pd.isna(n) else plots.format_tokens(n)
+
+
+# -- sweeps and their provenance -------------------------------------------------------------
+
+
+def _workload(decl: dict) -> str:
+    """What a sweep's cells run: 'step' (a training step, every paper artefact) unless its base
+    says otherwise ('attention': one attention layer)."""
+    return (decl.get("base") or {}).get("workload", "step")
+
+
+def sweep_dirs(results: Path, artefact: str | None = None,
+               workload: str | None = "step") -> dict[str, Path]:
+    """The sweep folders under ``results`` that have run (they hold a ``sweep.json``) and whose
+    cells run ``workload`` (None: any). With ``artefact``, its scales keyed by scale, in the
+    order of ``SCALES`` (``<artefact>``, ``-cpu``, ``-emulated``); else every sweep, by name."""
+    results = Path(results)
+    if artefact is None:
+        found = {d.name: d for d in sorted(p.parent for p in results.glob("*/sweep.json"))}
+    else:
+        found = {scale: results / f"{artefact}{suffix}" for scale, suffix in SCALES.items()}
+        found = {s: d for s, d in found.items() if (d / "sweep.json").is_file()}
+    return {k: d for k, d in found.items()
+            if workload is None or _workload(read_json(d / "sweep.json")) == workload}
+
+
+def not_run(results: Path, artefact: str) -> list[str]:
+    """The names of ``artefact``'s sweeps that have no folder with a ``sweep.json`` yet (the
+    paper-scale sweep, without a GPU cluster)."""
+    return [f"{artefact}{suffix}" for suffix in SCALES.values()
+            if not (Path(results) / f"{artefact}{suffix}" / "sweep.json").is_file()]
+
+
+def _command(env: dict) -> str | None:
+    """The command line an ``env.json`` (or ``max_context.json``) records: its ``command``, or
+    its ``argv`` (the CLI's as ``upipe-bench ...``, a script's as ``python ...``)."""
+    if env.get("command"):
+        return env["command"]
+    argv = env.get("argv") or []
+    if not argv:
+        return None
+    is_cli = Path(argv[0]).name in ("cli.py", "upipe-bench")
+    return " ".join(["upipe-bench", *argv[1:]] if is_cli else ["python", *argv])
+
+
+def provenance(sweep_dir: Path) -> dict:
+    """A sweep's declaration (``sweep.json``) and the process that ran it (``env.json``) in one
+    record: scale, description, command, git revision, date, torch, machine, emulated hardware."""
+    decl, env = read_json(sweep_dir / "sweep.json"), read_json(sweep_dir / "env.json")
+    hw = decl.get("hardware")
+    return {
+        "scale": decl.get("scale"),
+        "description": decl.get("description"),
+        "command": _command(env),
+        "git_rev": env.get("git_rev"),
+        "date_utc": env.get("date_utc"),
+        "torch": env.get("torch_version"),
+        "ran on": env.get("gpu_name") or env.get("cpu_model"),
+        "emulated hardware": hw and f"{hw['gpus_per_node']}x {hw['gpu_mem_gib']:g} GiB "
+                                    f"{hw['device']} per node, {hw['reserve_gib']:g} GiB reserve",
+    }
+
+
+def provenance_table(dirs: Mapping[str, Path]) -> pd.DataFrame:
+    """``provenance`` of each sweep folder, a column per sweep (named after its folder)."""
+    return pd.DataFrame({d.name: provenance(d) for d in dirs.values()})
+
+
+def _counts(values: pd.Series) -> str:
+    """'19 ok, 5 oom': the count of each value, most frequent first."""
+    return ", ".join(f"{v} {n}" for v, n in values.value_counts().items())
+
+
+def inventory(results: Path) -> pd.DataFrame:
+    """Every table in ``results`` (each folder's ``rows.csv`` and ``max_context.csv``): the
+    scale its sweep declares, its row count, modes and statuses, and the git revision, date and
+    command of its folder's ``env.json`` (``baselines/``: ``max_context.json``)."""
+    results = Path(results)
+    records = []
+    for path in sorted([*results.glob(f"*/{ROWS}"), *results.glob(f"*/{MAXCTX}")]):
+        df, folder = read_csv(path), path.parent
+        env = read_json(folder / "env.json") or read_json(folder / "max_context.json")
+        records.append({
+            "table": str(path.relative_to(results)),
+            "scale": read_json(folder / "sweep.json").get("scale", ""),
+            "rows": len(df),
+            # emulate_vs_allocator/ has no mode: each of its rows is both measured and emulated
+            "mode": ", ".join(sorted(df["mode"].dropna().unique())) if "mode" in df else "",
+            "status": _counts(df["status"]),
+            "git_rev": env.get("git_rev"), "date_utc": env.get("date_utc"),
+            "command": _command(env)})
+    return pd.DataFrame.from_records(records).set_index("table")
+
+
+# -- loading and labelling -------------------------------------------------------------------
+
+
+def relative_variant(method: str, heads_per_stage: float, ring_degree: float,
+                     nproc: float) -> str:
+    """A variant's name that reads the same at every scale: U in units of the Ulysses degree
+    C = nproc / ring_degree ('upipe U=2C'), hybrids by their ring degree ('usp ring=2'), FPDT
+    without its chunk size ('fpdt')."""
+    label = method if ring_degree == 1 else f"{method} ring={ring_degree:g}"
+    if pd.notna(heads_per_stage):
+        k = heads_per_stage / (nproc / ring_degree)
+        label += " U=C" if k == 1 else f" U={k:g}C"
+    return label
+
+
+def variant_order(df: pd.DataFrame) -> list[str]:
+    """The distinct ``variant`` values of ``df``: Ulysses (the reference) first, then by method,
+    U over the Ulysses degree, U, ring degree and chunk size; the default U first."""
+    keys = df.assign(_other=df["method"] != "ulysses",
+                     _k=df["heads_per_stage"] / (df["nproc"] / df["ring_degree"]))
+    keys = keys.sort_values(["_other", "method", "_k", "heads_per_stage", "ring_degree",
+                             "chunk_size"], na_position="first", kind="stable")
+    return list(dict.fromkeys(keys["variant"]))
+
+
+def load(dirs: Mapping[str, Path] | Iterable[Path], table: str = ROWS,
+         relative: bool = False) -> pd.DataFrame:
+    """``table`` (``rows.csv`` or ``max_context.csv``) of each sweep folder in ``dirs`` as one
+    frame, with the sweep's ``sweep`` name, ``scale``, ``artefact`` (the name without its scale
+    suffix), ``ladder`` (its axes vary the memory stack) and each row's ``variant``: as the
+    plots label it ('upipe U=8', 'usp 8x2', 'fpdt c=64K'), or ``relative_variant`` with
+    ``relative``. Every column of ``ROW_COLUMNS`` (and ``ROW_EXTRA``) or ``MAXCTX_COLUMNS`` is
+    there, NaN where no table has it; a sweep without the table adds no row."""
+    folders = list(dirs.values()) if isinstance(dirs, Mapping) else list(dirs)
+    frames = []
+    for folder in folders:
+        decl = read_json(folder / "sweep.json")
+        if (folder / table).is_file():
+            frames.append(read_csv(folder / table).assign(
+                sweep=decl["name"], scale=decl["scale"], ladder="stack" in decl["axes"],
+                artefact=decl["name"].removesuffix(SCALES.get(decl["scale"], ""))))
+    columns = [*ROW_COLUMNS, *ROW_EXTRA] if table == ROWS else MAXCTX_COLUMNS
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    df = df.reindex(columns=list(dict.fromkeys([*columns, *df.columns, "scale", "artefact",
+                                                "ladder"])))
+    if relative:
+        options = (df[c] for c in ["method", "heads_per_stage", "ring_degree", "nproc"])
+        df["variant"] = [relative_variant(*v) for v in zip(*options, strict=True)]
+    else:
+        options = (df[c] for c in VARIANT_COLUMNS)
+        df["variant"] = [plots.variant_label(*v) for v in zip(*options, strict=True)]
+    return df
+
+
+def load_tables(dirs: Mapping[str, Path] | Iterable[Path], relative: bool = False
+                ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(rows, maxctx)``: ``load`` of both tables, their ``variant`` one categorical in
+    ``variant_order`` (so every table lists Ulysses first, as the paper does)."""
+    folders = list(dirs.values()) if isinstance(dirs, Mapping) else list(dirs)
+    rows, maxctx = load(folders, ROWS, relative), load(folders, MAXCTX, relative)
+    order = variant_order(pd.concat([rows, maxctx]))
+    for df in (rows, maxctx):
+        df["variant"] = pd.Categorical(df["variant"], categories=order)
+    return rows, maxctx
+
+
+# -- filtering -------------------------------------------------------------------------------
+
+
+def status_counts(rows: pd.DataFrame, by: Iterable[str] = ("scale", "mode")) -> pd.DataFrame:
+    """Rows per ``by`` group (a row each) and status (a column each)."""
+    return rows.groupby([*by, "status"], observed=True).size().unstack(fill_value=0)
+
+
+def not_ok(rows: pd.DataFrame, columns: Iterable[str] = ("sweep", "variant", "stack",
+                                                          "seq_len", "status", "error")
+           ) -> pd.DataFrame:
+    """Every row whose status is not ``ok`` (oom, skipped, error, timeout, invalid), with
+    ``columns`` (the error text last by default), in table order."""
+    return rows.loc[rows["status"] != Status.OK, list(columns)]
+
+
+def not_ok_by_error(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows that are not ``ok`` grouped by sweep, variant, status and error text (sizes
+    such as '3.2 GiB' blanked to 'X', so one error at several lengths is one group): how many
+    rows and at which lengths."""
+    failed = rows[rows["status"] != Status.OK]
+    failed = failed.assign(error=failed["error"].str.replace(r"[\d.]+ [GM]iB", "X", regex=True))
+    return (failed.groupby(["sweep", "variant", "status", "error"], dropna=False, observed=True)
+            ["seq_len"].agg(rows="size", lengths=lambda s: ", ".join(map(tokens, sorted(set(s))))))
+
+
+# -- tables ----------------------------------------------------------------------------------
+
+
+def vs_ulysses(df: pd.DataFrame, value: str, keys: list[str]) -> pd.Series:
+    """``value`` of each row over the median of Ulysses' ``ok`` rows at the same ``keys`` (the
+    paper's reference); NaN where Ulysses did not run ok there."""
+    ulysses = df[(df["method"] == "ulysses") & df["heads_per_stage"].isna()
+                 & (df["status"] == Status.OK)]
+    ref = ulysses.groupby(keys, observed=True)[value].median().rename("_ulysses")
+    return df[value] / df.join(ref, on=keys)["_ulysses"]
+
+
+def by_length(df: pd.DataFrame, value: str, fmt: Callable[[float], str]) -> pd.DataFrame:
+    """A row per (variant, stack), a column per length: ``fmt`` of the median ``value`` of a
+    cell's ``ok`` rows; '-' when they have no value; else the cell's status in capitals (OOM,
+    SKIPPED), as the paper's tables print OOM."""
+    def cell(g: pd.DataFrame) -> str:
+        values = g.loc[g["status"] == Status.OK, value].dropna()
+        if len(values):
+            return fmt(values.median())
+        return "-" if (g["status"] == Status.OK).any() else g["status"].iloc[0].upper()
+
+    table = (df.groupby(["variant", "stack", "seq_len"], observed=True)[["status", value]]
+             .apply(cell).unstack("seq_len").fillna(""))
+    return table.rename(columns=tokens)
+
+
+def searches(maxctx: pd.DataFrame) -> pd.DataFrame:
+    """A row per max-context search: its ``max_context`` (the length, or the status of a search
+    that found none), ``first_failing`` length, ``granularity`` and ``vs_ulysses`` (over
+    Ulysses' max context at the same scale), with its budget, probe count and error."""
+    found = maxctx["status"].eq(Status.OK) & maxctx["max_seq_len"].notna()
+    df = maxctx.assign(
+        max_context=maxctx["max_seq_len"].map(tokens).where(found, maxctx["status"]),
+        first_failing=maxctx["first_failing_seq_len"].map(tokens),
+        granularity=maxctx["granularity"].map(tokens),
+        vs_ulysses=vs_ulysses(maxctx, "max_seq_len", ["scale"]).round(2))
+    return df.sort_values(["scale", "variant"])[
+        ["scale", "variant", "stack", "budget_mib", "granularity", "max_context",
+         "first_failing", "vs_ulysses", "n_probes", "error"]]
+
+
+def check_searches(rows: pd.DataFrame, maxctx: pd.DataFrame) -> pd.DataFrame:
+    """Each ``ok`` search beside the longest ``ok`` and the shortest ``oom`` row of its scale,
+    variant, stack and budget (probes and the sweep's own cells alike); ``agrees`` when they
+    are the search's max_seq_len and first_failing_seq_len."""
+    keys = ["scale", "variant", "stack", "budget"]
+    probes = rows.assign(budget=rows["budget_mib"].fillna(0))
+    longest_ok = (probes[probes["status"] == Status.OK]
+                  .groupby(keys, observed=True)["seq_len"].max())
+    shortest_oom = (probes[probes["status"] == Status.OOM]
+                    .groupby(keys, observed=True)["seq_len"].min())
+    check = (maxctx[maxctx["status"] == Status.OK].assign(budget=maxctx["budget_mib"].fillna(0))
+             .join(longest_ok.rename("longest_ok_row"), on=keys)
+             .join(shortest_oom.rename("shortest_oom_row"), on=keys))
+    check["agrees"] = ((check["longest_ok_row"] == check["max_seq_len"])
+                       & (check["shortest_oom_row"] == check["first_failing_seq_len"]))
+    return check[["scale", "variant", "max_seq_len", "longest_ok_row", "first_failing_seq_len",
+                  "shortest_oom_row", "agrees"]]
+
+
+LADDER_PARTS = {"peak_device_bytes": "device peak", "peak_model_bytes": "model states",
+                "peak_attention_bytes": "attention", "peak_other_bytes": "other",
+                "peak_host_bytes": "host (offloaded)"}
+
+
+def ladder(df: pd.DataFrame) -> pd.DataFrame:
+    """A row per (variant, stack) of one sweep: the first status, the median of each memory
+    part (``LADDER_PARTS``, bytes), ``vs none`` (device peak over the same variant's without a
+    stack) and ``vs ulysses`` (over Ulysses' at the same stack)."""
+    table = df.groupby(["variant", "stack"], observed=True).agg(
+        status=("status", "first"),
+        **{name: (col, "median") for col, name in LADDER_PARTS.items()}).reset_index()
+    peak = table[["variant", "stack", "device peak"]]
+    none = peak[peak["stack"] == "none"].drop(columns="stack")
+    ulysses = peak[peak["variant"] == "ulysses"].drop(columns="variant")
+    table = (table.merge(none, on="variant", how="left", suffixes=("", " of none"))
+             .merge(ulysses, on="stack", how="left", suffixes=("", " of ulysses")))
+    table["vs none"] = table["device peak"] / table["device peak of none"]
+    table["vs ulysses"] = table["device peak"] / table["device peak of ulysses"]
+    return (table.drop(columns=["device peak of none", "device peak of ulysses"])
+            .set_index(["variant", "stack"]))
+
+
+def per_u(df: pd.DataFrame) -> pd.DataFrame:
+    """A row per variant of one sweep's ``ok`` rows (medians): ``U/C`` (heads per stage over
+    the Ulysses degree C = nproc / ring degree), ``stages`` (H / U), peak memory, attention
+    memory (its share at the peak and its own peak), tokens/s per GPU, and the peak's and the
+    tokens/s' ratios to Ulysses (which must be among the rows)."""
+    degree = df["nproc"] / df["ring_degree"]
+    df = df.assign(u_over_c=df["heads_per_stage"] / degree,
+                   stages=df["model_n_heads"] / df["heads_per_stage"].fillna(df["model_n_heads"]))
+    table = df.groupby("variant", observed=True).agg(
+        u_over_c=("u_over_c", "median"), stages=("stages", "median"),
+        peak=("peak_device_bytes", "median"), attention=("peak_attention_bytes", "median"),
+        attention_own_peak=("attention_peak_bytes", "median"),
+        tokens_per_s_per_gpu=("tokens_per_s_per_gpu", "median"))
+    for col in ("peak", "tokens_per_s_per_gpu"):
+        table[f"{col} vs ulysses"] = table[col] / table.loc["ulysses", col]
+    return table.rename(columns={"u_over_c": "U/C"})
+
+
+def baseline_vs_sweeps(baseline: pd.DataFrame, maxctx: pd.DataFrame) -> pd.DataFrame:
+    """The CI baseline's searches (``baselines/max_context.csv``) beside the sweeps' ``ok``
+    searches of the same mode, method, model, ranks, ring degree and stack; ``agrees`` when the
+    two max contexts are equal (empty where no sweep searched that setting)."""
+    keys = ["mode", "method", "model", "nproc", "ring_degree", "stack"]
+    sweeps = (maxctx[maxctx["status"] == Status.OK].groupby(keys)["max_seq_len"].max()
+              .rename("sweep_max_seq_len"))
+    df = baseline.join(sweeps, on=keys)
+    return df.assign(
+        max_context=df["max_seq_len"].map(tokens).where(df["status"] == Status.OK,
+                                                        df["status"]),
+        first_failing=df["first_failing_seq_len"].map(tokens),
+        sweep_max_context=df["sweep_max_seq_len"].map(tokens),
+        agrees=(df["sweep_max_seq_len"] == df["max_seq_len"]).where(
+            df["sweep_max_seq_len"].notna()),
+    )[["name", "mode", "max_context", "first_failing", "sweep_max_context", "agrees", "error"]]
+
+
+def attention_layer_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows of the attention-layer workload (``bench_attention``) as variant x length: the
+    median tokens/s per GPU and attention MiB (``peak_attention_bytes``) of the ``ok`` rows."""
+    ok = rows[rows["status"] == Status.OK]
+    return (ok.assign(length=ok["seq_len"].map(tokens),
+                      attention_mib=ok["peak_attention_bytes"] / MiB)
+            .pivot_table(index="variant", columns="length", observed=True, aggfunc="median",
+                         values=["tokens_per_s_per_gpu", "attention_mib"])
+            .round(1))
+
+
+# -- figures ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, repr=False)
+class Png:
+    """A PNG image; Jupyter shows it inline (``_repr_png_``), ``data`` holds its bytes."""
+
+    data: bytes
+
+    def _repr_png_(self) -> bytes:
+        return self.data
+
+    def __repr__(self) -> str:  # the text a front end without images shows
+        return f"<PNG image, {len(self.data) / 1024:.0f} KiB>"
+
+
+def figure(plot: str, rows: pd.DataFrame, maxctx: pd.DataFrame) -> Png | None:
+    """The sweeps' figure ``plot`` (a name in ``plots.PLOTS``) drawn from these tables, as a
+    sweep draws its PNG: into a temporary file, nothing kept; None when the tables lack its
+    data (no ok rows, no search)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{plot}.png"
+        return Png(path.read_bytes()) if plots.PLOTS[plot](rows, maxctx, path) else None
+
+
+def figures(dirs: Mapping[str, Path], rows: pd.DataFrame, maxctx: pd.DataFrame
+            ) -> list[tuple[str, Png | None]]:
+    """``('<sweep>: <plot>', figure)`` for each plot each sweep declares (``plots`` in its
+    ``sweep.json``), drawn from that sweep's rows only (figure None: nothing to draw)."""
+    out = []
+    for folder in dirs.values():
+        decl = read_json(folder / "sweep.json")
+        mine = rows[rows["sweep"] == decl["name"]], maxctx[maxctx["sweep"] == decl["name"]]
+        out += [(f"{decl['name']}: {name}", figure(name, *mine)) for name in decl["plots"]]
+    return out

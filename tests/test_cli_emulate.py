@@ -148,6 +148,7 @@ def test_mesh_sets_world_and_ring_degree(capsys):
     assert world_from_args(a, 8) == (8, 1)  # the paper's one node
 
 
+@pytest.mark.slow
 def test_max_context_emulated_finds_a_length(capsys):
     """Tiny upipe on 4 ranks in an emulated 0.029 GiB device (1 GiB less a 0.971 GiB reserve):
     its peak is 0.0279 GiB at 6K tokens and 0.0300 GiB at 8K (bf16, CPU kernels), so the
@@ -216,6 +217,7 @@ def test_measured_rows_say_so():
     assert (row["status"], row["mode"]) == ("invalid", "measured")
 
 
+@pytest.mark.slow
 def test_emulated_sweep_runs_into_tables_and_plots(tmp_path):
     """An emulated sweep runs its cells and probes through the emulator in this process: rows
     say mode emulated, dict columns are JSON in the CSV, a method that cannot be emulated is a

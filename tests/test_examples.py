@@ -80,12 +80,14 @@ def test_readme_shows_the_example_verbatim(script):
     assert script.read_text() in blocks, f"README.md does not show {script.name} verbatim"
 
 
+@pytest.mark.slow
 def test_own_module_example_runs_on_2_ranks(tmp_path):
     out = _torchrun(ROOT / "examples" / "own_module.py", tmp_path)
     for rank in (0, 1):
         assert f"rank {rank}: UPipe output equals the reference" in out, out
 
 
+@pytest.mark.slow
 def test_hf_example_trains_on_2_ranks(tmp_path):
     pytest.importorskip("transformers", reason="the hf extra (transformers) is absent")
     out = _torchrun(ROOT / "examples" / "hf_llama.py", tmp_path)

@@ -58,6 +58,7 @@ def test_first_cell_names_its_command(path: Path):
         "(./run_all.sh, upipe-bench ..., python -m experiments....)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_executes(path: Path, monkeypatch: pytest.MonkeyPatch):
     # The kernel inherits this environment: no display, one thread (2-core CI machines).

@@ -101,6 +101,7 @@ def test_row_figures_and_breakdown(dist_pool):
     assert len(row["losses"]) == 4  # warm-up, memory and two timed steps
 
 
+@pytest.mark.slow
 def test_memory_is_deterministic_and_budget_gives_oom(dist_pool):
     a = dist_pool(2).run(_measure, MEASURED)[0]
     b = dist_pool(2).run(_measure, MEASURED)[0]
@@ -115,6 +116,7 @@ def test_memory_is_deterministic_and_budget_gives_oom(dist_pool):
     assert c["device_memory_bytes"] == int(budget * MiB)
 
 
+@pytest.mark.slow
 def test_upipe_attention_working_set_is_smaller(dist_pool):
     """Deterministic: UPipe's attention layers peak lower than Ulysses' (U = C = 2 of 8 heads:
     4 stages), and nothing else in the step changes. DESIGN.md §5's forward working sets give

@@ -83,6 +83,7 @@ class SweepRunner:
         self.executor = sweep_executor(sweep, timeout_s, progress)
         self.run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         self.counts: dict[str, int] = {}
+        self.resumed = False  # whether the last cell's row was resumed rather than run
         self._env_recorded = False
 
     def _record_env(self) -> None:
@@ -136,6 +137,7 @@ class SweepRunner:
     def run(self, cell: Cell) -> dict:
         """The cell's row: cached, or run now and written."""
         row = self.cached_row(cell)
+        self.resumed = row is not None
         if row is not None:
             self.counts["cached"] = self.counts.get("cached", 0) + 1
             return row
@@ -190,7 +192,8 @@ class SweepRunner:
                 bar.set_postfix_str(_label(cell))
                 row = self.run(cell)
                 if self.progress and _is_writer():
-                    bar.write(f"  [{row['status']}] {_label(cell)}{_headline(row)}",
+                    how = "resumed " if self.resumed else ""
+                    bar.write(f"  [{how}{row['status']}] {_label(cell)}{_headline(row)}",
                               file=sys.stderr)
                 bar.update()
             for base in searches:

@@ -14,6 +14,7 @@ import datetime
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 
@@ -53,6 +54,13 @@ def _worker(rank, world, port, inbox, outbox, pg_timeout_s, fake_world):
         except BaseException:  # report, keep serving
             outbox.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+    # Leave without finalizing, as launched ranks do (experiments/harness/launch.py): gloo's
+    # threads outlive destroy_process_group while anything holds the group (pytorch#190489), and
+    # after DeepSpeed (ds-ulysses, FPDT) finalizing took 4-5 s per pool at every session's end.
+    # Nothing is lost: the parent sends the stop only after it has every result.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class DistPool:
@@ -120,8 +128,10 @@ class DistPool:
                 q.put(None)
             except Exception:
                 pass
+        # one deadline for all ranks: a stuck pool costs 5 s to close, not 5 s per rank
+        deadline = time.monotonic() + 5
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
         self.procs = []

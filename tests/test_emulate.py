@@ -51,6 +51,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # a real 4-rank run per cell: 8-15 s each on 2 cores
 @pytest.mark.parametrize("method,stack,options", CASES,
                          ids=[f"{m}-{s}-{'-'.join(map(str, o.values())) or 'default'}"
                               for m, s, o in CASES])
@@ -72,6 +73,7 @@ FIT_CASES = [
 ]
 
 
+@pytest.mark.slow  # 6 emulations (5 samples and the target) with counters: 7-15 s each
 @pytest.mark.parametrize("method,options", FIT_CASES,
                          ids=[m + ("-R2" if o.get("ring_degree") else "") for m, o in FIT_CASES])
 def test_fit_predicts_the_exact_emulation(method, options):
@@ -89,15 +91,17 @@ def test_fit_predicts_the_exact_emulation(method, options):
 
 
 def test_budgets_decide_the_status():
+    # memory only (count=False): the budgets read the peaks, which counting does not change
+    # (test_memory_only_emulation_allocates_the_same)
     cell = Cell(method="upipe", model="tiny", seq_len=4096, nproc=4, dtype="fp32")
-    ok = emulate_cell(cell, Hardware(device="cpu"), exact=True)
+    ok = emulate_cell(cell, Hardware(device="cpu"), exact=True, count=False)
     peak, host = ok["peak_device_bytes"], ok["peak_host_bytes"]
     gib = 2**30
     tight = Hardware(device="cpu", gpu_mem_gib=(peak - 1) / gib, reserve_gib=0.0)
-    row = emulate_cell(cell, tight, exact=True)
+    row = emulate_cell(cell, tight, exact=True, count=False)
     assert row["status"] == "oom" and "device peak" in row["error"]
     hosts = Hardware(device="cpu", host_mem_gib=(host - 1) / gib, gpus_per_node=1)
-    row = emulate_cell(cell, hosts, exact=True)
+    row = emulate_cell(cell, hosts, exact=True, count=False)
     assert row["status"] == "oom" and "host peak" in row["error"]
     assert row["host_budget_bytes"] == host - 1
 

@@ -270,7 +270,7 @@ def test_label_modules_phases_and_categories():
 
 
 class _CheckpointedBlock(torch.nn.Module):
-    """Checkpoints inside its forward, as experiments/model.py's blocks do."""
+    """Checkpoints inside its forward, as experiments/harness/model.py's blocks do."""
 
     def __init__(self):
         super().__init__()

@@ -42,7 +42,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 DEVICE, HOST = "device", "host"
@@ -71,6 +74,10 @@ def _storage(t: torch.Tensor):
     return t.untyped_storage()
 
 
+# type -> whether it is a wrapper subclass (``_plain``): asked once per type, not once per tensor
+_WRAPPER_TYPES: dict[type, bool] = {}
+
+
 def _plain(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors holding ``t``'s memory: itself, or a wrapper subclass's inner tensors.
 
@@ -78,12 +85,40 @@ def _plain(t: torch.Tensor) -> list[torch.Tensor]:
     own; its local shard does. The mode sees DTensor ops only at the subclass level (the local
     ops run while the mode is disabled), so outputs are unwrapped here.
     """
+    cls = type(t)
+    wrapper = _WRAPPER_TYPES.get(cls)
+    if wrapper is None:
+        wrapper = _WRAPPER_TYPES[cls] = is_traceable_wrapper_subclass_type(cls)
     # checked first: a wrapper subclass reports a storage of its global size that holds nothing
-    if not is_traceable_wrapper_subclass(t):
+    if not wrapper:
         return [t]
     names, _ = t.__tensor_flatten__()
     inner = (getattr(t, n) for n in names)
     return [p for x in inner if isinstance(x, torch.Tensor) for p in _plain(x)]
+
+
+def _tensors(tree, out: list) -> list:
+    """Append the tensors in an op's arguments or outputs to ``out``, in order; returns it.
+
+    What ``tree_leaves`` finds, without its generic pytree machinery (more than half of the
+    tracker's own cost per op): op schemas nest tensors only in lists, tuples (named or not)
+    and, for keyword arguments, a dict.
+    """
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            _tensors(x, out)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            _tensors(x, out)
+    return out
+
+
+def _storage_ids(tree) -> set[int]:
+    """The ids of the storages behind the tensors in ``tree`` (an op's arguments)."""
+    return {id(s) for t in _tensors(tree, []) for p in _plain(t)
+            if (s := _storage(p)) is not None}
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -265,18 +300,29 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
     def _add_outputs(self, func, args, kwargs, out) -> None:
-        if func in _FRESH_CONSTANTS:  # torch.tensor(data): created below the dispatcher
-            inputs = set()
-        else:
-            inputs = {
-                id(s)
-                for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-                for p in _plain(t) if (s := _storage(p)) is not None
-            }
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                for p in _plain(t):
-                    self._add(p, func.__name__, skip=inputs)
+        """Count each output storage that is new: neither tracked nor one of the op's inputs
+        (a view of, or an in-place op on, an untracked input allocates nothing here).
+
+        The inputs' storages are collected only for an output whose storage is untracked (a
+        fresh allocation, or a view of an untracked input); ops without tensor outputs (most
+        are ``prim.device`` queries) and views, in-place and out= ops on tracked storages,
+        together most ops of an emulated step, need no input set.
+        """
+        inputs = None
+        for t in _tensors(out, []):
+            for p in _plain(t):
+                s = _storage(p)
+                if s is None:
+                    continue
+                entry = self._live.get(id(s))
+                if entry is not None:  # seen: only a resize (out= ops) changes its bytes
+                    self._resize(entry[0], s)
+                    continue
+                if inputs is None:  # torch.tensor(data) is created below the dispatcher
+                    fresh = func in _FRESH_CONSTANTS
+                    inputs = set() if fresh else _storage_ids((args, kwargs))
+                if id(s) not in inputs:
+                    self._add_storage(s, func.__name__, p)
 
     def __enter__(self):
         _ResizeHook.install(self)
@@ -318,15 +364,14 @@ class MemoryTracker(TorchDispatchMode):
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def _add(self, t: torch.Tensor, op: str, skip: frozenset | set = frozenset()) -> None:
+    def _add(self, t: torch.Tensor, op: str) -> None:
+        """Count ``t``'s storage unless it is tracked already (``track``)."""
         s = _storage(t)
         if s is None:
             return
-        key = id(s)
-        if key in self._live:  # seen: only a resize (out= ops, storage resize_) changes bytes
-            self._resize(self._live[key][0], s)
-            return
-        if key in skip:  # a view of / in-place on an untracked input: not an allocation here
+        entry = self._live.get(id(s))
+        if entry is not None:  # seen: only a resize changes its bytes
+            self._resize(entry[0], s)
             return
         self._add_storage(s, op, t)
 

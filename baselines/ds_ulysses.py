@@ -8,10 +8,10 @@ heads than ranks, and the output projection.
 
 DeepSpeed is imported when the module is built, so ``import baselines`` stays cheap. Its comm
 layer (``deepspeed.comm``) is a process-global singleton; when torch.distributed is initialised
-the constructor attaches it to the existing process group (no new world, no collective). The
-first attach JIT-builds DeepSpeed's small shared-memory comm op (C++, needs ninja; about a minute
-once, cached in ~/.cache/torch_extensions after). Without torch.distributed the CP degree is 1,
-every all-to-all is the identity, and the local attention runs directly.
+the constructor attaches it to the existing process group (no new world, no collective),
+without building DeepSpeed's shared-memory all-reduce op, which it does not use
+(``_attach_deepspeed_comm``). Without torch.distributed the CP degree is 1, every all-to-all is
+the identity, and the local attention runs directly.
 """
 
 from __future__ import annotations
@@ -48,8 +48,14 @@ def _attach_deepspeed_comm() -> None:
     off so that no code path can try to form a world of its own.
     """
     import deepspeed.comm as ds_comm
+    import deepspeed.ops
 
     if not ds_comm.is_initialized():
+        # Starting its comm layer on a CPU, DeepSpeed JIT-builds its shared-memory all-reduce op
+        # (C++ with ninja: 20 s to a minute on a fresh machine). The op serves only
+        # ``inference_all_reduce`` (deepspeed/comm/torch.py), which nothing here calls: the
+        # Ulysses all-to-alls go through torch.distributed. Marked incompatible, it is not built.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         ds_comm.init_distributed(
             dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False
         )

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+from session_ranks import SessionRanks
 
-from experiments.config import Cell
-from experiments.harness.launch import describe, unavailable_reason
-from experiments.harness.measure import measure_cell
 from experiments.runner.max_context_guard import PATH, UPDATE, compare, compute, entries, read
 
 
@@ -45,37 +43,9 @@ def test_baseline_covers_every_entry():
     assert emulated["fit_nonaffine_phases"].isna().all()
 
 
-def _probe_on_rank(cell_dict: dict) -> dict:
-    """One probe of the real search on this rank of the session's pool: ``run_cell``'s row
-    (``measure_cell`` and the cell's columns) without the launch."""
-    cell = Cell.from_dict(cell_dict)
-    cfg = cell.validate()
-    return describe(cell, cfg) | measure_cell(cell, cfg) | {"mode": "measured"}
-
-
-class _SessionRanks:
-    """The real search's executor on the session's gloo ranks (tests/conftest.py ``dist_pool``).
-
-    The guard's own command launches 4 fresh ranks per probe; here the ranks other tests keep
-    run them, which saves each probe the ranks' start-up (python, torch and DeepSpeed imports:
-    ~8 s on 2 cores). What the search reads is the same: the tracked peak on CPU does not depend
-    on the process (tests/test_emulate.py holds such runs to the emulator's bytes), and the
-    budget decides ok/oom in ``measure_cell`` either way.
-    """
-
-    def __init__(self, dist_pool):
-        self.dist_pool = dist_pool
-
-    def unavailable(self, cell: Cell) -> str | None:
-        return unavailable_reason(cell)
-
-    def run(self, cell: Cell) -> dict:
-        return self.dist_pool(cell.nproc).run(_probe_on_rank, cell.to_dict())[0]
-
-
 @pytest.mark.slow
 def test_max_context_has_not_regressed(dist_pool):
-    bad, better = compare(read(), compute(workers=2, measured=_SessionRanks(dist_pool)))
+    bad, better = compare(read(), compute(workers=2, measured=SessionRanks(dist_pool)))
     for line in better:
         print("improved (update the baseline to keep it):", line)
     assert not bad, ("maximum context regressed:\n  " + "\n  ".join(bad)

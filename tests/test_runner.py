@@ -8,6 +8,7 @@ import json
 import pandas as pd
 import pytest
 import torch
+from session_ranks import SessionRanks
 
 from experiments.cli import main
 from experiments.config import Cell, SearchSpec, Sweep
@@ -74,7 +75,7 @@ def test_runtime_failure_and_timeout_become_rows():
 
 
 @pytest.fixture(scope="module")
-def swept(tmp_path_factory):
+def swept(tmp_path_factory, dist_pool):
     out = tmp_path_factory.mktemp("results")
     sweep = Sweep(
         # 3.8 MiB per rank: Ulysses fits 1024 tokens, not 2048; UPipe fits 2048 (measured
@@ -88,6 +89,7 @@ def swept(tmp_path_factory):
         plots=("max_context", "memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses"),
         timeout_s=300)
     runner = SweepRunner(sweep, out, progress=False)
+    runner.executor = SessionRanks(dist_pool)  # the session's ranks: no start-up per cell
     paths = runner()
     return sweep, out, runner, paths
 

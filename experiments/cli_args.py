@@ -50,37 +50,30 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _number(text: str, convert, what: str, ok, rule: str):
+    """``convert(text)`` for argparse, refused unless ``ok(value)`` (``rule`` says why)."""
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type for counts that must be at least 1 (ranks, steps of a search)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    return _number(text, int, "an integer", lambda v: v >= 1, ">= 1")
 
 
 def non_negative_int(text: str) -> int:
     """argparse type for step counts that may be 0 (warm-up, timed steps)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _number(text, int, "an integer", lambda v: v >= 0, ">= 0")
 
 
 def seconds(text: str) -> float:
     """argparse type for a time limit: a positive number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
+    return _number(text, float, "a number of seconds", lambda v: v > 0, "positive")
 
 
 def add_progress_arg(p: argparse.ArgumentParser) -> None:

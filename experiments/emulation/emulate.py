@@ -21,7 +21,7 @@ from experiments.config import ERROR_TAIL_CHARS, Cell, GiB, Hardware, ModelConfi
 from experiments.emulation.fake_step import Measurement, measure_fake
 from experiments.emulation.fit import fitted
 from experiments.harness.flops import step_flops
-from experiments.harness.launch import describe
+from experiments.harness.launch import describe, unrun
 from experiments.harness.offload import PIN_MAX_TOKENS
 from experiments.provenance import provenance
 from upipe.registry import get_method
@@ -82,12 +82,10 @@ def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
         cfg = cell.validate()
         hw.validate(world=cell.nproc)
     except ValueError as e:
-        return describe(cell, None) | {"status": Status.INVALID, "error": str(e),
-                                       "mode": "emulated"}
+        return unrun(cell, None, Status.INVALID, str(e), "emulated")
     reason = emulation_unavailable(cell, hw)
     if reason is not None:
-        return describe(cell, cfg) | {"status": Status.SKIPPED, "error": reason,
-                                      "mode": "emulated"}
+        return unrun(cell, cfg, Status.SKIPPED, reason, "emulated")
     t0 = time.monotonic()
     try:
         if exact:

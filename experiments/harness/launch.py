@@ -78,6 +78,12 @@ def describe(cell: Cell, cfg: ModelConfig | None) -> dict:
     return d | extra
 
 
+def unrun(cell: Cell, cfg: ModelConfig | None, status: str, error: str, mode: str) -> dict:
+    """The row of a cell that did not run (invalid, skipped): its identity, why, and how it
+    would have run (``mode``)."""
+    return describe(cell, cfg) | {"status": status, "error": error, "mode": mode}
+
+
 def host_inputs_fit(cell: Cell, cfg: ModelConfig) -> str | None:
     """Why the cell's inputs cannot exist on this machine, or None.
 
@@ -240,16 +246,13 @@ def run_cell(cell: Cell, timeout_s: float | None = None, progress: bool = False)
     try:
         cfg = cell.validate()
     except ValueError as e:
-        return describe(cell, None) | {"status": Status.INVALID, "error": str(e),
-                                       "mode": "measured"}
+        return unrun(cell, None, Status.INVALID, str(e), "measured")
     reason = unavailable_reason(cell)
     if reason is not None:  # nothing to launch: a row saying why
-        return describe(cell, cfg) | {"status": Status.SKIPPED, "error": reason,
-                                      "mode": "measured"}
+        return unrun(cell, cfg, Status.SKIPPED, reason, "measured")
     too_big = host_inputs_fit(cell, cfg)
     if too_big is not None:
-        return describe(cell, cfg) | {"status": Status.INVALID, "error": too_big,
-                                      "mode": "measured"}
+        return unrun(cell, cfg, Status.INVALID, too_big, "measured")
     torchrun = dist.is_initialized()
     threads = threads_per_rank(cell.nproc)
     t0, load0 = time.monotonic(), os.getloadavg()[0]

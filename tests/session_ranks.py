@@ -24,9 +24,6 @@ def _run_on_rank(cell_dict: dict) -> dict:
 class SessionRanks:
     """An executor whose cells run on the session's ranks (``dist_pool(cell.nproc)``)."""
 
-    mode = "measured"
-    hardware = None
-
     def __init__(self, dist_pool):
         self.dist_pool = dist_pool
 

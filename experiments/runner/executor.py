@@ -6,7 +6,6 @@ and what a cell that cannot run here becomes, is made in one place:
 
     executor.unavailable(cell) -> str | None   why the cell cannot run here (nothing launched)
     executor.run(cell) -> dict                 the cell's row, whatever happens
-    executor.hardware                          the emulated hardware (None: measured)
 """
 
 from __future__ import annotations
@@ -28,8 +27,6 @@ class Launcher:
     """wall-clock limit of one launch (seconds)"""
     progress: bool = False
     """rank 0 prints a line per step on stderr"""
-    hardware: None = field(default=None, init=False)
-    mode = "measured"
 
     def __post_init__(self):
         if not self.timeout_s > 0:
@@ -52,7 +49,6 @@ class Emulator:
     hardware: Hardware = field(default_factory=Hardware)
     exact: bool = False
     count: bool = True
-    mode = "emulated"
 
     def __post_init__(self):
         self.hardware.validate()

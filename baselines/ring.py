@@ -33,6 +33,11 @@ class RingAttention(ContextParallelAttention):
                 f"n_heads ({n_heads}) must be a positive multiple of n_kv_heads ({n_kv_heads})"
             )
 
+    @classmethod
+    def critical_rank(cls, cp: int, ring_degree: int = 1) -> int:
+        # contiguous + causal: rank r computes r + 1 blocks, the last rank all of them
+        return cp - 1 if cls.layout == "contiguous" else 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)
         q, k, v = self.project_qkv(x)

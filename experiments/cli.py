@@ -11,15 +11,19 @@
     upipe-bench sweep table3_llama3_8b_h100x8-cpu [--dry-run]
     upipe-bench plot table3_llama3_8b_h100x8-cpu
     upipe-bench list [methods|presets|stacks|sweeps] [--json]
+    upipe-bench plan --model llama3-8b --gpus 8 --seq-len 4M [--hardware h100-sxm]
+    upipe-bench calibrate --out my-node.json     # then: emulate ... --hardware my-node.json
+    upipe-bench validate-time                    # emulated vs measured CPU step times
 
 ``--stack`` defaults to the stack the paper runs the method on (``config.paper_stack``:
 ``native`` for torch-cp, ``alst`` for every other method), for every command.
 
 ``emulate`` and ``max-context --emulate`` run the paper-scale emulator (``experiments.emulation``,
-DESIGN.md §8): one process plays rank 0 of a ``--world``-rank job on fake tensors and reports
+DESIGN.md §8): one process plays one rank of a ``--world``-rank job on fake tensors and reports
 the peak device and host bytes against the emulated hardware's budgets (``--gpu-mem`` minus
 ``--reserve``; ``--host-mem`` over the node's ranks), the breakdown, FLOPs and communication
-per step. No GPU is needed, and no time is measured.
+per step, and the step's emulated time, tokens/s per GPU and MFU on a hardware profile
+(``--hardware``, DESIGN.md §9). No GPU is needed.
 
 Output: stdout carries only the command's result (``--json``: one JSON object); everything
 else, from this process, its ranks and the libraries they load (DeepSpeed's notices), goes to
@@ -46,6 +50,7 @@ import os
 import sys
 from pathlib import Path
 
+import pandas as pd
 import torch
 import torch.distributed as dist
 
@@ -53,10 +58,12 @@ from experiments.cli_args import (
     EMULATED_WORLD,
     add_cell_args,
     add_hardware_args,
+    add_plan_args,
     add_progress_arg,
     add_world_args,
     cell_from_args,
     hardware_from_args,
+    plan_spec_from_args,
     positive_int,
     search_spec_from_args,
     seconds,
@@ -72,12 +79,16 @@ from experiments.config import (
     Status,
     takes_option,
 )
+from experiments.emulation.calibrate import calibrate, write_profile
 from experiments.harness.launch import exit_without_finalizing
 from experiments.reporting.plots import draw_plots
 from experiments.reporting.tables import write_tables
 from experiments.runner.executor import Emulator, Launcher
+from experiments.runner.plan import plan
 from experiments.runner.search import print_probe, run_search, summarize
 from experiments.runner.sweep_runner import SweepRunner
+from experiments.runner.time_validation import SWEEP as TIME_SWEEP
+from experiments.runner.time_validation import validate_time
 from experiments.store import read_json
 from experiments.sweeps import SWEEPS, get_sweep
 from upipe.registry import available_methods, get_method
@@ -142,7 +153,9 @@ EMULATE_KEYS = ["status", "method", "model", "seq_len", "nproc", "ring_degree", 
                 "emulation", "peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
                 "peak_attention_bytes", "peak_other_bytes", "peak_phase", "device_budget_bytes",
                 "host_budget_bytes", "host_pinned", "model_tflops_per_step",
-                "comm_bytes_per_step", "comm_bytes_by_op", "emulation_s", "error"]
+                "comm_bytes_per_step", "comm_bytes_by_op", "hardware_profile", "step_time_s",
+                "tokens_per_s_per_gpu", "mfu", "time_compute_s", "time_comm_exposed_s",
+                "time_offload_exposed_s", "time_overhead_s", "emulation_s", "error"]
 
 
 def cmd_run(a) -> int:
@@ -194,6 +207,93 @@ def cmd_max_context(a) -> int:
                 print(f"at max_seq_len: peak device {out['peak_device_bytes'] / GiB:.2f} GiB, "
                       f"host {out['peak_host_bytes'] / GiB:.2f} GiB per rank", file=a.stdout)
     return 0 if res["status"] == Status.OK else 1
+
+
+PLAN_COLUMNS = {  # row key -> column title of the plan table
+    "method": "method", "mesh": "mesh", "heads_per_stage": "U", "stack": "stack",
+    "fits": "fits", "peak_device_gib": "device GiB", "peak_host_gib": "host GiB/rank",
+    "tokens_per_s_per_gpu": "tokens/s/GPU", "mfu": "MFU", "step_time_s": "step s",
+    "why": "why not",
+}
+WHY_CHARS = 60  # the table's "why not" column (--json has the whole error)
+
+
+def _plan_line(row: dict) -> dict:
+    """One plan row for the table: the configuration, whether it fits (else why), memory
+    in GiB, throughput."""
+    status, error = row["status"], (row.get("error") or "").splitlines()
+    why = error[0] if error else ""
+    if status == Status.OK:
+        fits = "yes"
+    elif status == Status.OOM:
+        fits = "no: " + " and ".join(w for w in ("device", "host") if f"{w} peak" in why)
+    elif "plan_inferred_from" in row:
+        fits = "no: device"
+        why = f"the {row['plan_inferred_from']} stack is over the device (not emulated)"
+    else:
+        fits = status
+    gib = {k: None if row.get(k) is None else round(row[k] / GiB, 1)
+           for k in ("peak_device_bytes", "peak_host_bytes")}
+    u = row.get("heads_per_stage")
+    return {"method": row["method"],
+            "mesh": f"{row['nproc'] // row.get('ring_degree', 1)}x{row.get('ring_degree', 1)}",
+            "heads_per_stage": "-" if u is None else u, "stack": row["stack"], "fits": fits,
+            "peak_device_gib": gib["peak_device_bytes"], "peak_host_gib": gib["peak_host_bytes"],
+            "tokens_per_s_per_gpu": row.get("tokens_per_s_per_gpu"), "mfu": row.get("mfu"),
+            "step_time_s": row.get("step_time_s"),
+            "why": why if len(why) <= WHY_CHARS else why[:WHY_CHARS - 3] + "..."}
+
+
+def cmd_plan(a) -> int:
+    spec = plan_spec_from_args(a)
+    hw = hardware_from_args(a, spec.gpus)
+    done = []
+
+    def progress(rows):
+        done.extend(rows)
+        if _progress(a):
+            r = rows[0]
+            print(f"[plan] {r['method']} {_plan_line(r)['mesh']} U={r.get('heads_per_stage')}: "
+                  + ", ".join(f"{x['stack']} {x['status']}" for x in rows), file=sys.stderr)
+
+    rows = plan(spec, hw, workers=a.workers, exact=bool(a.exact), on_rows=progress)
+    lines = [_plan_line(r) for r in rows]
+    if a.json:
+        _print_json(a, {"model": spec.label, "gpus": spec.gpus, "seq_len": spec.seq_len,
+                        "hardware": dataclasses.asdict(hw), "plan": lines, "rows": rows})
+    else:
+        table = pd.DataFrame(lines).rename(columns=PLAN_COLUMNS)
+        table.index = range(1, len(table) + 1)
+        with pd.option_context("display.width", 250, "display.max_colwidth", WHY_CHARS,
+                               "display.float_format", "{:.3g}".format):
+            print(f"{spec.label} on {spec.gpus} GPUs at {spec.seq_len} tokens, "
+                  f"{rows[0].get('hardware_profile') or hw.profile or 'h100-sxm'}:\n"
+                  f"{table.to_string()}", file=a.stdout)
+    return 0 if any(r["status"] == Status.OK for r in rows) else 1
+
+
+def cmd_calibrate(a) -> int:
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    nproc = a.nproc or (torch.cuda.device_count() if device == "cuda" else 2)
+    profile = calibrate(nproc=nproc, device=device, quick=a.quick, base=a.base)
+    if a.out is not None:
+        write_profile(profile, a.out)
+        print(f"wrote {a.out} (use it with --hardware {a.out})", file=sys.stderr)
+    if a.json or a.out is None:
+        _print_json(a, profile)
+    return 0
+
+
+def cmd_validate_time(a) -> int:
+    summary = validate_time(get_sweep(TIME_SWEEP), a.out, recalibrate=a.calibrate,
+                            progress=_progress(a))
+    if a.json:
+        _print_json(a, summary)
+    else:
+        print(f"{summary['cells']} cells: median |error| {summary['median_abs_error']:.1%}, "
+              f"worst {summary['worst_abs_error']:.1%} ({summary['worst_cell']}); targets "
+              f"{'met' if summary['meets_targets'] else 'not met'}", file=a.stdout)
+    return 0
 
 
 def _dry_run(a, sweep, runner: SweepRunner) -> int:
@@ -306,6 +406,33 @@ def parser() -> argparse.ArgumentParser:
                          f"running (--dtype defaults to bf16, --world to {EMULATED_WORLD})")
     add_hardware_args(mc, required="--emulate")
     mc.set_defaults(fn=cmd_max_context, iters=0)
+    pn = sub.add_parser("plan", help="what fits on a cluster and how fast: every method, "
+                                     "stack, mesh and U, emulated and ranked")
+    add_plan_args(pn)
+    add_hardware_args(pn)
+    pn.set_defaults(fn=cmd_plan)
+    ca = sub.add_parser("calibrate", help="measure a hardware profile of this machine for the "
+                                          "time model (--hardware PATH)")
+    ca.add_argument("--out", type=Path, default=None, help="write the profile here (JSON)")
+    ca.add_argument("--nproc", type=positive_int, default=None,
+                    help="ranks timing at once, and measuring collectives among them (default: "
+                         "2 on CPU, the GPUs on CUDA)")
+    ca.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                    help="default cuda when available")
+    ca.add_argument("--base", default=None, metavar="NAME|PATH.json",
+                    help="shipped profile for what one node cannot measure (inter-node links)")
+    ca.add_argument("--quick", action="store_true", help="a small grid (seconds)")
+    ca.add_argument("--json", action="store_true", help="print the profile on stdout")
+    ca.set_defaults(fn=cmd_calibrate)
+    vt = sub.add_parser("validate-time", help="the time model against real CPU runs: "
+                                              "calibrate, measure, predict, compare")
+    vt.add_argument("--out", type=Path, default=RESULTS,
+                    help=f"results root (writes <out>/{TIME_SWEEP}/; default results)")
+    vt.add_argument("--calibrate", action="store_true",
+                    help="measure the profile again even if the directory has one")
+    vt.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_progress_arg(vt)
+    vt.set_defaults(fn=cmd_validate_time)
     sw = sub.add_parser("sweep", help="run declared sweeps into <out>/<name>/")
     sw.add_argument("names", nargs="+", help="sweep names (upipe-bench list sweeps)")
     sw.add_argument("--dry-run", action="store_true",

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import os
 import re
+from pathlib import Path
 
 from experiments.config import (
     DEFAULT_RESERVE_GIB,
@@ -28,10 +29,13 @@ from experiments.config import (
     Hardware,
     SearchSpec,
     format_size,
+    hf_overrides,
     paper_stack,
     parse_overrides,
     parse_size,
 )
+from experiments.emulation.profile import profile_for, shipped_profiles
+from experiments.runner.plan import PlanSpec
 from upipe.kernels import KERNELS
 
 # emulation defaults: one node of the paper (8x H100 80 GB, DGX H100 host RAM)
@@ -39,7 +43,7 @@ EMULATED_WORLD = 8
 # Hardware field -> the flag that sets it (validation messages name the flag)
 HARDWARE_FLAGS = {"gpu_mem_gib": "--gpu-mem", "host_mem_gib": "--host-mem",
                   "gpus_per_node": "--gpus-per-node", "reserve_gib": "--reserve",
-                  "device": "--emulate-device"}
+                  "device": "--emulate-device", "profile": "--hardware"}
 
 
 def size(text: str) -> int:
@@ -152,6 +156,11 @@ def add_hardware_args(p: argparse.ArgumentParser, *, required: str = "") -> None
     g.add_argument("--exact", action="store_true", default=None,
                    help="emulate the target size itself instead of predicting it from the fit "
                         "of small exact emulations (slower at paper scale)")
+    g.add_argument("--hardware", default=None, metavar="NAME|PATH.json",
+                   help="hardware profile of the time model: "
+                        f"{', '.join(shipped_profiles())} or a profile written by "
+                        "'upipe-bench calibrate' (default h100-sxm on an emulated cuda device; "
+                        "its device memory is the default --gpu-mem)")
     g.add_argument("--emulate-device", choices=["cuda", "cpu"], default=None,
                    help="kernels and allocator emulated: cuda (default), or cpu (what a gloo "
                         "run's tracker measures)")
@@ -164,7 +173,7 @@ def hardware_from_args(a: argparse.Namespace, world: int | None = None, *,
     given."""
     given = {"--gpu-mem": a.gpu_mem, "--host-mem": a.host_mem,
              "--gpus-per-node": a.gpus_per_node, "--reserve": a.reserve, "--exact": a.exact,
-             "--emulate-device": a.emulate_device}
+             "--emulate-device": a.emulate_device, "--hardware": a.hardware}
     if not enabled:
         extra = [flag for flag, v in given.items() if v is not None]
         if extra:
@@ -173,10 +182,14 @@ def hardware_from_args(a: argparse.Namespace, world: int | None = None, *,
         return None
     values = {"gpu_mem_gib": a.gpu_mem, "host_mem_gib": a.host_mem,
               "gpus_per_node": a.gpus_per_node, "reserve_gib": a.reserve,
-              "device": a.emulate_device}
+              "device": a.emulate_device, "profile": a.hardware}
     hw = dataclasses.replace(Hardware(), **{k: v for k, v in values.items() if v is not None})
     try:
         hw.validate(world)
+        profile = profile_for(hw)
+        if a.hardware is not None and a.gpu_mem is None:  # the profiled GPU's memory
+            hw = dataclasses.replace(hw, gpu_mem_gib=profile.gpu_mem_gib)
+            hw.validate(world)
     except ValueError as e:
         msg = str(e)
         for name, flag in HARDWARE_FLAGS.items():
@@ -270,4 +283,48 @@ def search_spec_from_args(a: argparse.Namespace, cell: Cell, emulate: bool) -> S
         spec.validate(cell.nproc)
     except ValueError as e:
         raise ValueError(str(e).replace("search.", "--")) from None
+    return spec
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    """``plan``'s flags (the hardware flags are added beside them)."""
+    p.add_argument("--model", required=True, metavar="PRESET|config.json",
+                   help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config.json "
+                        "(Llama, Mistral, Qwen2, Qwen3)")
+    p.add_argument("--gpus", type=positive_int, required=True, help="GPUs in the job")
+    p.add_argument("--seq-len", type=size, required=True, help="global tokens per step: 4M")
+    p.add_argument("--dtype", default="bf16", choices=DTYPES, help="default bf16")
+    p.add_argument("--kernel", default="auto", choices=KERNELS,
+                   help="attention kernel (default auto: sdpa; the paper ran fa3)")
+    p.add_argument("--methods", default=None, metavar="A,B",
+                   help="only these methods (default: every registered method)")
+    p.add_argument("--stacks", default=None, metavar="A,B",
+                   help=f"only these stacks (default: {', '.join(STACKS)})")
+    p.add_argument("--workers", type=positive_int, default=2,
+                   help="emulations run at once, one process each (default 2)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_progress_arg(p)
+
+
+def _names(text: str | None) -> tuple[str, ...] | None:
+    return None if text is None else tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+def plan_spec_from_args(a: argparse.Namespace) -> PlanSpec:
+    """The planning question the flags ask, validated (a config.json is read into overrides)."""
+    model, overrides, label = a.model, (), a.model
+    if a.model not in PRESETS:
+        if not (a.model.endswith(".json") or Path(a.model).is_file()):
+            raise ValueError(f"--model must be a preset ({', '.join(PRESETS)}) or a Hugging "
+                             f"Face config.json, got {a.model!r}")
+        model, overrides = hf_overrides(a.model)
+    spec = PlanSpec(model=model, overrides=overrides, gpus=a.gpus, seq_len=a.seq_len,
+                    dtype=a.dtype, kernel=a.kernel, methods=_names(a.methods),
+                    stacks=_names(a.stacks) or tuple(STACKS), label=label)
+    try:
+        spec.validate()
+    except ValueError as e:
+        raise ValueError(str(e).replace("methods must", "--methods must")
+                         .replace("stacks must", "--stacks must")
+                         .replace("gpus must", "--gpus must")) from None
     return spec

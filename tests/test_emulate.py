@@ -7,7 +7,9 @@ kernel memory models against the allocations they cite.
    stack level, to the byte.
 2. The fast path (a fit of exact emulations at 4-5 layers and three short lattice lengths)
    predicts exactly what an exact emulation of a deeper model at a longer length gives.
-3. The CUDA kernel models allocate, byte for byte, the tensors their sources list.
+3. The CUDA kernel models allocate, byte for byte, the tensors their sources list (flash-attn,
+   fa3, SDPA), and a cell emulated with fa3 differs from one with flash-attn by exactly the
+   kernels' workspaces.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments.config import Cell, Hardware
 from experiments.emulation.emulate import emulate_cell
@@ -125,7 +128,8 @@ def test_unavailable_and_invalid_cells_are_rows():
 # kernel models
 
 
-def _kernel_bytes(kernel: str, dtype: torch.dtype, b=1, s=1000, h=8, h_kv=2, d=128):
+def _kernel_bytes(kernel: str, dtype: torch.dtype, b=1, s=1000, h=8, h_kv=2, d=128,
+                  causal=True):
     """(forward peak, backward peak) bytes a kernel allocates above its inputs, CUDA path."""
     from experiments.emulation.kernel_models import cuda_kernels
     from upipe.kernels import attention_backward, attention_forward
@@ -134,11 +138,11 @@ def _kernel_bytes(kernel: str, dtype: torch.dtype, b=1, s=1000, h=8, h_kv=2, d=1
         q = torch.empty(b, s, h, d, dtype=dtype)
         k, v = torch.empty(b, s, h_kv, d, dtype=dtype), torch.empty(b, s, h_kv, d, dtype=dtype)
         with cuda_kernels(), MemoryTracker() as mt:
-            out, lse = attention_forward(q, k, v, causal=True, kernel=kernel)
+            out, lse = attention_forward(q, k, v, causal=causal, kernel=kernel)
             fwd = mt.peak_bytes
             mt.reset_peak()
             base = mt.current_bytes
-            attention_backward(out, q, k, v, out, lse, causal=True, kernel=kernel)
+            attention_backward(out, q, k, v, out, lse, causal=causal, kernel=kernel)
             bwd = mt.peak_bytes - base
     return fwd, bwd
 
@@ -153,6 +157,92 @@ def test_flash_attn_model_allocates_what_flash_attn_does():
     expanded = 2 * b * s * h * d * 2  # dk_expanded, dv_expanded (GQA)
     softmax_d = b * h * s_r * 4
     assert bwd == grads + dq_accum + expanded + softmax_d
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fa3_model_allocates_what_fa3_does(causal):
+    """hopper/flash_api.cpp mha_fwd/mha_bwd on sm90 at head dim 128 (rounded: 128): backward
+    kBlockM 64 when causal, else 80; kBlockN 128."""
+    b, s, h, h_kv, d = 1, 1000, 8, 2, 128
+    fwd, bwd = _kernel_bytes("fa3", torch.bfloat16, b, s, h, h_kv, d, causal=causal)
+    tile_semaphore = 4 if causal else 0  # (1,) int32, the persistent scheduler's (causal only)
+    assert fwd == b * s * h * d * 2 + b * h * s * 4 + tile_semaphore  # out, softmax_lse
+    block_m = 64 if causal else 80
+    s_q_r = 1024 if causal else 1040  # 1000 rounded up to kBlockM
+    grads = (b * s * h * d + 2 * b * s * h_kv * d) * 2  # dq, dk, dv (the wrapper's)
+    softmax_d = softmax_lse_log2 = b * h * s_q_r * 4
+    dq_accum = b * h * s_q_r * 128 * 4
+    dkv_accum = 2 * b * h_kv * 1024 * 128 * 4  # GQA: S_k rounded to kBlockN = 128
+    dq_semaphore = -(-s // block_m) * b * h * 4  # (ceil(S_q / kBlockM), B, H) int32
+    assert bwd == grads + softmax_d + softmax_lse_log2 + dq_accum + dkv_accum + dq_semaphore
+
+
+def test_flash_ops_carry_the_causal_flag():
+    """A dispatch-level observer reads whether an attention call is causal from the modelled
+    ops' arguments (``causal``, after the tensors)."""
+    from experiments.emulation.kernel_models import cuda_kernels
+    from upipe.kernels import attention_backward, attention_forward
+
+    ops = {torch.ops.upipe_emul.flash_fwd.default, torch.ops.upipe_emul.flash_bwd.default,
+           torch.ops.upipe_emul.fa3_fwd.default, torch.ops.upipe_emul.fa3_bwd.default}
+    seen = []
+
+    class Observer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in ops:
+                causal = kwargs["causal"] if "causal" in kwargs else args[-1]
+                seen.append((func.name(), causal))
+            return func(*args, **kwargs)
+
+    with FakeTensorMode():
+        q, k, v = (torch.empty(1, 256, h, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
+        with cuda_kernels(), Observer():
+            for kernel in ("flash-attn", "fa3"):
+                for causal in (True, False):
+                    out, lse = attention_forward(q, k, v, causal=causal, kernel=kernel)
+                    attention_backward(out, q, k, v, out, lse, causal=causal, kernel=kernel)
+    assert seen == [(f"upipe_emul::{op}_{p}", c) for op in ("flash", "fa3")
+                    for c in (True, False) for p in ("fwd", "bwd")]
+
+
+# tiny with a narrow MLP and one layer, so that the device peak is attention's backward (Ulysses
+# at cp 4: the kernels see 4 query heads, 1 KV head, head dim 16, all 1024 tokens)
+SMALL_FF = (("ffn_dim", "16"), ("dim", "64"), ("n_layers", "1"))
+
+
+def test_fa3_cell_emulates_on_cuda_and_differs_from_flash_attn_by_its_workspace():
+    rows = {}
+    for kernel in ("flash-attn", "fa3"):
+        cell = Cell(method="ulysses", model="tiny", seq_len=1024, nproc=4, dtype="bf16",
+                    kernel=kernel, overrides=SMALL_FF, warmup=0, iters=0)
+        rows[kernel] = emulate_cell(cell, Hardware(), exact=True, count=False)
+        assert rows[kernel]["status"] == "ok", rows[kernel]["error"]
+        assert rows[kernel]["peak_phase"].endswith("attention:bwd")
+    h, h_kv, s = 4, 1, 1024  # B = 1; every size below is a multiple of the 512-byte block
+    # flash-attn 2: softmax_d (S rounded to 128), dq_accum (head dim rounded to 32 = 32) fp32,
+    # dk/dv expanded to the query heads (GQA) in bf16
+    fa2 = h * s * 4 + s * h * 32 * 4 + 2 * s * h * 16 * 2
+    # fa3 (head dim 16 rounded to 64; kBlockM = kBlockN = 128): softmax_d and softmax_lse_log2,
+    # dq_accum, dk/dv_accum over the KV head (GQA) fp32, dq_semaphore (8, 1, 4) int32 (128
+    # bytes: one 512-byte block)
+    fa3 = 2 * h * s * 4 + h * s * 64 * 4 + 2 * h_kv * s * 64 * 4 + 512
+    peak = {k: r["peak_device_bytes"] for k, r in rows.items()}
+    assert peak["fa3"] - peak["flash-attn"] == fa3 - fa2 == 803328
+
+
+def test_cuda_only_kernel_cells_are_refused_where_they_cannot_run():
+    from experiments.harness.launch import unavailable_reason
+
+    for kernel in ("flash-attn", "fa3"):
+        cell = Cell(method="upipe", model="tiny", seq_len=1024, nproc=4, dtype="bf16",
+                    kernel=kernel)
+        row = emulate_cell(cell, Hardware(device="cpu"), exact=True, count=False)
+        assert row["status"] == "skipped"
+        assert f"kernel {kernel!r} is CUDA only" in row["error"]
+        assert "cannot be emulated" in row["error"]
+        if not torch.cuda.is_available():  # a launched cell on this CPU machine: skipped too
+            assert f"kernel {kernel!r} is CUDA only" in unavailable_reason(cell)
 
 
 def test_sdpa_model_is_upipes_cuda_path_plus_the_flash_workspace():

@@ -385,7 +385,7 @@ def test_every_flag_has_help_and_kernel_lists_its_choices():
                for name, sub in subparsers.choices.items() for action in sub._actions
                if action.help in (None, "") and action.dest != "help"]
     assert not missing, f"flags without a help text: {missing}"
-    assert "{auto,sdpa,math,flash-attn}" in subparsers.choices["run"].format_help()
+    assert "{auto,sdpa,math,flash-attn,fa3}" in subparsers.choices["run"].format_help()
 
 
 def test_dry_run_says_which_cells_resume(tmp_path, capsys):

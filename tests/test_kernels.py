@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from upipe.kernels import attention, attention_backward, attention_forward, flash_attn_available
+from upipe.kernels import (
+    KERNELS,
+    attention,
+    attention_backward,
+    attention_forward,
+    check_kernel,
+    fa3_available,
+    flash_attn_available,
+    kernel_functions,
+    kernel_unavailable_reason,
+)
 
 
 def _inputs(s, hq, hkv, d, dtype, device="cpu"):
@@ -71,6 +81,32 @@ def test_flash_attn_missing_gives_clear_error():
         attention_forward(q, k, v, causal=True, kernel="flash-attn")
 
 
+def test_fa3_is_a_kernel_name():
+    assert "fa3" in KERNELS and check_kernel("fa3") == "fa3"
+    assert kernel_functions("fa3", "cuda") != kernel_functions("flash-attn", "cuda")
+
+
+def test_fa3_on_cpu_gives_clear_error():
+    """Not installed: the message names the kernel and what to install; installed, on CPU
+    tensors: it names the kernel and CUDA."""
+    (q, k, v), _ = _inputs(4, 2, 2, 8, torch.float32)
+    with pytest.raises(RuntimeError, match=r"kernel='fa3' (needs FlashAttention-3|is CUDA only)"):
+        attention_forward(q, k, v, causal=True, kernel="fa3")
+    out, lse = attention_forward(q, k, v, causal=True, kernel="sdpa")
+    with pytest.raises(RuntimeError, match=r"kernel='fa3'"):
+        attention_backward(out, q, k, v, out, lse, causal=True, kernel="fa3")
+
+
+@pytest.mark.parametrize("kernel", ["flash-attn", "fa3"])
+def test_cuda_only_kernels_say_why_they_cannot_run(kernel):
+    assert "CUDA only" in kernel_unavailable_reason(kernel, "cpu")
+    available = {"flash-attn": flash_attn_available, "fa3": fa3_available}[kernel]()
+    reason = kernel_unavailable_reason(kernel, "cuda")
+    assert (reason is None) if available else (f"kernel {kernel!r} needs" in reason)
+    for other in ("auto", "sdpa", "math"):
+        assert kernel_unavailable_reason(other, "cpu") is None
+
+
 @pytest.mark.gpu
 class TestCUDAKernels:
     @pytest.mark.parametrize("kernel", ["sdpa", "math"])
@@ -96,3 +132,18 @@ class TestCUDAKernels:
         o2, l2 = attention_forward(q, k, v, causal=True, kernel="sdpa")
         torch.testing.assert_close(o1, o2, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(l1, l2, atol=1e-3, rtol=1e-3)
+
+    @pytest.mark.skipif(not fa3_available(), reason="FlashAttention-3 (flash_attn_interface) not "
+                        "installed: built from flash-attention's hopper/, Hopper GPUs only")
+    @pytest.mark.parametrize("causal", [True, False])
+    def test_fa3_matches_sdpa(self, causal):
+        (q, k, v), _ = _inputs(128, 8, 2, 64, torch.bfloat16, "cuda")
+        o1, l1 = attention_forward(q, k, v, causal=causal, kernel="fa3")
+        o2, l2 = attention_forward(q, k, v, causal=causal, kernel="sdpa")
+        torch.testing.assert_close(o1, o2, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(l1, l2, atol=1e-3, rtol=1e-3)
+        dout = torch.randn_like(o1)
+        g1 = attention_backward(dout, q, k, v, o1, l1, causal=causal, kernel="fa3")
+        g2 = attention_backward(dout, q, k, v, o2, l2, causal=causal, kernel="sdpa")
+        for a, b in zip(g1, g2, strict=True):
+            torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)

@@ -14,13 +14,18 @@ Kernels (selected by name):
 * ``"math"`` -- plain PyTorch, fp32 (fp64 for fp64 inputs) softmax; materialises (S, S) scores.
   The readable reference every other kernel is tested against. GQA via a reshape, no repeat.
 * ``"flash-attn"`` -- Dao-AILab flash-attn 2 (CUDA only), behind an import check.
+* ``"fa3"`` -- FlashAttention-3, the Hopper kernels of the same repository (``hopper/``, Python
+  module ``flash_attn_interface``; CUDA only, H100-class GPUs), behind an import check.
 * ``"auto"`` -- ``"sdpa"`` (the project's default on CPU and CUDA).
 
 ``kernel_dispatch`` changes the choice for code running inside it: kernels picked as if the
 tensors lived on another device type, and named kernels replaced by other implementations. The
 emulator (``experiments/emulate.py``) uses both: its fake tensors live on the CPU but must take
 the CUDA path (the CUDA aten ops' meta functions give the CUDA output shapes), and a kernel
-whose library is absent here (flash-attn) is replaced by a model of what it allocates.
+whose library is absent here (flash-attn, fa3) is replaced by a model of what it allocates.
+
+``kernel_unavailable_reason`` says why a kernel cannot run on a device type here (CUDA-only
+kernels on CPU, an absent library), as a method's ``unavailable_reason`` does for the method.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-KERNELS = ("auto", "sdpa", "math", "flash-attn")
+KERNELS = ("auto", "sdpa", "math", "flash-attn", "fa3")
 
 
 def check_kernel(name: str) -> str:
@@ -71,6 +76,8 @@ def kernel_functions(kernel: str, device_type: str) -> KernelImpl:
         return _math_forward, _math_backward
     if kernel == "flash-attn":
         return _flash_attn_forward, _flash_attn_backward
+    if kernel == "fa3":
+        return _fa3_forward, _fa3_backward
     if device_type == "cuda":
         return _sdpa_cuda_forward, _sdpa_cuda_backward
     return _sdpa_cpu_forward, _sdpa_cpu_backward
@@ -89,6 +96,42 @@ def flash_attn_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def fa3_available() -> bool:
+    """True when FlashAttention-3's ``flash_attn_interface`` imports (built from flash-attention's
+    ``hopper/`` directory; it needs CUDA)."""
+    try:
+        import flash_attn_interface  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# CUDA-only kernels: name -> (whether its library imports, what to install)
+_CUDA_ONLY = {
+    "flash-attn": (flash_attn_available, "the optional flash-attn package (pip install "
+                                         "'upipe[flash]')"),
+    "fa3": (fa3_available, "FlashAttention-3 (module flash_attn_interface, built from "
+                           "flash-attention's hopper/ directory; Hopper GPUs)"),
+}
+
+
+def kernel_unavailable_reason(kernel: str, device_type: str) -> str | None:
+    """Why ``kernel`` cannot run on ``device_type`` ("cpu"/"cuda") on this machine, or None.
+
+    flash-attn and fa3 are CUDA only and need their library; the harness turns a reason into a
+    ``skipped`` row, as it does a method's ``unavailable_reason``.
+    """
+    kernel = check_kernel(kernel)
+    if kernel not in _CUDA_ONLY:
+        return None
+    available, library = _CUDA_ONLY[kernel]
+    if device_type != "cuda":
+        return f"kernel {kernel!r} is CUDA only (not on {device_type!r})"
+    if not available():
+        return f"kernel {kernel!r} needs {library}, which is not installed"
+    return None
 
 
 def _default_scale(q: torch.Tensor, scale: float | None) -> float:
@@ -304,6 +347,55 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
         window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
         deterministic=False, rng_state=None,
     )
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashAttention-3 (Hopper, CUDA only)
+
+
+def _require_fa3(q: torch.Tensor):
+    if not fa3_available():
+        raise RuntimeError(
+            "kernel='fa3' needs FlashAttention-3 (module flash_attn_interface, built from "
+            "flash-attention's hopper/ directory; CUDA, Hopper GPUs); use kernel='flash-attn' "
+            "or 'sdpa' otherwise"
+        )
+    if q.device.type != "cuda":
+        raise RuntimeError(f"kernel='fa3' is CUDA only; the tensors are on {q.device.type!r}")
+    import flash_attn_interface
+
+    return flash_attn_interface
+
+
+# FA3's private functions are the only ones returning the LSE. Written against flash-attention's
+# hopper/flash_attn_interface.py at commit c082294e (plain functions, backward flag ``causal``,
+# ``window_size`` a pair) and at commit 01afd16d (torch.library custom ops, package flash_attn_3
+# 3.0.0: backward flag ``is_causal``, ``window_size_left``/``_right``): keyword names differ
+# between them, the positional order up to (softmax_scale, causal) does not, so that prefix is
+# passed positionally and everything after it keeps its default (no window, no softcap,
+# num_splits=1, deterministic=False).
+_FA3_FWD_UNUSED = 20  # k_new, v_new, qv, out, cu_seqlens_q/k/k_new, seqused_q/k, max_seqlen_q/k,
+#                       page_table, kv_batch_idx, leftpad_k, rotary_cos/sin, seqlens_rotary,
+#                       q/k/v_descale
+_FA3_BWD_UNUSED = 6  # cu_seqlens_q/k, seqused_q/k, max_seqlen_q/k
+
+
+def _fa3_forward(q, k, v, causal, scale):
+    fa3 = _require_fa3(q)
+    # no_grad: the custom-op version registers its own autograd, whose graph would keep q, k,
+    # v, out and lse alive beside the caller's (upipe's backward is attention_backward)
+    with torch.no_grad():
+        out, lse, *_ = fa3._flash_attn_forward(q, k, v, *(None,) * _FA3_FWD_UNUSED, scale,
+                                               causal)
+    return out, lse
+
+
+def _fa3_backward(dout, q, k, v, out, lse, causal, scale):
+    fa3 = _require_fa3(q)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    fa3._flash_attn_backward(dout, q, k, v, out, lse, *(None,) * _FA3_BWD_UNUSED, dq, dk, dv,
+                             scale, causal)
     return dq, dk, dv
 
 

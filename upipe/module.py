@@ -214,6 +214,13 @@ class ContextParallelAttention(nn.Module):
         return SeqLayout(cls.layout)
 
     @classmethod
+    def critical_rank(cls, cp: int, ring_degree: int = 1) -> int:
+        """The rank with the most work per causal step (the one a step waits for): any rank
+        when the layout balances the causal work, as every method here but contiguous ring
+        attention does."""
+        return 0
+
+    @classmethod
     def check_config(
         cls, n_heads: int, n_kv_heads: int, *, cp: int, ring_degree: int = 1,
         seq_len: int | None = None, **options,

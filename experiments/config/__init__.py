@@ -3,7 +3,8 @@
     from experiments.config import Cell, ModelConfig, Hardware, SearchSpec, Sweep, Status
 
 - ``Cell`` (``cell.py``): one measured or emulated run, frozen and self-validating;
-- ``ModelConfig`` and the presets (``model.py``); ``StackConfig`` and the stack levels
+- ``ModelConfig`` and the presets (``model.py``), or a Hugging Face ``config.json``'s shape as
+  preset overrides (``hf_config.py``); ``StackConfig`` and the stack levels
   (``stack.py``);
 - ``Hardware`` (``hardware.py``): the emulated cluster;
 - ``SearchSpec`` (``search.py``): how a max-context search probes;
@@ -17,6 +18,7 @@ names, for validation).
 
 from experiments.config.cell import METHOD_OPTIONS, WORKLOADS, Cell, takes_option
 from experiments.config.hardware import DEFAULT_RESERVE_GIB, Hardware
+from experiments.config.hf_config import SUPPORTED_MODEL_TYPES, hf_overrides, model_from_hf_config
 from experiments.config.limits import DEFAULT_TIMEOUT_S, ERROR_TAIL_CHARS, PROCESS_GROUP_TIMEOUT_S
 from experiments.config.model import PRESETS, ModelConfig, parse_overrides, resolve_model
 from experiments.config.search import (
@@ -34,7 +36,8 @@ __all__ = [
     "DEFAULT_RESERVE_GIB", "DEFAULT_TIMEOUT_S", "DTYPES", "EMULATED_GRANULARITY",
     "EMULATED_LIMIT", "EMULATED_START", "ERROR_TAIL_CHARS", "GiB", "Hardware", "KiB",
     "METHOD_OPTIONS", "MiB", "ModelConfig", "PLOTS", "PRESETS", "PROCESS_GROUP_TIMEOUT_S",
-    "SCALES", "STACKS", "SearchSpec", "StackConfig", "Status", "Sweep", "THROUGHPUT_PLOTS",
-    "WORKLOADS", "Cell", "format_size", "paper_stack", "parse_overrides", "parse_size",
-    "resolve_model", "takes_option",
+    "SCALES", "STACKS", "SUPPORTED_MODEL_TYPES", "SearchSpec", "StackConfig", "Status", "Sweep",
+    "THROUGHPUT_PLOTS", "WORKLOADS", "Cell", "format_size", "hf_overrides",
+    "model_from_hf_config", "paper_stack", "parse_overrides", "parse_size", "resolve_model",
+    "takes_option",
 ]

@@ -30,6 +30,10 @@ class Hardware:
     """device memory outside tensor bytes: CUDA context, library workspaces, fragmentation"""
     device: str = "cuda"
     """kernel paths and allocator emulated: "cuda", or "cpu" (exactly a gloo run's tracking)"""
+    profile: str | None = None
+    """the time model's hardware profile: a shipped profile's name (``h100-sxm``, ``h200``,
+    ``a100-80gb``) or the path of one from ``upipe-bench calibrate``; None: ``h100-sxm`` on an
+    emulated cuda device, no emulated time on cpu"""
 
     def validate(self, world: int | None = None) -> None:
         """Raise ValueError naming the field and the rule; with ``world`` (the emulated ranks)
@@ -40,6 +44,9 @@ class Hardware:
         if not 0 <= self.reserve_gib < self.gpu_mem_gib:
             raise ValueError(f"reserve_gib must be >= 0 and below gpu_mem_gib "
                              f"({self.gpu_mem_gib}), got {self.reserve_gib}")
+        if self.profile is not None and not (isinstance(self.profile, str) and self.profile):
+            raise ValueError(f"profile must be a profile name or a .json path, got "
+                             f"{self.profile!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {list(DEVICES)}, got {self.device!r}")
         if world is not None and world > self.gpus_per_node and world % self.gpus_per_node:

@@ -3,12 +3,14 @@
 ``emulate_cell(cell, hw)`` validates the cell, emulates one rank of its job on fake tensors
 (``fake_step``) and returns a row with the columns of a measured one, ``mode`` ``emulated``:
 the device and host peaks against the emulated hardware's budgets (over one is ``oom``), the
-device peak's breakdown and phase, FLOPs and bytes sent per step, and provenance.
+device peak's breakdown and phase, FLOPs and bytes sent per step, the step's time, tokens/s per
+GPU, MFU and where the time goes on a hardware profile (``time_model``), and provenance.
 
 Emulating a paper-scale step op by op costs about 0.15 ms per op on 2 cores, and the tiled MLP
 and chunked loss make the op count grow with the sequence (about 2.5M ops for Llama3-8B at 5M
 tokens on 8 ranks), so ``emulate_cell`` predicts from a fit of exact runs on the same code at
-a few small sizes by default (``fit``); ``exact=True`` runs the target size itself.
+a few small sizes by default (``fit``); ``exact=True`` runs the target size itself, as do models
+with fewer layers than the fit's samples.
 """
 
 from __future__ import annotations
@@ -19,26 +21,37 @@ import traceback
 
 from experiments.config import ERROR_TAIL_CHARS, Cell, GiB, Hardware, ModelConfig, Status
 from experiments.emulation.fake_step import Measurement, measure_fake
-from experiments.emulation.fit import fitted
+from experiments.emulation.fit import N_SAMPLE, fitted
+from experiments.emulation.kernel_models import MODELLED_KERNELS
+from experiments.emulation.profile import Profile, profile_for
+from experiments.emulation.time_model import price, step_time
 from experiments.harness.flops import step_flops
 from experiments.harness.launch import describe, unrun
 from experiments.harness.offload import PIN_MAX_TOKENS
 from experiments.provenance import provenance
+from upipe.kernels import kernel_unavailable_reason
 from upipe.registry import get_method
 
 PAPER_NODE = Hardware()  # 8x H100 80 GB, the paper's node (config.Hardware's defaults)
 
 
 def emulation_unavailable(cell: Cell, hw: Hardware) -> str | None:
-    """Why the cell's method cannot be emulated here, or None.
+    """Why the cell's method or kernel cannot be emulated here, or None.
 
     The emulator runs the method's code on fake CPU tensors: a method whose code needs a real
     CUDA runtime or an absent library (its ``unavailable_reason`` on this machine's CPU) cannot
-    run there either, whatever device is emulated.
+    run there either, whatever device is emulated. The CUDA-only kernels (flash-attn, fa3) run
+    as their memory models (``kernel_models.MODELLED_KERNELS``) on an emulated ``cuda`` device,
+    with or without their library here; an emulated ``cpu`` device runs the CPU kernels, which
+    they have not.
     """
     if cell.workload != "step":
         return f"cannot be emulated: the emulator runs the training step, not {cell.workload!r}"
     reason = get_method(cell.method).unavailable_reason("cpu")
+    if reason is None and not (hw.device == "cuda" and cell.kernel in MODELLED_KERNELS):
+        reason = kernel_unavailable_reason(cell.kernel, hw.device)
+        if reason is not None and hw.device == "cpu":
+            reason += "; emulate a cuda device (--emulate-device cuda) for its memory model"
     return None if reason is None else f"cannot be emulated: {reason}"
 
 
@@ -73,6 +86,26 @@ def _row_metrics(cell: Cell, cfg: ModelConfig, hw: Hardware, m: Measurement) -> 
     } | {f"hw_{k}": v for k, v in dataclasses.asdict(hw).items()}
 
 
+def time_columns(cell: Cell, cfg: ModelConfig, profile: Profile | None, m: Measurement) -> dict:
+    """The emulated step time and throughput on ``profile`` (DESIGN.md §9): empty without a
+    profile or without counted work."""
+    if profile is None or m.work is None:
+        return {}
+    pinned = cell.seq_len <= PIN_MAX_TOKENS
+    t = step_time([(w, price(work, profile, pinned)) for w, work in m.work], profile)
+    peak = profile.peak_flops(cell.dtype)
+    flops = step_flops(cfg, cell.seq_len)
+    return {
+        "hardware_profile": profile.name, "step_time_s": t.step_s,
+        "tokens_per_s_per_gpu": cell.seq_len / cell.nproc / t.step_s,
+        "mfu": None if peak is None else flops / t.step_s / (cell.nproc * peak),
+        "time_compute_s": t.compute_s, "time_comm_exposed_s": t.comm_exposed_s,
+        "time_offload_exposed_s": t.offload_exposed_s, "time_overhead_s": t.overhead_s,
+        # seconds of each kind of work before overlap (matmul, attention, ..., copy_side)
+        "time_by_kind_s": t.detail,
+    }
+
+
 def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
                  count: bool = True) -> dict:
     """The row of ``cell`` emulated on ``hw`` (statuses as ``run_cell``'s: ok, oom over the
@@ -81,6 +114,7 @@ def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
     try:
         cfg = cell.validate()
         hw.validate(world=cell.nproc)
+        profile = profile_for(hw)
     except ValueError as e:
         return unrun(cell, None, Status.INVALID, str(e), "emulated")
     reason = emulation_unavailable(cell, hw)
@@ -88,7 +122,8 @@ def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
         return unrun(cell, cfg, Status.SKIPPED, reason, "emulated")
     t0 = time.monotonic()
     try:
-        if exact:
+        # a model shallower than the fit's samples is cheaper to emulate than they are
+        if exact or cfg.n_layers < N_SAMPLE[0]:
             m, extra = measure_fake(cell, cfg, hw, count), {"emulation": "exact"}
         else:
             fit = fitted(cell, hw, count)
@@ -98,5 +133,6 @@ def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
             "status": Status.ERROR, "mode": "emulated",
             "error": f"{type(e).__name__}: {e}\n" + traceback.format_exc()[-ERROR_TAIL_CHARS:]}
     # provenance as launched rows carry it (versions, git revision, host, date)
-    return describe(cell, cfg) | _row_metrics(cell, cfg, hw, m) | extra | {
+    return describe(cell, cfg) | _row_metrics(cell, cfg, hw, m) | time_columns(
+        cell, cfg, profile, m) | extra | {
         "emulation_s": round(time.monotonic() - t0, 2)} | provenance()

@@ -1,4 +1,4 @@
-"""The fake-tensor step: one process plays rank 0 of a P-rank job for one training step.
+"""The fake-tensor step: one process plays one rank of a P-rank job for one training step.
 
 The same model, method, memory stack and training step as a real run
 (``experiments.harness.train``), built under ``FakeTensorMode`` on the ``fake`` process group
@@ -14,12 +14,17 @@ the emulated peak is the peak the tracker measures in a real gloo run of the sam
 One step is emulated after the optimizer states exist (they are made by one AdamW step on zero
 gradients before tracking), so the peak is the steady state's, as the real run's peak over its
 warm-up and memory steps is. Per step the FLOPs (``instruments.op_flops.CountedFlops``; this
-rank) and the bytes this rank sends (``instruments.collectives``) are counted from the same run.
+rank), the bytes this rank sends (``instruments.collectives``) and the work per window of the
+step that the time model prices (``op_costs``) are counted from the same run.
+
+The rank played is the critical one (``critical_rank``): rank 0 for every method but contiguous
+ring attention, whose last rank computes every causal block.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -29,16 +34,18 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from experiments.config import Cell, Hardware, ModelConfig
 from experiments.emulation.kernel_models import cuda_kernels
+from experiments.emulation.op_costs import StepWork, Window
 from experiments.harness.train import build, make_meshes
 from experiments.instruments.collectives import CollectiveCounter
 from experiments.instruments.labels import label_fsdp_reductions, label_modules
 from experiments.instruments.memory import MemoryTracker
 from experiments.instruments.op_flops import CountedFlops
+from upipe.registry import get_method
 
 
 @dataclass
 class Measurement:
-    """What one emulated step allocated, sent and computed (rank 0; bytes, FLOPs)."""
+    """What one emulated step allocated, sent and computed (the emulated rank)."""
 
     peak_device_bytes: int
     peak_host_bytes: int
@@ -47,20 +54,23 @@ class Measurement:
     phase_breakdowns: dict[tuple[str, ...], dict[str, int]]
     flops: int | None  # None: not counted
     comm_bytes: dict[str, int] | None  # c10d op -> bytes sent; None: not counted
+    # the step's work per window, in execution order (``op_costs``); None: not counted
+    work: list[tuple[Window, Counter]] | None = None
 
 
 @contextlib.contextmanager
-def fake_world(world: int):
-    """The ``fake`` process group of ``world`` ranks, this process rank 0 (made and destroyed
-    here unless one of that size is already initialised)."""
+def fake_world(world: int, rank: int = 0):
+    """The ``fake`` process group of ``world`` ranks, this process ``rank`` (made and destroyed
+    here unless one of that size and rank is already initialised)."""
     if dist.is_initialized():
-        if dist.get_backend() != "fake" or dist.get_world_size() != world:
-            raise ValueError(f"emulation needs the fake process group of {world} ranks; this "
-                             f"process already has a {dist.get_backend()!r} group of "
-                             f"{dist.get_world_size()}")
+        if (dist.get_backend() != "fake" or dist.get_world_size() != world
+                or dist.get_rank() != rank):
+            raise ValueError(f"emulation needs the fake process group of {world} ranks as rank "
+                             f"{rank}; this process already has a {dist.get_backend()!r} group "
+                             f"of {dist.get_world_size()} as rank {dist.get_rank()}")
         yield
         return
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         yield
     finally:
@@ -95,12 +105,18 @@ def _init_optimizer_states(state) -> None:
     state.optimizer.zero_grad(set_to_none=True)
 
 
+def critical_rank(cell: Cell) -> int:
+    """The rank the emulator plays: the one with the most work per step (the step waits for
+    it), e.g. the last rank of a contiguous causal ring."""
+    return get_method(cell.method).critical_rank(cell.nproc, cell.ring_degree)
+
+
 def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True) -> Measurement:
-    """Emulate one steady-state step of ``cell`` with the model shape ``cfg`` (``count``: also
-    count FLOPs and bytes sent; a memory-only search leaves them out, two dispatch layers
-    fewer per op)."""
+    """Emulate one steady-state step of ``cell`` with the model shape ``cfg`` as its critical
+    rank (``count``: also count FLOPs, bytes sent and the work per window; a memory-only search
+    leaves them out, three dispatch layers fewer per op)."""
     device = torch.device("cpu")
-    with fake_world(cell.nproc):
+    with fake_world(cell.nproc, critical_rank(cell)):
         meshes = make_meshes(cell, device)  # outside fake mode: meshes read rank values
         with FakeTensorMode(), _kernels(hw):
             state = build(cell, cfg, meshes=meshes, device=device)
@@ -116,8 +132,9 @@ def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True)
                       if isinstance(t, torch.Tensor)]
             flop_counter = CountedFlops() if count else contextlib.nullcontext()
             comm = CollectiveCounter() if count else contextlib.nullcontext()
+            work = StepWork(tracker, hw.gpus_per_node) if count else contextlib.nullcontext()
             try:
-                with flop_counter, comm, tracker:
+                with flop_counter, comm, tracker, work:
                     tracker.track(model, state.tokens, state.labels, states, category="model")
                     with tracker.phase("forward"):
                         loss_sum = model(state.tokens, state.labels)
@@ -135,4 +152,5 @@ def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True)
         phase_peaks=dict(tracker.peak_by_phase),
         phase_breakdowns={k: dict(v) for k, v in tracker.breakdown_by_phase.items()},
         flops=flop_counter.total if count else None,
-        comm_bytes=dict(comm.bytes_sent) if count else None)
+        comm_bytes=dict(comm.bytes_sent) if count else None,
+        work=[(w, work.windows[w]) for w in work.order if w[0] != "setup"] if count else None)

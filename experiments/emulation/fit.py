@@ -21,7 +21,8 @@ of the same phase takes over. The fit therefore works phase by phase:
   listed in ``fit_nonaffine_phases`` (the prediction is then not trusted: ``exact=True``);
 - predict every phase at (S, N) by the two lines, the peak as their maximum; host bytes and
   communication bytes by the same bilinear rule, FLOPs as A(S) + N B(S) with A linear and B
-  quadratic in S (attention).
+  quadratic in S (attention); the work per window that the time model prices window by
+  window from the 4-layer samples (``work_fit``).
 
 Lattice: Q = lcm(P x dim (the tiled MLP's shards of dim tokens), 2 x P x 128 (zigzag halves
 and the flash kernels' 128-row blocks), the method's chunk size). Off the lattice (e.g.
@@ -41,6 +42,7 @@ from fractions import Fraction
 
 from experiments.config import Cell, Hardware, takes_option
 from experiments.emulation.fake_step import Measurement, measure_fake
+from experiments.emulation.work_fit import predict_work
 from upipe.registry import get_method
 
 N_SAMPLE = (4, 5)  # layers in the sample runs: first, two (three) middle blocks, last
@@ -126,6 +128,7 @@ class Fit:
     seq_lens: tuple[int, ...]  # three lattice lengths
     samples: dict[int, list[Measurement]]  # 4 layers: at seq_lens; 5 layers: the first two
     nonaffine: list[str] = field(default_factory=list)
+    time_approximate: list[str] = field(default_factory=list)  # work_fit's approximate keys
 
     def __post_init__(self):
         self._phases = {n: [_phases(m, n) for m in ms] for n, ms in self.samples.items()}
@@ -176,13 +179,19 @@ class Fit:
             comm = {op: self._bilinear(lambda m, ph, op=op: m.comm_bytes.get(op, 0), seq_len,
                                        n_layers, f"comm {op}") for op in ops}
             flops = self._flops(seq_len, n_layers)
+        work = None
+        if self.counted and self.samples[N_SAMPLE[0]][0].work is not None:
+            work, self.time_approximate = predict_work(
+                [m.work for m in self.samples[N_SAMPLE[0]]], self.seq_lens, N_SAMPLE[0],
+                seq_len, n_layers)
         self.nonaffine = sorted(set(self.nonaffine))
         return Measurement(peaks[top], host, breakdown, {top: peaks[top]}, {top: breakdown},
-                           flops, comm)
+                           flops, comm, work)
 
     def summary(self) -> dict:
         return {"emulation": "fit", "fit_seq_lens": list(self.seq_lens),
-                "fit_layers": list(N_SAMPLE), "fit_nonaffine_phases": list(self.nonaffine)}
+                "fit_layers": list(N_SAMPLE), "fit_nonaffine_phases": list(self.nonaffine),
+                "fit_time_approximate": list(self.time_approximate)}
 
 
 def _phases(m: Measurement, n_layers: int) -> dict[tuple[str, ...], tuple[int, dict]]:
@@ -224,9 +233,10 @@ def fitted(cell: Cell, hw: Hardware, count: bool = True) -> Fit:
     those that change nothing in one step's allocations: the length (the fit's variable), the
     step counts, the budget (it decides the status, after) and labels."""
     family = dataclasses.replace(cell, seq_len=0, warmup=0, iters=0, budget_mib=None, extra={})
-    key = (family, hw.device, count)  # the budgets only decide statuses
-    if not count and (family, hw.device, True) in _CACHE:  # a counted fit serves too
-        return _CACHE[(family, hw.device, True)]
+    # the budgets only decide statuses; the node size decides which links collectives use
+    key = (family, hw.device, hw.gpus_per_node, count)
+    if not count and (family, hw.device, hw.gpus_per_node, True) in _CACHE:  # serves too
+        return _CACHE[(family, hw.device, hw.gpus_per_node, True)]
     if key not in _CACHE:
         cfg = cell.validate()
         q = lattice(cell, cfg.dim)

@@ -26,9 +26,31 @@ The emulator runs fake tensors on the CPU. Inside ``cuda_kernels()`` the attenti
   end. flash-attn's Python wrapper makes inputs contiguous when their last stride is not 1
   (``maybe_contiguous``); so does the model.
 
+* ``fa3`` (FlashAttention-3, flash-attention's ``hopper/``, absent on CPU machines) is replaced
+  by a model of ``upipe.kernels``' wrapper plus FA3's ``mha_fwd``/``mha_bwd`` on an H100
+  (sm90; ``hopper/flash_api.cpp`` at commit 0e79d711, the ``TORCH_LIBRARY(flash_attn_3)``
+  version; defaults as the wrapper passes them: no window, no softcap, ``num_splits=1``,
+  ``deterministic=False``, not varlen). Forward (``mha_fwd``): ``out`` like q, ``softmax_lse``
+  (B, H, S_q) fp32, and while it runs, for causal attention only, the persistent scheduler's
+  ``tile_count_semaphore`` (1,) int32 (no split-KV accumulators at ``num_splits=1``). Backward
+  (``mha_bwd``): the wrapper's dq/dk/dv (``empty_like``); ``softmax_d`` and
+  ``softmax_lse_log2`` (B, H, S_q rounded up to kBlockM) fp32; ``dq_accum`` (B, H, S_q rounded
+  to kBlockM times D rounded) fp32; for GQA ``dk_accum``/``dv_accum`` (B, H_kv, S_k rounded
+  to kBlockN times D rounded) fp32; ``dq_semaphore`` (ceil(S_q / kBlockM), B, H) int32. D rounded is
+  ``round_up_headdim`` (64, 96, 128, 192 or 256); on sm90 kBlockM is 128 for D rounded <= 64, 64
+  for <= 96, for <= 128 64 if causal else 80, else 64, and kBlockN is 128 for D rounded <= 128,
+  96 for <= 192, else 80. ``mha_bwd`` returns all of them to the Python wrapper, which drops
+  them when it returns, so they live exactly while the call runs. The Python wrapper
+  (``hopper/flash_attn_interface.py``, ``maybe_contiguous``) makes q, k (and v, unless its
+  head dim or sequence stride is 1) contiguous in the forward and dout, q, k, v, out in the
+  backward when their last stride is not 1; so does the model.
+
 * ``math`` is plain PyTorch: it runs as is.
 
-FLOPs of the modelled kernels are counted with torch's own SDPA formulas
+The custom ops standing for flash-attn and fa3 (``upipe_emul::flash_fwd``/``flash_bwd``,
+``upipe_emul::fa3_fwd``/``fa3_bwd``) take the call's ``causal`` flag as an argument, so an observer
+at the dispatch level (a ``TorchDispatchMode``) reads from an op's arguments whether the call is
+causal. FLOPs of the modelled kernels are counted with torch's own SDPA formulas
 (``torch.utils.flop_counter.sdpa_flop_count``), as for PyTorch's fused ops: dense, causal
 masking not discounted. cuDNN attention is not one of upipe's kernels and is not modelled.
 """
@@ -105,28 +127,86 @@ def _sdpa_backward(dout, q, k, v, out, lse, causal, scale):
 
 
 @torch.library.custom_op("upipe_emul::flash_fwd", mutates_args=())
-def _flash_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+def _flash_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     raise RuntimeError("upipe_emul::flash_fwd is a memory model: it runs under FakeTensorMode")
 
 
 @_flash_fwd_op.register_fake
-def _(q, k, v):
+def _(q, k, v, causal):
     b, s, h, _ = q.shape
     return (torch.empty_like(q), q.new_empty((b, h, s), dtype=torch.float32),
             q.new_empty((2,), dtype=torch.int64))
 
 
 @torch.library.custom_op("upipe_emul::flash_bwd", mutates_args=())
-def _flash_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                  ) -> torch.Tensor:
+def _flash_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  causal: bool) -> torch.Tensor:
     raise RuntimeError("upipe_emul::flash_bwd is a memory model: it runs under FakeTensorMode")
 
 
 @_flash_bwd_op.register_fake
-def _(dout, q, k, v):
+def _(dout, q, k, v, causal):
     b, s, h, _ = q.shape
     return q.new_empty((b, h, _round_up(s, 128)), dtype=torch.float32)  # softmax_d (returned)
+
+
+# FlashAttention-3 (hopper/flash_api.cpp mha_fwd / mha_bwd, sm90; see the module docstring)
+
+
+def _fa3_headdim(d: int) -> int:
+    """FA3's ``round_up_headdim`` (every head dim compiled in, the default build)."""
+    return next(r for r in (64, 96, 128, 192, 256) if d <= r) if d <= 256 else 256
+
+
+def _fa3_bwd_blocks(d: int, causal: bool) -> tuple[int, int]:
+    """(kBlockM, kBlockN) of FA3's sm90 backward for head dim d (no softcap, no local window)."""
+    r = _fa3_headdim(d)
+    block_m = 128 if r <= 64 else 64 if r <= 96 else (64 if causal else 80) if r <= 128 else 64
+    block_n = 128 if r <= 128 else 96 if r <= 192 else 80
+    return block_m, block_n
+
+
+@torch.library.custom_op("upipe_emul::fa3_fwd", mutates_args=())
+def _fa3_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    raise RuntimeError("upipe_emul::fa3_fwd is a memory model: it runs under FakeTensorMode")
+
+
+@_fa3_fwd_op.register_fake
+def _(q, k, v, causal):
+    b, s, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h, s), dtype=torch.float32)  # out, softmax_lse
+
+
+@torch.library.custom_op("upipe_emul::fa3_bwd", mutates_args=())
+def _fa3_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                causal: bool) -> torch.Tensor:
+    raise RuntimeError("upipe_emul::fa3_bwd is a memory model: it runs under FakeTensorMode")
+
+
+@_fa3_bwd_op.register_fake
+def _(dout, q, k, v, causal):
+    b, s, h, d = q.shape
+    block_m, _ = _fa3_bwd_blocks(d, causal)
+    return q.new_empty((b, h, _round_up(s, block_m)), dtype=torch.float32)  # softmax_d
+
+
+def _fa3_bwd_workspace(q: torch.Tensor, k: torch.Tensor, causal: bool) -> list[torch.Tensor]:
+    """What mha_bwd allocates besides softmax_d (the op's output), for q (B, S_q, H, D) and
+    k (B, S_k, H_kv, D): softmax_lse_log2, dq_accum, dk_accum/dv_accum (GQA), dq_semaphore."""
+    b, s_q, h, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    block_m, block_n = _fa3_bwd_blocks(d, causal)
+    s_q_r, d_r = _round_up(s_q, block_m), _fa3_headdim(d)
+    f32 = dict(dtype=torch.float32)
+    out = [q.new_empty((b, h, s_q_r), **f32),  # softmax_lse_log2
+           q.new_empty((b, h, s_q_r * d_r), **f32)]  # dq_accum
+    if h_kv != h:  # MQA / GQA: fp32 dK/dV accumulators over the KV heads
+        s_k_r = _round_up(s_k, block_n)
+        out += [q.new_empty((b, h_kv, s_k_r * d_r), **f32) for _ in range(2)]
+    out.append(q.new_empty(((s_q + block_m - 1) // block_m, b, h), dtype=torch.int32))
+    return out
 
 
 def _bhsd(shape) -> tuple[int, ...]:
@@ -134,12 +214,13 @@ def _bhsd(shape) -> tuple[int, ...]:
     return (b, h, s, d)
 
 
-@register_flop_formula(torch.ops.upipe_emul.flash_fwd)
+# causal is one of *args: the count is dense, as torch counts its own SDPA ops
+@register_flop_formula([torch.ops.upipe_emul.flash_fwd, torch.ops.upipe_emul.fa3_fwd])
 def _flash_fwd_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
     return sdpa_flop_count(_bhsd(q_shape), _bhsd(k_shape), _bhsd(v_shape))
 
 
-@register_flop_formula(torch.ops.upipe_emul.flash_bwd)
+@register_flop_formula([torch.ops.upipe_emul.flash_bwd, torch.ops.upipe_emul.fa3_bwd])
 def _flash_bwd_flops(dout_shape, q_shape, k_shape, v_shape, *args, out_shape=None,
                      **kwargs) -> int:
     return sdpa_backward_flop_count(_bhsd(dout_shape), _bhsd(q_shape), _bhsd(k_shape),
@@ -152,7 +233,7 @@ def _maybe_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def _flash_attn_forward(q, k, v, causal, scale):
     q, k, v = (_maybe_contiguous(t) for t in (q, k, v))
-    out, lse, _rng_state = _flash_fwd_op(q, k, v)
+    out, lse, _rng_state = _flash_fwd_op(q, k, v, causal)
     return out, lse
 
 
@@ -163,18 +244,41 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
     if k.shape[2] != q.shape[2]:  # GQA: per-query-head dK/dV, summed into dk/dv at the end
         b, s_k, h, d = *k.shape[:2], q.shape[2], k.shape[3]
         scratch += [k.new_empty((b, s_k, h, d)), v.new_empty((b, s_k, h, d))]
-    _softmax_d = _flash_bwd_op(dout, q, k, v)
+    _softmax_d = _flash_bwd_op(dout, q, k, v, causal)
+    del scratch, _softmax_d
+    return dq, dk, dv
+
+
+def _fa3_forward(q, k, v, causal, scale):
+    q, k = _maybe_contiguous(q), _maybe_contiguous(k)
+    v = v.contiguous() if v.stride(-1) != 1 and v.stride(-3) != 1 else v  # FA3's rule for v
+    # the persistent scheduler's tile counter, causal (num_splits=1) on sm90: freed on return
+    scratch = [q.new_empty((1,), dtype=torch.int32)] if causal else []
+    out, lse = _fa3_fwd_op(q, k, v, causal)
+    del scratch
+    return out, lse
+
+
+def _fa3_backward(dout, q, k, v, out, lse, causal, scale):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # the wrapper's
+    dout, q, k, v, out = (_maybe_contiguous(t) for t in (dout, q, k, v, out))
+    scratch = _fa3_bwd_workspace(q, k, causal)  # softmax_d is the op's output
+    _softmax_d = _fa3_bwd_op(dout, q, k, v, causal)
     del scratch, _softmax_d
     return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------
 
+# kernels that need a CUDA library absent here, run as their models on an emulated CUDA device
+MODELLED_KERNELS = ("flash-attn", "fa3")
+
 
 @contextlib.contextmanager
 def cuda_kernels():
     """Attention inside runs the CUDA kernels' code path and allocations (see the module)."""
     overrides = {"sdpa": (_SDPA_FWD, _sdpa_backward),
-                 "flash-attn": (_flash_attn_forward, _flash_attn_backward)}
+                 "flash-attn": (_flash_attn_forward, _flash_attn_backward),
+                 "fa3": (_fa3_forward, _fa3_backward)}
     with kernel_dispatch("cuda", overrides):
         yield

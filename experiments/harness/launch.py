@@ -14,8 +14,8 @@ allocator behind (STYLE.md §10). Outcomes (``experiments.config.Status``):
   limit;
 - ``timeout``: the cell ran past ``timeout_s``; its ranks are killed;
 - ``error``: anything else, with the failing rank's traceback as ``error``;
-- ``skipped``: the method cannot run on this machine (its ``unavailable_reason``, e.g. a
-  CUDA-only adapter on CPU); nothing is launched;
+- ``skipped``: the method or its kernel cannot run on this machine (``unavailable_reason``, e.g.
+  a CUDA-only adapter or kernel on CPU); nothing is launched;
 - ``invalid``: a rule of the cell is broken, or its inputs cannot exist on this machine
   (``host_inputs_fit``); nothing is launched.
 
@@ -50,6 +50,7 @@ from experiments.config import (
 from experiments.harness.attention_layer import measure_attention
 from experiments.harness.measure import measure_cell
 from experiments.provenance import provenance
+from upipe.kernels import kernel_unavailable_reason
 from upipe.registry import get_method
 
 WORKLOADS = {"step": measure_cell, "attention": measure_attention}
@@ -231,10 +232,12 @@ def _in_process(cell: Cell, cfg: ModelConfig, progress: bool) -> dict:
 
 
 def unavailable_reason(cell: Cell) -> str | None:
-    """Why the cell's method cannot run on this machine (e.g. a CUDA-only adapter on a CPU
-    machine), or None; decided by the method class before anything is launched."""
+    """Why the cell cannot run on this machine, or None; decided before anything is launched:
+    by the method class (e.g. a CUDA-only adapter on a CPU machine), then by the kernel (a
+    CUDA-only kernel, flash-attn or fa3, on a CPU machine or without its library)."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return get_method(cell.method).unavailable_reason(device_type)
+    reason = get_method(cell.method).unavailable_reason(device_type)
+    return reason if reason is not None else kernel_unavailable_reason(cell.kernel, device_type)
 
 
 def run_cell(cell: Cell, timeout_s: float | None = None, progress: bool = False) -> dict:

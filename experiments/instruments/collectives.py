@@ -9,6 +9,7 @@ dtypes are read, never data, so the bytes are counted under FakeTensorMode too.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 from torch._C._distributed_c10d import ProcessGroup
@@ -69,6 +70,35 @@ def _process_group(value) -> ProcessGroup:
     return value if isinstance(value, ProcessGroup) else ProcessGroup.unbox(value)
 
 
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One c10d call with a byte rule: what it moves and among whom (shapes only)."""
+
+    op: str  # c10d op name, e.g. "alltoall_base_"
+    payload: int  # bytes of the buffer the call moves (see ``_BYTES``)
+    sent: int  # bytes this rank sends (``_sent``)
+    group: ProcessGroup
+    peer: int | None  # send / recv: the peer's rank in ``group``; else None
+
+
+def describe_collective(func, args, kwargs) -> CollectiveCall | None:
+    """The ``CollectiveCall`` of a c10d op, or None for ops without a byte rule (barrier...)."""
+    name = func.__name__.split(".")[0]
+    if name not in _BYTES:
+        return None
+    # trailing defaulted arguments may be left out of args: strict=False
+    schema = func._schema.arguments
+    bound = {a.name: v for a, v in zip(schema, args, strict=False)} | kwargs
+    group = next(_process_group(bound[a.name]) for a in schema
+                 if str(a.type).endswith("c10d.ProcessGroup"))
+    is_root = bound.get("root_rank") == group.rank()
+    payload_arg, rule = _BYTES[name]
+    payload = _nbytes(bound[payload_arg])
+    peer = bound.get("dst", bound.get("src"))
+    return CollectiveCall(name, payload, _sent(rule, payload, group.size(), is_root), group,
+                          None if peer is None else int(peer))
+
+
 class CollectiveCounter(TorchDispatchMode):
     """Counts c10d ops by name (e.g. ``alltoall_base_``) and their bytes while active.
 
@@ -101,21 +131,11 @@ class CollectiveCounter(TorchDispatchMode):
         if func.namespace == "c10d":
             name = func.__name__.split(".")[0]
             self.counts[name] += 1
-            if name in _BYTES:
-                self._count_bytes(name, func, args, kwargs)
+            call = describe_collective(func, args, kwargs)
+            if call is not None:
+                self.payload_bytes[name] += call.payload
+                self.bytes_sent[name] += call.sent
         return func(*args, **kwargs)
-
-    def _count_bytes(self, name, func, args, kwargs) -> None:
-        # trailing defaulted arguments may be left out of args: strict=False
-        schema = func._schema.arguments
-        bound = {a.name: v for a, v in zip(schema, args, strict=False)} | kwargs
-        group = next(_process_group(bound[a.name]) for a in schema
-                     if str(a.type).endswith("c10d.ProcessGroup"))
-        is_root = bound.get("root_rank") == group.rank()
-        payload_arg, rule = _BYTES[name]
-        payload = _nbytes(bound[payload_arg])
-        self.payload_bytes[name] += payload
-        self.bytes_sent[name] += _sent(rule, payload, group.size(), is_root)
 
     @property
     def total(self) -> int:

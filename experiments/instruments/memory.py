@@ -74,11 +74,12 @@ def _storage(t: torch.Tensor):
     return t.untyped_storage()
 
 
-# type -> whether it is a wrapper subclass (``_plain``): asked once per type, not once per tensor
+# type -> whether it is a wrapper subclass (``plain_tensors``): asked once per type, not per
+# tensor
 _WRAPPER_TYPES: dict[type, bool] = {}
 
 
-def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors holding ``t``'s memory: itself, or a wrapper subclass's inner tensors.
 
     A DTensor (FSDP2 parameters, their gradients and optimizer states) has no storage of its
@@ -94,10 +95,10 @@ def _plain(t: torch.Tensor) -> list[torch.Tensor]:
         return [t]
     names, _ = t.__tensor_flatten__()
     inner = (getattr(t, n) for n in names)
-    return [p for x in inner if isinstance(x, torch.Tensor) for p in _plain(x)]
+    return [p for x in inner if isinstance(x, torch.Tensor) for p in plain_tensors(x)]
 
 
-def _tensors(tree, out: list) -> list:
+def tensor_leaves(tree, out: list) -> list:
     """Append the tensors in an op's arguments or outputs to ``out``, in order; returns it.
 
     What ``tree_leaves`` finds, without its generic pytree machinery (more than half of the
@@ -108,16 +109,16 @@ def _tensors(tree, out: list) -> list:
         out.append(tree)
     elif isinstance(tree, (list, tuple)):
         for x in tree:
-            _tensors(x, out)
+            tensor_leaves(x, out)
     elif isinstance(tree, dict):
         for x in tree.values():
-            _tensors(x, out)
+            tensor_leaves(x, out)
     return out
 
 
 def _storage_ids(tree) -> set[int]:
     """The ids of the storages behind the tensors in ``tree`` (an op's arguments)."""
-    return {id(s) for t in _tensors(tree, []) for p in _plain(t)
+    return {id(s) for t in tensor_leaves(tree, []) for p in plain_tensors(t)
             if (s := _storage(p)) is not None}
 
 
@@ -208,7 +209,7 @@ class MemoryTracker(TorchDispatchMode):
                 tensors = [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
             with self.category(category):
                 for t in tensors:
-                    for p in _plain(t):
+                    for p in plain_tensors(t):
                         self._add(p, "track")
 
     @contextlib.contextmanager
@@ -274,9 +275,24 @@ class MemoryTracker(TorchDispatchMode):
         """The tracked storages alive now."""
         return [a for a, _ in self._live.values()]
 
+    @property
+    def phase_key(self) -> tuple[str, ...]:
+        """The phase labels open now, outermost first (``()`` outside any)."""
+        return self._phase_key
+
+    def kind(self, t: torch.Tensor) -> str | None:
+        """Where ``t``'s storage is counted: DEVICE, HOST, or None if it is not tracked (a
+        wrapper subclass: its first inner storage's kind)."""
+        for p in plain_tensors(t):
+            s = _storage(p)
+            entry = None if s is None else self._live.get(id(s))
+            if entry is not None:
+                return entry[0].kind
+        return None
+
     def tracks(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage (a wrapper subclass's: all inner storages) is counted."""
-        stores = [_storage(p) for p in _plain(t)]
+        stores = [_storage(p) for p in plain_tensors(t)]
         return all(s is not None and id(s) in self._live for s in stores)
 
     # -- dispatch ------------------------------------------------------------------------------
@@ -309,8 +325,8 @@ class MemoryTracker(TorchDispatchMode):
         together most ops of an emulated step, need no input set.
         """
         inputs = None
-        for t in _tensors(out, []):
-            for p in _plain(t):
+        for t in tensor_leaves(out, []):
+            for p in plain_tensors(t):
                 s = _storage(p)
                 if s is None:
                     continue

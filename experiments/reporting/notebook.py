@@ -28,6 +28,11 @@ from experiments import store
 from experiments.config.sizes import MiB
 from experiments.config.status import Status
 from experiments.reporting import plots
+from experiments.reporting.paper_tables import (
+    PAPER_THROUGHPUT,
+    PAPER_UPIPE_VS_ULYSSES,
+    UNREAD_CELLS,
+)
 from experiments.reporting.plots import memory_unit  # noqa: F401  (the notebooks' too)
 from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
 
@@ -278,6 +283,50 @@ def by_length(df: pd.DataFrame, value: str, fmt: Callable[[float], str]) -> pd.D
     table = (df.groupby(["variant", "stack", "seq_len"], observed=True)[["status", value]]
              .apply(cell).unstack("seq_len").fillna(""))
     return table.rename(columns=tokens)
+
+
+TIME_PARTS = {"step_time_s": "step", "time_compute_s": "compute",
+              "time_comm_exposed_s": "comm exposed", "time_offload_exposed_s": "offload exposed",
+              "time_overhead_s": "launch overhead"}
+
+
+def time_breakdown(emulated: pd.DataFrame) -> pd.DataFrame:
+    """Where each emulated step goes: a row per (variant, stack, length), the step and its four
+    parts in seconds (they sum to the step), and the emulated MFU."""
+    cols = [c for c in TIME_PARTS if c in emulated]
+    table = (emulated.groupby(["variant", "stack", "seq_len"], observed=True)[cols + ["mfu"]]
+             .median().rename(columns=TIME_PARTS).round(3))
+    return table.rename(index=tokens, level="seq_len")
+
+
+def vs_paper(emulated: pd.DataFrame, artefact: str) -> pd.DataFrame:
+    """Emulated tokens/s per GPU beside the paper's published value and their ratio, per cell
+    the paper's table has (``paper_tables``), and UPipe / Ulysses beside the paper's ratio
+    where the paper states one; a note row where nothing of the paper's is transcribed."""
+    table = artefact.split("_")[0]
+    key = ["method", "seq_len"]
+    ours = emulated[emulated["heads_per_stage"].isna() | (emulated["method"] == "upipe")]
+    ours = ours.groupby(key, observed=True)["tokens_per_s_per_gpu"].median()
+    paper = pd.DataFrame([r for r in PAPER_THROUGHPUT if r["table"] == table])
+    out = []
+    if not paper.empty:
+        p = paper.set_index(key)["tokens_per_s_per_gpu"]
+        for (method, n), value in p.items():
+            mine = ours.get((method, n))
+            out.append({"what": f"{method} tokens/s per GPU", "seq_len": tokens(n),
+                        "emulated": mine, "paper": value,
+                        "ratio": None if mine is None or not value else mine / value})
+    for r in (r for r in PAPER_UPIPE_VS_ULYSSES if r["table"] == table):
+        up, uly = ours.get(("upipe", r["seq_len"])), ours.get(("ulysses", r["seq_len"]))
+        mine = None if up is None or uly is None else up / uly
+        out.append({"what": "UPipe / Ulysses", "seq_len": tokens(r["seq_len"]),
+                    "emulated": mine, "paper": r["ratio"],
+                    "ratio": None if mine is None else mine / r["ratio"], "source": r["source"]})
+    if paper.empty:
+        out.append({"what": "tokens/s per GPU", "seq_len": "-", "emulated": None, "paper": None,
+                    "ratio": None, "source": f"not transcribed: {len(UNREAD_CELLS)} cells of "
+                                             "the paper's tables unread (paper_tables.py)"})
+    return pd.DataFrame(out)
 
 
 def searches(maxctx: pd.DataFrame) -> pd.DataFrame:

@@ -1,0 +1,558 @@
+"""Measure a hardware profile on this machine: ``upipe-bench calibrate`` (DESIGN.md §9).
+
+``calibrate(nproc=2)`` spawns ``nproc`` ranks as a launched cell does (gloo on CPU, NCCL with one
+GPU per rank on CUDA) and times on every rank at once, as the ranks of a real job share the
+machine, what the time model (``time_model``) prices:
+
+- matmul rates per dtype, of (M x x) @ (x x x) products over a grid of x;
+- attention rates per kernel, dtype, head dim, pass and length, through
+  ``upipe.kernels.attention_forward`` / ``attention_backward`` (the functions the methods call),
+  FLOPs counted by ``profile.attention_flops``;
+- memory bandwidth, kernel launch overhead and host<->device copies;
+- all-to-all, all-gather, reduce-scatter, all-reduce and p2p at several sizes, fitted to
+  time = latency + bus bytes / bus bandwidth (nccl-tests' PERFORMANCE.md).
+
+It returns the profile's JSON object (schema: ``profile.py``) with every number a constant whose
+source names the host, the device, torch, the date and what was timed; ``write_profile`` writes
+it where ``load_profile(path)`` reads it. With one rank (CUDA only) the collectives come from a
+shipped profile, their sources saying so. A single node has no inter-node links: the ``inter``
+scope is taken from ``base`` when given, else copied from the intra-node fit, and says so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from experiments.config import PROCESS_GROUP_TIMEOUT_S, format_size
+from experiments.emulation.profile import (
+    COLLECTIVE_OPS,
+    HOST_COPIES,
+    attention_flops,
+    load_profile,
+    shipped_profiles,
+)
+from experiments.harness.launch import exit_without_finalizing, free_port, threads_per_rank
+from experiments.provenance import provenance
+from experiments.store import write_json
+from upipe.kernels import attention_backward, attention_forward, kernel_unavailable_reason
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TIMEOUT_S = 1800.0  # a whole calibration's wall-clock limit; its ranks are killed past it
+BASE_ON_CUDA = "h100-sxm"  # one GPU measures no collectives: they come from this profile
+# torch.cuda.get_device_name() -> the shipped profile holding that GPU's datasheet peaks (exact
+# names: an "NVIDIA H100 PCIe" or "NVIDIA H200 NVL" has other peaks)
+DATASHEETS = {"NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H200": "h200",
+              "NVIDIA A100-SXM4-80GB": "a100-80gb"}
+HALF_ONLY = {"flash-attn", "fa3"}  # kernels without an fp32 path
+# torch >= 2.13 names them *_single; earlier versions *_into_tensor / *_tensor (same arguments)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+CALLS = {  # what each op times, for its source
+    "all_to_all": "all_to_all_single", "all_gather": f"{_all_gather.__name__} (payload: output)",
+    "reduce_scatter": f"{_reduce_scatter.__name__} (payload: input)", "all_reduce": "all_reduce",
+    "p2p": "batch_isend_irecv to the next rank and from the previous, a ring step as "
+           "upipe/ring.py issues it",
+}
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What one calibration times, and how often."""
+
+    matmul_x: tuple[int, ...]
+    """x of the (M x x) @ (x x x) products (the table's key is (M x x)^(1/3))"""
+    matmul_m: int
+    """M is max(matmul_m, x): a token count, as in a layer's projections"""
+    head_dims: tuple[int, ...]
+    """attention head dims"""
+    seqs: tuple[int, ...]
+    """attention lengths (S_q = S_k)"""
+    repeats: int
+    """timed repeats per point at most; their median is the point's time"""
+    budget_s: float
+    """fewer repeats for long calls: about this long per point (one repeat at least; a
+    warm-up call longer than half of it is the point's only sample)"""
+    min_s: float
+    """a timed repeat loops a short op at least this long (timer and synchronisation cost)"""
+    stream_bytes: int
+    """size of the copies timed for memory bandwidth and host copies"""
+    comm_bytes: tuple[int, ...]
+    """collective payloads per rank (nccl-tests' "size")"""
+
+
+def _pow2(lo: int, hi: int, step: int = 1) -> tuple[int, ...]:
+    return tuple(2**i for i in range(lo, hi + 1, step))
+
+
+GRIDS = {  # (device, quick) -> Grid; quick: for tests (seconds on 2 CPU cores)
+    ("cpu", False): Grid(_pow2(4, 11), 2048, (16, 32, 64, 128), _pow2(8, 12), 5, 0.6, 2e-3,
+                         256 << 20, _pow2(12, 26, 2)),
+    ("cpu", True): Grid((16, 64, 256), 256, (32,), (128, 256, 512), 3, 0.05, 1e-3,
+                        8 << 20, (1 << 12, 1 << 16, 1 << 20)),
+    ("cuda", False): Grid(_pow2(6, 13), 4096, (64, 128), _pow2(10, 14), 10, 0.5, 5e-3,
+                          1 << 30, _pow2(16, 30, 2)),
+    ("cuda", True): Grid((256, 1024, 4096), 4096, (128,), (1024, 4096), 3, 0.2, 2e-3,
+                         256 << 20, (1 << 16, 1 << 22, 1 << 26)),
+}
+
+
+def attention_heads(device: str, head_dim: int) -> int:
+    """Heads per timed attention call (B = 1). CUDA: 2048 / head_dim, the FlashAttention papers'
+    benchmark width (arXiv 2205.14135 §4), so that one call fills the SMs; CPU: two (a rank's
+    threads are busy at any size)."""
+    return max(1, 2048 // head_dim) if device == "cuda" else 2
+
+
+def attention_kernels(device: str) -> tuple[str, ...]:
+    """Kernels timed on ``device``: every one that runs here, math only on CPU (it is the
+    reference; on a GPU its (S, S) scores at the long lengths take tens of GiB)."""
+    names = ("sdpa", "math") if device == "cpu" else ("sdpa", "flash-attn", "fa3")
+    return tuple(k for k in names if kernel_unavailable_reason(k, device) is None)
+
+
+def bus_factor(op: str, world: int) -> float:
+    """Bus bytes per payload byte (nccl-tests PERFORMANCE.md, the factors of
+    ``instruments.collectives._sent``): 2(P-1)/P for an all-reduce, the whole tensor for p2p,
+    (P-1)/P for the others."""
+    if op == "all_reduce":
+        return 2 * (world - 1) / world
+    return 1.0 if op == "p2p" else (world - 1) / world
+
+
+def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of time = latency + bytes / bandwidth through
+    (bytes, seconds) points, by least squares on the relative error: every size weighs the same
+    (plain least squares lets the largest sizes decide, and the latency can come out negative).
+    A negative latency is clamped to 0 and the slope refitted through the origin."""
+    u = [1 / t for _, t in points]  # residual_i = a * u_i + c * v_i - 1, c = 1 / bandwidth
+    v = [b / t for b, t in points]
+    suu, svv = sum(x * x for x in u), sum(y * y for y in v)
+    suv = sum(x * y for x, y in zip(u, v, strict=True))
+    det = suu * svv - suv * suv
+    a = (svv * sum(u) - suv * sum(v)) / det if det > 0 else -1.0
+    c = (suu * sum(v) - suv * sum(u)) / det if det > 0 else 0.0
+    if a < 0 or c <= 0:
+        a, c = 0.0, sum(v) / svv
+    return a, 1 / c
+
+
+# --------------------------------------------------------------------------------------------
+# timing (on each rank)
+
+
+def _time(fn: Callable, sync: Callable, grid: Grid) -> float:
+    """Median seconds per call of ``fn`` after a warm-up call (the rules of ``Grid``)."""
+    def run(n: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / n
+
+    once = run(1)  # the warm-up sizes the loop
+    if 2 * once > grid.budget_s:  # one-off costs are lost in a call this long: it is the sample
+        return once
+    if once < grid.min_s:  # a short op's first call pays one-off costs: size it on a second
+        once = run(1)
+    inner = min(100_000, math.ceil(grid.min_s / max(once, 1e-7)))
+    n = max(1, min(grid.repeats, int(grid.budget_s / (once * inner))))
+    return statistics.median(run(inner) for _ in range(n))
+
+
+def _measure_compute(grid: Grid, device: torch.device, dtypes, kernels, barrier) -> dict:
+    """This rank's rates: {("matmul", dtype, x): FLOP/s, ("attention", kernel, dtype, pass, d,
+    s): FLOP/s, ("memory_bandwidth",): bytes/s, ("launch_overhead_s",): s, ("host_copy", name):
+    bytes/s}. ``barrier`` before each point keeps the ranks timing the same thing together."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out = {}
+
+    def timed(key, fn, work: float | None) -> None:
+        barrier()
+        t = _time(fn, sync, grid)
+        out[key] = t if work is None else work / t
+
+    for name in dtypes:
+        for x in grid.matmul_x:
+            m = max(grid.matmul_m, x)
+            a = torch.randn(m, x, dtype=DTYPES[name], device=device)
+            b = torch.randn(x, x, dtype=DTYPES[name], device=device)
+            timed(("matmul", name, x), partial(torch.matmul, a, b), 2.0 * m * x * x)
+    for kernel in kernels:
+        for name in dtypes:
+            if kernel in HALF_ONLY and name == "fp32":
+                continue
+            for d in grid.head_dims:
+                for s in grid.seqs:
+                    _attention_point(kernel, name, d, s, device, timed)
+    x = torch.ones(grid.stream_bytes // 4, device=device)
+    y = torch.empty_like(x)
+    timed(("memory_bandwidth",), partial(y.copy_, x), 2.0 * grid.stream_bytes)  # read + write
+    one = torch.ones(1, device=device)
+    timed(("launch_overhead_s",), partial(torch.add, one, one, out=torch.empty_like(one)), None)
+    if device.type == "cpu":  # no device: a memcpy, the memory-bandwidth copy (bytes copied)
+        for copy in HOST_COPIES:
+            out["host_copy", copy] = out["memory_bandwidth",] / 2
+    for memory in ("pinned", "pageable") if device.type == "cuda" else ():
+        host = torch.empty(x.shape, pin_memory=memory == "pinned")
+        timed(("host_copy", f"h2d_{memory}"), partial(x.copy_, host), grid.stream_bytes)
+        timed(("host_copy", f"d2h_{memory}"), partial(host.copy_, x), grid.stream_bytes)
+    return out
+
+
+def _attention_point(kernel: str, dtype: str, d: int, s: int, device, timed) -> None:
+    """Time the four passes of one (kernel, dtype, head dim, length) point."""
+    h = attention_heads(device.type, d)
+    q, k, v = (torch.randn(1, s, h, d, dtype=DTYPES[dtype], device=device) for _ in range(3))
+    for causal in (False, True):
+        fwd = partial(attention_forward, q, k, v, causal=causal, kernel=kernel)
+        out, lse = fwd()
+        bwd = partial(attention_backward, torch.randn_like(out), q, k, v, out, lse,
+                      causal=causal, kernel=kernel)
+        for pass_, fn in (("fwd", fwd), ("bwd", bwd)):
+            pass_ += "_causal" if causal else ""
+            timed(("attention", kernel, dtype, pass_, d, s), fn,
+                  attention_flops(1, h, s, s, d, pass_))
+
+
+def _collective(op: str, numel: int, device, rank: int, world: int) -> Callable:
+    """One call of ``op`` on a payload of ``numel`` fp32 elements (zeros: sums stay finite)."""
+    x = torch.zeros(numel, device=device)
+    if op == "all_to_all":
+        return partial(dist.all_to_all_single, torch.empty_like(x), x)
+    if op == "all_gather":  # the payload is the gathered output
+        return partial(_all_gather, x, x[: numel // world].clone())
+    if op == "reduce_scatter":  # the payload is the input
+        return partial(_reduce_scatter, x[: numel // world].clone(), x)
+    if op == "all_reduce":
+        return partial(dist.all_reduce, x)
+    y = torch.empty_like(x)  # p2p: a ring step, send to the next rank and receive from the last
+
+    def p2p():
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (rank + 1) % world),
+                                         dist.P2POp(dist.irecv, y, (rank - 1) % world)]):
+            w.wait()
+    return p2p
+
+
+def _measure_comm(grid: Grid, device: torch.device, rank: int, world: int) -> dict:
+    """{op: [(payload bytes per rank, seconds per call), ...]}: per size the median over
+    repeats of the slowest rank's time (a collective ends when its last rank does), each repeat
+    a few back-to-back calls as nccl-tests times them (small calls are too short alone)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out = {}
+    for op in COLLECTIVE_OPS:
+        out[op] = []
+        for nbytes in grid.comm_bytes:
+            numel = max(world, nbytes // 4 // world * world)
+            fn = _collective(op, numel, device, rank, world)
+            iters = max(1, min(20, (4 << 20) // nbytes))  # the same on every rank
+            fn()  # warm-up: connections and buffers
+            times = torch.zeros(grid.repeats, dtype=torch.float64, device=device)
+            for i in range(grid.repeats):
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                sync()
+                times[i] = (time.perf_counter() - t0) / iters
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            out[op].append((4 * numel, statistics.median(times.tolist())))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# ranks
+
+
+def _rank_main(rank: int, world: int, port: int, threads: int, device: str, dtypes, kernels,
+               grid: Grid, results) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent ends the ranks on Ctrl-C
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the parent's stdout is its output
+    torch.set_num_threads(threads)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
+    try:
+        dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
+        compute = _measure_compute(grid, dev, dtypes, kernels, dist.barrier)
+        comm = _measure_comm(grid, dev, rank, world)
+        every = [None] * world if rank == 0 else None
+        dist.gather_object(compute, every, dst=0)
+        if rank == 0:
+            results.put((every, comm))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    exit_without_finalizing(0)
+
+
+def _spawn(world: int, device: str, dtypes, kernels, grid: Grid, threads: int):
+    """(every rank's compute rates, the collective timings) from ``world`` spawned ranks."""
+    results = mp.get_context("spawn").SimpleQueue()
+    pc = mp.start_processes(_rank_main, (world, free_port(), threads, device, dtypes, kernels,
+                                         grid, results), nprocs=world, join=False,
+                            start_method="spawn")
+    got, deadline = [], time.monotonic() + TIMEOUT_S
+    try:
+        while not pc.join(timeout=1.0):
+            while not results.empty():  # drained while the ranks run: a pipe holds 64 KiB
+                got.append(results.get())
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"calibrate ran past {TIMEOUT_S:.0f} s; its ranks were killed")
+    finally:  # a timeout, an interrupt or a failing rank: end every rank still running
+        for p in pc.processes:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+    while not results.empty():
+        got.append(results.get())
+    if not got:
+        raise RuntimeError("calibrate: rank 0 exited without its measurements")
+    return got[0]
+
+
+# --------------------------------------------------------------------------------------------
+# the profile
+
+
+def _c(value, source: str) -> dict:
+    return {"value": value, "source": source}
+
+
+@dataclass(frozen=True)
+class _Sources:
+    """Source strings naming this calibration: where, and how points were timed."""
+
+    where: str  # "<host>, <device name>, torch <version>, <date>"
+    how: str  # repeats, ranks and threads of the compute points
+
+    def measured(self, what: str, how: str | None = None) -> str:
+        return f"measured by upipe-bench calibrate on {self.where}: {what}; {how or self.how}"
+
+    def fact(self, what: str) -> str:
+        return f"upipe-bench calibrate on {self.where}: {what}"
+
+    def borrowed(self, const: dict, name: str, why: str) -> dict:
+        return _c(const["value"], f"not measured by upipe-bench calibrate on {self.where} "
+                                  f"({why}): from profile {name} ({const['source']})")
+
+
+def _borrow(tree, src: _Sources, name: str, why: str):
+    """``tree`` of a profile's raw JSON with each constant's source saying where it came from."""
+    if isinstance(tree, dict) and "value" in tree:
+        return src.borrowed(tree, name, why)
+    return {k: _borrow(v, src, name, why) for k, v in tree.items()}
+
+
+def _raw_profile(name: str) -> tuple[str, dict]:
+    """(name, raw JSON with its sources) of a profile, validated by ``load_profile``."""
+    profile = load_profile(name)
+    return profile.name, json.loads(Path(profile.path).read_text())
+
+
+def _compute_fields(rates: dict, src: _Sources, grid: Grid, device: str, dtypes) -> dict:
+    tf32 = (f"; TF32 {'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'} for fp32"
+            if device == "cuda" else "")
+    # keyed as the time model reads the table: the side of the cube of the same work
+    side = {x: round((max(grid.matmul_m, x) * x * x) ** (1 / 3)) for x in grid.matmul_x}
+    matmul = {name: _c([[side[x], rates["matmul", name, x]] for x in grid.matmul_x],
+                       src.measured(f"(M x x) @ (x x x) {name} matmuls, M = max({grid.matmul_m}"
+                                    f", x), 2*M*x*x FLOPs, key (M x x)^(1/3){tf32}"))
+              for name in dtypes}
+    tables: dict = {}
+    for key, rate in rates.items():
+        if key[0] == "attention":
+            _, kernel, dtype, pass_, d, s = key
+            by_pass = tables.setdefault(kernel, {}).setdefault(dtype, {})
+            by_pass.setdefault(pass_, {}).setdefault(str(d), []).append([s, rate])
+    heads = ("2048 / head_dim heads" if device == "cuda"
+             else f"{attention_heads(device, grid.head_dims[0])} heads")
+    attention = {kernel: {dtype: {pass_: _c(by_dim, src.measured(
+        f"upipe.kernels.attention_forward/attention_backward, kernel {kernel}, {dtype}, "
+        f"{pass_}, B = 1, {heads}, S_q = S_k = seq_k, FLOPs by profile.attention_flops"))
+        for pass_, by_dim in by_pass.items()} for dtype, by_pass in by_dtype.items()}
+        for kernel, by_dtype in tables.items()}
+    size = format_size(grid.stream_bytes) + "B"
+    if device == "cpu":
+        copy = {c: _c(rates["host_copy", c], src.measured(
+            f"no device on CPU: a memcpy between two CPU tensors ({size}, the memory-bandwidth "
+            "copy), bytes copied / time, for every direction and host memory"))
+            for c in HOST_COPIES}
+    else:
+        copy = {c: _c(rates["host_copy", c], src.measured(
+            f"{c}: a {size} copy between a {c.split('_')[1]} host tensor and the GPU, bytes / "
+            "time")) for c in HOST_COPIES}
+    return {
+        "matmul": matmul, "attention": attention, "host_copy": copy,
+        "memory_bandwidth": _c(rates["memory_bandwidth",], src.measured(
+            f"Tensor.copy_ of a {size} fp32 tensor, bytes read + written / time")),
+        "launch_overhead_s": _c(rates["launch_overhead_s",], src.measured(
+            "torch.add of two 1-element tensors into a third, seconds per op (looped)")),
+    }
+
+
+def _peak_flops(matmul: dict, src: _Sources, device: str, device_name: str) -> dict:
+    """The datasheet peak where a shipped profile is this GPU's, else the best measured rate."""
+    sheet = DATASHEETS.get(device_name) if device == "cuda" else None
+    sheet = sheet if sheet in shipped_profiles() else None
+    raw = _raw_profile(sheet)[1]["peak_flops"] if sheet else {}
+    out = {}
+    for dtype, table in matmul.items():
+        if dtype in raw:
+            out[dtype] = src.borrowed(raw[dtype], sheet, f"the datasheet peak of {device_name}")
+        else:
+            why = "CPU: no datasheet peak" if device == "cpu" else "no shipped datasheet peak"
+            out[dtype] = _c(max(r for _, r in table["value"]), src.measured(
+                f"{why}; the best rate of matmul.{dtype} (see its source)"))
+    return out
+
+
+def _collective_fields(comm: dict | None, world: int, backend: str, src: _Sources, grid: Grid,
+                       base: tuple[str, dict] | None) -> dict:
+    if comm is None:  # one rank: nothing to measure
+        name, raw = base
+        return _borrow(raw["collectives"], src, name, "one rank: no collectives to time")
+    how = (f"median of {grid.repeats} repeats of back-to-back calls, the slowest of the "
+           f"{world} ranks' times")
+    intra = {}
+    for op, pts in comm.items():
+        latency, bandwidth = fit_latency_bandwidth([(b * bus_factor(op, world), t)
+                                                    for b, t in pts])
+        points = ", ".join(f"{format_size(b)}B: {t:.3g} s" for b, t in pts)
+        intra[op] = _c({"bus_bandwidth": bandwidth, "latency_s": latency}, src.measured(
+            f"{op}: {CALLS[op]}, on {world} {backend} ranks, fp32 payloads per rank ({points}); "
+            "time = latency + bus bytes / bus bandwidth fitted by least squares on the relative "
+            f"error, bus bytes = {bus_factor(op, world):.3g} x payload (nccl-tests "
+            "PERFORMANCE.md)",
+            how))
+    if base is not None:
+        name, raw = base
+        inter = _borrow(raw["collectives"]["inter"], src, name, "one node: no inter-node link")
+    else:
+        inter = {op: _c(c["value"], f"not measured by upipe-bench calibrate (one node: no "
+                                    f"inter-node link): a copy of collectives.intra.{op}, "
+                                    f"{c['source']}") for op, c in intra.items()}
+    return {"intra": intra, "inter": inter}
+
+
+def _device_fields(device: str, src: _Sources) -> dict:
+    if device == "cuda":
+        mem = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return {
+            "device": _c("cuda", src.fact("rates timed on the CUDA kernel paths")),
+            "side_streams": _c(True, src.fact("CUDA streams: copies and collectives issued on "
+                                              "side streams run beside the compute stream")),
+            "gpu_mem_gib": _c(mem / 2**30, src.fact("torch.cuda.get_device_properties()."
+                                                    "total_memory of GPU 0")),
+        }
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "device": _c("cpu", src.fact("rates timed on the CPU kernel paths")),
+        "side_streams": _c(False, src.fact("CPU ops run on the calling thread; there are no "
+                                           "streams")),
+        "gpu_mem_gib": _c(mem / 2**30, src.fact("the host's physical memory (sysconf), shared "
+                                                "by its ranks")),
+    }
+
+
+def _checked(nproc: int, device: str | None, dtypes) -> str:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda': no CUDA device is available here")
+    unknown = sorted(set(dtypes) - set(DTYPES))
+    if unknown or not dtypes:
+        raise ValueError(f"dtypes must be a non-empty subset of {list(DTYPES)}, got {dtypes!r}")
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    if nproc == 1 and device == "cpu":
+        raise ValueError("calibrate on CPU needs nproc >= 2: the collectives are timed between "
+                         "gloo ranks on this host, and no shipped profile has CPU collectives")
+    if device == "cuda" and nproc > torch.cuda.device_count():
+        raise ValueError(f"nproc ({nproc}) must be at most the GPUs here "
+                         f"({torch.cuda.device_count()}): one rank per GPU")
+    return device
+
+
+def calibrate(nproc: int = 1, device: str | None = None, dtypes=("fp32", "bf16"),
+              quick: bool = False, base: str | None = None) -> dict:
+    """A hardware profile (``profile.py``'s JSON object) measured on this machine.
+
+    Args:
+        nproc: ranks timed at once (one per GPU on CUDA; gloo ranks sharing the cores on CPU,
+            ``threads_per_rank(nproc)`` threads each); collectives are measured among them. One
+            rank (CUDA only) takes the collectives from ``base``.
+        device: "cuda" or "cpu"; default cuda when available.
+        dtypes: names from ``DTYPES`` for the matmul and attention rates.
+        quick: a small grid (seconds; for tests).
+        base: a shipped profile (name or path) for what one node cannot measure: the inter-node
+            collectives, and with one rank all collectives (default ``BASE_ON_CUDA`` then).
+    """
+    device = _checked(nproc, device, dtypes)
+    dtypes = tuple(dtypes)
+    if nproc == 1:
+        base = base or BASE_ON_CUDA
+    base_raw = _raw_profile(base) if base else None  # fails before minutes of timing
+    t0, load0 = time.monotonic(), os.getloadavg()[0]
+    grid, kernels = GRIDS[device, quick], attention_kernels(device)
+    threads = threads_per_rank(nproc) if nproc > 1 else torch.get_num_threads()
+    if nproc == 1:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        rates, comm = _measure_compute(grid, dev, dtypes, kernels, lambda: None), None
+    else:
+        every, comm = _spawn(nproc, device, dtypes, kernels, grid, threads)
+        rates = {k: statistics.median(r[k] for r in every) for k in every[0]}
+    prov = provenance()
+    name = prov["gpu_name"] or prov["cpu_model"]
+    where = f"{prov['hostname']}, {name}, torch {prov['torch_version']}, {prov['date_utc']}"
+    src = _Sources(where, f"median of up to {grid.repeats} repeats after a warm-up call (short "
+                          f"ops looped for {grid.min_s * 1e3:g} ms per repeat, calls over "
+                          f"{grid.budget_s / 2:g} s timed once); {nproc} rank(s) timing at once, "
+                          f"{threads} thread(s) each, median over ranks")
+    compute = _compute_fields(rates, src, grid, device, dtypes)
+    backend = "nccl" if device == "cuda" else "gloo"
+    # load averages flag other work on the machine while it was timed (noise in every rate)
+    settings = (f"nproc={nproc} threads_per_rank={threads} quick={quick} dtypes={list(dtypes)} "
+                f"kernels={list(kernels)} base={base} wall_s={time.monotonic() - t0:.0f} "
+                f"load_avg_1min={load0:.2f}->{os.getloadavg()[0]:.2f}")
+    return {
+        "name": f"calibrated-{prov['hostname']}",
+        "description": f"measured by upipe-bench calibrate on {where} ({nproc} rank(s))",
+        **_device_fields(device, src),
+        "peak_flops": _peak_flops(compute["matmul"], src, device, name),
+        **compute,
+        "collectives": _collective_fields(comm, nproc, backend, src, grid, base_raw),
+        "provenance": {k: None if v is None else str(v) for k, v in prov.items()}
+        | {"calibrate": settings},
+    }
+
+
+def write_profile(profile: dict, path) -> None:
+    """Write ``profile`` (from ``calibrate``) as JSON at ``path``, atomically, after checking
+    that ``load_profile`` accepts it (a profile that would not load is never written)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        check = Path(tmp) / "profile.json"
+        check.write_text(json.dumps(profile))
+        load_profile(str(check))  # a fresh path: never in load_profile's cache
+    write_json(Path(path), profile)

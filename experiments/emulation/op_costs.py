@@ -1,0 +1,255 @@
+"""What each op of an emulated step asks of the hardware, by window of the step (DESIGN.md §9).
+
+``StepWork`` is a dispatch mode that runs beside the ``MemoryTracker`` in the fake-tensor step
+and sorts every op into *work*: FLOPs of matmuls and of attention kernels, bytes of memory-bound
+kernels, kernel launches, bytes of collectives and of host<->device copies. Work, not time:
+FLOPs, bytes and counts are polynomials in the sequence length on the fit's lattice (quadratic
+at most), so the fit (``fit``) predicts them at paper scale exactly, and ``time_model`` prices
+them with a hardware profile at the target's own shapes.
+
+Work is kept per *window*: ``(stage, block)``, the step's stage (forward, backward, optimizer;
+the tracker's outermost phase) and the transformer block the op ran in (the innermost
+``layers.i`` phase label; None outside the blocks: embedding, loss, optimizer). Keys of a
+window's ``Counter``:
+
+    ("matmul", dtype, (m, n, k))                  FLOPs of (m x k) @ (k x n) products
+    ("attention", kernel, dtype, pass, d, (s_k,)) FLOPs as ``profile.attention_flops`` counts
+    ("memory",)                                   bytes read + written by memory-bound kernels
+    ("kernels",)                                  kernel launches
+    ("comm", mechanism, op, scope)                bytes this rank sends (bus bytes)
+    ("comm_calls", mechanism, op, scope)          calls
+    ("copy", mechanism, direction)                host<->device bytes (direction h2d / d2h)
+
+The mechanism says how the code runs it, which decides its overlap (``time_model``):
+
+- collectives: ``fsdp`` (FSDP2's all-gathers and reduce-scatters), ``p2p`` (send / recv: the
+  ring rotation, ``upipe/ring.py``), ``blocking`` (everything else: the Ulysses and UPipe
+  all-to-alls, ``upipe/comm.py``, issued and waited on the compute stream);
+- copies: ``side`` (``upipe.host.HostStore.write`` / ``prefetch``, on its side stream), ``sync``
+  (the ALST stack's offloaded checkpoints, ``experiments/harness/offload.py``, and
+  ``HostStore.get`` without prefetch: on the compute stream).
+
+Ops that launch no kernel are skipped: views, allocations (``empty``), metadata queries. Ops on
+host tensors only (zeroing a host accumulator) run on the CPU beside the GPU and are not priced.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter, defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from experiments.emulation.profile import attention_flops
+from experiments.instruments.collectives import describe_collective
+from experiments.instruments.memory import HOST, MemoryTracker, plain_tensors, tensor_leaves
+
+Window = tuple[str, int | None]
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+# c10d op -> the profile's collective op
+COLLECTIVE_OPS = {
+    "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "allgather_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+    "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "send": "p2p", "recv_": "p2p",
+    "recv_any_source_": "p2p",
+    # a broadcast relays the tensor along a ring or tree, as an all-gather moves its pieces
+    "broadcast_": "all_gather",
+}
+
+_aten = torch.ops.aten
+_MATMUL = {_aten.mm.default: (0, 1), _aten.addmm.default: (1, 2), _aten.bmm.default: (0, 1),
+           _aten.baddbmm.default: (1, 2)}  # op -> positions of its two factors
+# Allocation-only ops: the caching allocator hands out memory, no kernel runs.
+_NO_KERNEL = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
+              _aten.new_empty.default, _aten.new_empty_strided.default,
+              _aten._local_scalar_dense.default, _aten.lift_fresh.default,
+              _aten.record_stream.default}
+
+
+def _attention_op(func) -> tuple[str, str, bool] | None:
+    """(kernel name, pass, layout "bhsd" | "bshd") of an attention kernel op, else None."""
+    name = f"{func.namespace}::{func._opname}"
+    return _ATTENTION_OPS.get(name)
+
+
+_ATTENTION_OPS = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu": ("sdpa", "fwd", "bhsd"),
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": ("sdpa", "bwd", "bhsd"),
+    "aten::_scaled_dot_product_flash_attention": ("sdpa", "fwd", "bhsd"),
+    "aten::_scaled_dot_product_flash_attention_backward": ("sdpa", "bwd", "bhsd"),
+    "aten::_scaled_dot_product_efficient_attention": ("sdpa", "fwd", "bhsd"),
+    "aten::_scaled_dot_product_efficient_attention_backward": ("sdpa", "bwd", "bhsd"),
+    "upipe_emul::flash_fwd": ("flash-attn", "fwd", "bshd"),
+    "upipe_emul::flash_bwd": ("flash-attn", "bwd", "bshd"),
+    "upipe_emul::fa3_fwd": ("fa3", "fwd", "bshd"),
+    "upipe_emul::fa3_bwd": ("fa3", "bwd", "bshd"),
+}
+
+
+def _bound(func, args, kwargs) -> dict:
+    schema = func._schema.arguments
+    return {a.name: v for a, v in zip(schema, args, strict=False)} | kwargs
+
+
+def _called_from(path_part: str, functions: tuple[str, ...] = ()) -> bool:
+    """Whether a frame on the Python stack is in a file whose path contains ``path_part`` (and,
+    if given, in one of ``functions``). Asked only for collectives and host copies: a few per
+    block, not per op."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if path_part in code.co_filename.replace("\\", "/") and (
+                not functions or code.co_name in functions):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _fsdp_unit() -> tuple[bool, int | None]:
+    """(whether FSDP2 issued the current collective, the block index of its unit: None for the
+    root). FSDP2 issues a unit's all-gather from ``FSDPParamGroup.unshard`` (possibly while
+    another block runs: prefetch) and its reduce-scatter from ``post_backward``; the unit is the
+    param group's ``_module_fqn`` (``layers.3``; ``""`` for the root). Private API, present from
+    torch 2.5 to 2.13."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if "fsdp/_fully_shard/_fsdp_param_group" in frame.f_code.co_filename.replace("\\", "/"):
+            fqn = getattr(frame.f_locals.get("self"), "_module_fqn", None)
+            if fqn is not None:
+                head, _, rest = fqn.partition(".")
+                return True, int(rest.partition(".")[0]) if head == "layers" and rest else None
+        frame = frame.f_back
+    return False, None
+
+
+def _nbytes(tensors) -> int:
+    return sum(p.numel() * p.element_size() for t in tensors for p in plain_tensors(t))
+
+
+class StepWork(TorchDispatchMode):
+    """Sorts the ops run while active into work per window (see the module).
+
+    Args:
+        tracker: the step's ``MemoryTracker`` (its phase labels give the window, its storage
+            kinds tell host from device tensors).
+        gpus_per_node: ranks per node, to tell a group inside a node from one across nodes.
+
+    Attributes:
+        windows: {window: Counter(work key -> FLOPs, bytes or count)}.
+        order: windows in the order they first ran.
+    """
+
+    def __init__(self, tracker: MemoryTracker, gpus_per_node: int):
+        super().__init__()
+        self.tracker, self.gpus_per_node = tracker, gpus_per_node
+        self.windows: dict[Window, Counter] = defaultdict(Counter)
+        self.order: list[Window] = []
+
+    # -- where an op runs ----------------------------------------------------------------------
+
+    def _window(self, block: int | None | bool = False) -> Counter:
+        """The current window's work (``block``: that block's window in the current stage
+        instead of the one the labels say)."""
+        key = self.tracker.phase_key
+        stage = key[0] if key else "setup"
+        if block is False:
+            block = next((int(n[len("layers."):].partition(":")[0]) for n in key
+                          if n.startswith("layers.")), None)
+        window = (stage, block)
+        if window not in self.windows:
+            self.order.append(window)
+        return self.windows[window]
+
+    def _scope(self, group, peer: int | None) -> str:
+        """"intra" if the ranks this rank talks to share its node, else "inter"."""
+        ranks = dist.get_process_group_ranks(group)
+        me = ranks[group.rank()]
+        peers = ranks if peer is None else [ranks[peer]]
+        node = me // self.gpus_per_node
+        return "intra" if all(r // self.gpus_per_node == node for r in peers) else "inter"
+
+    # -- dispatch ------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace == "c10d":
+            self._collective(func, args, kwargs)
+        elif not func.is_view and func not in _NO_KERNEL and func.namespace != "prim":
+            self._kernel(func, args, kwargs, out)
+        return out
+
+    def _collective(self, func, args, kwargs) -> None:
+        call = describe_collective(func, args, kwargs)
+        if call is None:
+            return
+        op = COLLECTIVE_OPS[call.op]
+        fsdp, unit = (False, None) if op == "p2p" else _fsdp_unit()
+        if fsdp:  # counted in its unit's window: the overlap rules place it from there
+            mechanism, w = "fsdp", self._window(unit)
+        else:
+            mechanism, w = ("p2p" if op == "p2p" else "blocking"), self._window()
+        scope = self._scope(call.group, call.peer)
+        w["comm", mechanism, op, scope] += call.sent
+        if call.sent or op != "p2p":  # a ring step's send and receive are one transfer
+            w["comm_calls", mechanism, op, scope] += 1
+
+    def _kernel(self, func, args, kwargs, out) -> None:
+        ins = tensor_leaves((args, kwargs), [])
+        outs = tensor_leaves(out, [])
+        if not ins and not outs:
+            return
+        kinds = {self.tracker.kind(t) for t in ins + outs}
+        if HOST in kinds:
+            self._host_op(func, args, ins, outs, kinds)
+            return
+        w = self._window()
+        w["kernels",] += 1
+        attention = _attention_op(func)
+        if attention is not None:
+            self._attention(func, args, kwargs, attention, w)
+        elif func in _MATMUL:
+            i, j = _MATMUL[func]
+            a, b = args[i], args[j]
+            m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+            flops = flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
+            w["matmul", DTYPE_NAMES.get(a.dtype, str(a.dtype)), (m, n, k)] += flops
+        else:
+            w["memory",] += _nbytes(ins) + _nbytes(outs)
+
+    def _attention(self, func, args, kwargs, attention, w: Counter) -> None:
+        kernel, pass_, layout = attention
+        b = _bound(func, args, kwargs)
+        q = b.get("query", b.get("q"))
+        k = b.get("key", b.get("k"))
+        causal = bool(b.get("is_causal", b.get("causal", False)))
+        if layout == "bhsd":
+            bsz, h, s_q, d = q.shape
+            s_k = k.shape[2]
+        else:
+            bsz, s_q, h, d = q.shape
+            s_k = k.shape[1]
+        full = f"{pass_}_causal" if causal else pass_
+        w["attention", kernel, DTYPE_NAMES.get(q.dtype, str(q.dtype)), full, d, (s_k,)] += (
+            attention_flops(bsz, h, s_q, s_k, d, full))
+
+    def _host_op(self, func, args, ins, outs, kinds) -> None:
+        """A copy between host and device (or an op on host tensors only, not priced)."""
+        if kinds <= {HOST, None}:
+            return
+        w = self._window()
+        if func is _aten.copy_.default:  # into its first argument
+            direction = "d2h" if self.tracker.kind(args[0]) == HOST else "h2d"
+            nbytes = _nbytes([args[0]])
+        else:  # a device tensor made from a host one (clone, _to_copy)
+            direction, nbytes = "h2d", _nbytes(outs)
+        side = _called_from("upipe/host.py", ("write", "prefetch"))
+        w["copy", "side" if side else "sync", direction] += nbytes
+

@@ -1,0 +1,295 @@
+"""Hardware profiles for the time model (DESIGN.md §9): rates as data, each with its source.
+
+A profile is a JSON file: the shipped ones in ``experiments/emulation/profiles/`` (named by file
+stem: ``h100-sxm``, ``h200``, ``a100-80gb``), or one written by ``upipe-bench calibrate``
+(selected by path). Every number is a *constant*: an object ``{"value": ..., "source": "..."}``
+whose source names where the value comes from (a datasheet, a paper's figure, an issue thread
+with a measurement, or ``upipe-bench calibrate`` on a named machine). A number outside a
+constant, or a constant without a source, is refused on load.
+
+Schema (``value`` of each constant)::
+
+    name, description                  strings (not constants)
+    device                             "cuda" | "cpu" (the kernel paths the rates are for)
+    gpu_mem_gib                        device memory visible to the allocator, GiB
+    side_streams                       bool: copies/collectives on side streams run beside
+                                       compute (CUDA streams); False: everything is serial
+    peak_flops.<dtype>                 dense matmul peak, FLOP/s: the MFU denominator
+    matmul.<dtype>                     [[x, FLOP/s], ...], x = (m n k)^(1/3) of the product:
+                                       the side of the square product of the same work
+                                       (tables are measured on N x N x N products)
+    attention.<kernel>.<dtype>.<pass>  {"<head_dim>": [[seq_k, FLOP/s], ...], ...}; pass in
+                                       fwd, bwd, fwd_causal, bwd_causal (causal rates count
+                                       the causal FLOPs, half the dense ones, as the
+                                       FlashAttention papers do); kernel in sdpa, flash-attn,
+                                       fa3, math
+    memory_bandwidth                   bytes/s that memory-bound kernels reach (read + write)
+    launch_overhead_s                  seconds a kernel occupies its stream at the least
+    collectives.<scope>.<op>           {"bus_bandwidth": bytes/s, "latency_s": s}; scope intra
+                                       (ranks in one node) or inter (across nodes); op in
+                                       all_to_all, all_gather, reduce_scatter, all_reduce, p2p;
+                                       bus bandwidth as nccl-tests defines it (PERFORMANCE.md)
+    host_copy.<direction>_<memory>     bytes/s; direction h2d or d2h, memory pinned or pageable
+
+Tables are interpolated linearly in log2(x) and held flat beyond their ends.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+DEFAULT_PROFILE = "h100-sxm"  # the paper's GPU (arXiv 2602.21196, §5: 8x H100 80 GB per node)
+COLLECTIVE_OPS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "p2p")
+SCOPES = ("intra", "inter")
+PASSES = ("fwd", "bwd", "fwd_causal", "bwd_causal")
+HOST_COPIES = ("h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable")
+REQUIRED = ("device", "gpu_mem_gib", "side_streams", "peak_flops", "matmul", "attention",
+            "memory_bandwidth", "launch_overhead_s", "collectives", "host_copy")
+
+
+def attention_flops(b: int, h: int, s_q: int, s_k: int, d: int, pass_: str) -> float:
+    """FLOPs of one attention call in the convention the profiles' attention rates use: the
+    FlashAttention papers' (arXiv 2205.14135 §4, 2407.08608 §4.1): forward 4 * B * H * S_q * S_k
+    * D (two matmuls), backward 2.5x the forward (torch.utils.flop_counter's SDPA formulas count
+    the same), a causal pass half of that (``pass_`` in PASSES)."""
+    fwd = 4.0 * b * h * s_q * s_k * d
+    total = fwd * (2.5 if pass_.startswith("bwd") else 1.0)
+    return total / 2 if pass_.endswith("_causal") else total
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used: unknown name, unreadable file, or a field that breaks a
+    rule (the message names the field)."""
+
+
+def _strip(tree, path: str):
+    """The tree with every constant replaced by its value; raises on a number outside a
+    constant or a constant without a source."""
+    if isinstance(tree, dict) and "value" in tree:
+        source = tree.get("source")
+        if not isinstance(source, str) or not source.strip():
+            raise ProfileError(f"{path}: a constant needs a non-empty 'source' (where the value "
+                               "comes from)")
+        return tree["value"]
+    if isinstance(tree, dict):
+        return {k: _strip(v, f"{path}.{k}" if path else k) for k, v in tree.items()}
+    if isinstance(tree, (int, float, list)) and not isinstance(tree, bool):
+        raise ProfileError(f"{path}: {tree!r} is a number without a source; write it as "
+                           '{"value": ..., "source": "..."}')
+    return tree
+
+
+def _table(points, field: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    try:
+        pts = sorted((float(x), float(y)) for x, y in points)
+    except (TypeError, ValueError):
+        raise ProfileError(f"{field}: must be a list of [x, value] pairs") from None
+    if not pts or any(x <= 0 or y <= 0 for x, y in pts):
+        raise ProfileError(f"{field}: must be a non-empty list of positive [x, value] pairs")
+    return tuple(x for x, _ in pts), tuple(y for _, y in pts)
+
+
+def _interp(table: tuple[tuple[float, ...], tuple[float, ...]], x: float) -> float:
+    xs, ys = table
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, x)
+    t = (math.log2(x) - math.log2(xs[i - 1])) / (math.log2(xs[i]) - math.log2(xs[i - 1]))
+    return ys[i - 1] + t * (ys[i] - ys[i - 1])
+
+
+def _positive(value, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ProfileError(f"{field}: must be a positive number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, eq=False)  # identity hash: cached lookups per loaded profile
+class Profile:
+    """One hardware profile, validated; rates are looked up by the methods below."""
+
+    name: str
+    path: str
+    values: dict  # the JSON with every constant replaced by its value
+
+    # --- lookups ----------------------------------------------------------------------------
+
+    @property
+    def device(self) -> str:
+        return self.values["device"]
+
+    @property
+    def side_streams(self) -> bool:
+        return bool(self.values["side_streams"])
+
+    @property
+    def gpu_mem_gib(self) -> float:
+        return float(self.values["gpu_mem_gib"])
+
+    @property
+    def memory_bandwidth(self) -> float:
+        return float(self.values["memory_bandwidth"])
+
+    @property
+    def launch_overhead_s(self) -> float:
+        return float(self.values["launch_overhead_s"])
+
+    def peak_flops(self, dtype: str) -> float | None:
+        """The dense matmul peak for ``dtype`` (MFU's denominator), None if the profile has none."""
+        v = self.values["peak_flops"].get(dtype)
+        return None if v is None else float(v)
+
+    def matmul_rate(self, dtype: str, m: int, n: int, k: int) -> float:
+        """FLOP/s of an (m x k) @ (k x n) product in ``dtype``: the rate of the square product
+        of the same work, (m n k)^(1/3) on a side (a long-and-thin product of many tokens runs
+        at a large square one's rate; a small one is launch-bound as a small square one is)."""
+        return _interp(self._matmul(dtype), (m * n * k) ** (1 / 3))
+
+    def attention_rate(self, kernel: str, dtype: str, pass_: str, head_dim: int,
+                       seq_k: int) -> float:
+        """FLOP/s of an attention call (``pass_`` in PASSES), counted as the rate's pass counts
+        them; a causal pass without its own table takes the non-causal one's rate."""
+        by_pass = self._attention(kernel, dtype)
+        if pass_ not in by_pass:
+            pass_ = pass_.removesuffix("_causal")
+        by_dim = by_pass[pass_]
+        # the nearest measured head dim (log distance): rates grow with the head dim
+        dim = min(by_dim, key=lambda d: abs(math.log2(d) - math.log2(head_dim)))
+        return _interp(by_dim[dim], seq_k)
+
+    def collective(self, op: str, scope: str) -> tuple[float, float]:
+        """(bus bandwidth bytes/s, latency s) of ``op`` within ``scope`` (intra / inter)."""
+        c = self.values["collectives"][scope][op]
+        return float(c["bus_bandwidth"]), float(c["latency_s"])
+
+    def host_copy(self, direction: str, pinned: bool) -> float:
+        """Bytes/s of a host<->device copy (``direction`` h2d or d2h)."""
+        return float(self.values["host_copy"][f"{direction}_{'pinned' if pinned else 'pageable'}"])
+
+    # --- validation -------------------------------------------------------------------------
+
+    def _matmul(self, dtype: str):
+        tables = self._tables
+        if ("matmul", dtype) not in tables:
+            raise ProfileError(f"profile {self.name!r}: matmul has no {dtype!r} rates (has "
+                               f"{sorted(self.values['matmul'])})")
+        return tables[("matmul", dtype)]
+
+    def _attention(self, kernel: str, dtype: str) -> dict:
+        att = self._tables.get(("attention", kernel, dtype))
+        if att is None:
+            have = {k: sorted(v) for k, v in self.values["attention"].items()}
+            raise ProfileError(f"profile {self.name!r}: attention has no rates for kernel "
+                               f"{kernel!r} in {dtype!r} (has {have})")
+        return att
+
+    @property
+    def _tables(self) -> dict:
+        return _parsed_tables(self)
+
+    def validate(self) -> None:
+        """Raise ProfileError naming the first field that breaks a rule."""
+        v = self.values
+        missing = [f for f in REQUIRED if f not in v]
+        if missing:
+            raise ProfileError(f"profile {self.name!r} ({self.path}) lacks {', '.join(missing)}")
+        if v["device"] not in ("cuda", "cpu"):
+            raise ProfileError(f"device: must be 'cuda' or 'cpu', got {v['device']!r}")
+        if not isinstance(v["side_streams"], bool):
+            raise ProfileError(f"side_streams: must be true or false, got {v['side_streams']!r}")
+        for f in ("gpu_mem_gib", "memory_bandwidth", "launch_overhead_s"):
+            _positive(v[f], f)
+        for dtype, peak in v["peak_flops"].items():
+            _positive(peak, f"peak_flops.{dtype}")
+        for scope in SCOPES:
+            for op in COLLECTIVE_OPS:
+                field = f"collectives.{scope}.{op}"
+                c = v["collectives"].get(scope, {}).get(op)
+                if not isinstance(c, dict):
+                    raise ProfileError(f"{field}: missing (bus_bandwidth and latency_s)")
+                _positive(c.get("bus_bandwidth"), f"{field}.bus_bandwidth")
+                if not isinstance(c.get("latency_s"), (int, float)) or c["latency_s"] < 0:
+                    raise ProfileError(f"{field}.latency_s: must be a number >= 0")
+        for name in HOST_COPIES:
+            _positive(v["host_copy"].get(name), f"host_copy.{name}")
+        _parsed_tables(self)  # the tables' own rules
+
+
+@cache
+def _parsed_tables(profile: Profile) -> dict:
+    out = {}
+    for dtype, pts in profile.values["matmul"].items():
+        out[("matmul", dtype)] = _table(pts, f"matmul.{dtype}")
+    for kernel, by_dtype in profile.values["attention"].items():
+        for dtype, by_pass in by_dtype.items():
+            parsed = {}
+            for pass_, by_dim in by_pass.items():
+                field = f"attention.{kernel}.{dtype}.{pass_}"
+                if pass_ not in PASSES:
+                    raise ProfileError(f"{field}: pass must be one of {list(PASSES)}")
+                if not isinstance(by_dim, dict) or not by_dim:
+                    raise ProfileError(f"{field}: must map head dims to [[seq_k, FLOP/s], ...]")
+                try:
+                    parsed[pass_] = {int(d): _table(t, f"{field}.{d}") for d, t in by_dim.items()}
+                except ValueError as e:
+                    if isinstance(e, ProfileError):
+                        raise
+                    raise ProfileError(f"{field}: head dims must be integers") from None
+            for need in ("fwd", "bwd"):
+                if need not in parsed:
+                    raise ProfileError(f"attention.{kernel}.{dtype}: lacks the {need!r} pass")
+            out[("attention", kernel, dtype)] = parsed
+    return out
+
+
+def shipped_profiles() -> list[str]:
+    """Names of the profiles shipped with the suite."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+@cache
+def load_profile(name_or_path: str) -> Profile:
+    """The profile named ``name_or_path`` (a shipped profile's name) or at that path (a
+    ``.json`` file, e.g. from ``upipe-bench calibrate``), validated."""
+    path = Path(name_or_path)
+    if name_or_path.endswith(".json") or path.is_file():
+        if not path.is_file():
+            raise ProfileError(f"hardware profile file {name_or_path!r} does not exist")
+    else:
+        path = PROFILE_DIR / f"{name_or_path}.json"
+        if not path.is_file():
+            raise ProfileError(f"hardware profile must be one of {shipped_profiles()} or a path "
+                               f"to a profile .json, got {name_or_path!r}")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ProfileError(f"hardware profile {str(path)!r} is not readable JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ProfileError(f"hardware profile {str(path)!r}: must be a JSON object")
+    name = raw.get("name") or path.stem
+    values = {k: v for k, v in raw.items() if k not in ("name", "description")}
+    profile = Profile(name=name, path=str(path), values=_strip(values, ""))
+    profile.validate()
+    return profile
+
+
+def profile_for(hw) -> Profile | None:
+    """The time model's profile for the emulated ``Hardware``: its ``profile``, by default
+    ``h100-sxm`` on an emulated cuda device and none on cpu (no emulated time). Raises
+    ProfileError when the profile is for another device than the one emulated."""
+    name = hw.profile or (DEFAULT_PROFILE if hw.device == "cuda" else None)
+    if name is None:
+        return None
+    profile = load_profile(name)
+    if profile.device != hw.device:
+        raise ProfileError(f"hardware profile {profile.name!r} is for a {profile.device} "
+                           f"device, but the emulated device is {hw.device!r}")
+    return profile

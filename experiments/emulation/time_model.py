@@ -1,0 +1,147 @@
+"""The emulated step's duration: work priced on a hardware profile, overlapped as the code runs
+it (DESIGN.md §9).
+
+Prices (``profile.Profile``): a matmul takes FLOPs / rate(dtype, (m n k)^(1/3)); an attention
+kernel FLOPs / rate(kernel, dtype, pass, head dim, key length); a memory-bound kernel bytes /
+memory bandwidth; every kernel also occupies its stream for the launch overhead; a collective
+latency x calls + bus bytes / bus bandwidth of its op within or across nodes; a host copy bytes
+/ the PCIe rate of its direction, pinned or pageable.
+
+Overlap, per mechanism (``op_costs`` sorts the work by mechanism), on a profile with side
+streams (CUDA); without them (a CPU) everything runs one after the other:
+
+- the compute stream runs a window's kernels, its ``blocking`` collectives (the Ulysses and
+  UPipe all-to-alls, ``upipe/comm.py``: issued and waited on the compute stream) and its
+  ``sync`` copies (the ALST stack's offloaded checkpoints, ``experiments/harness/offload.py``:
+  ``copy_`` / ``.to`` on the current stream);
+- ring P2P (``upipe/ring.py``: the next block's K/V are sent with ``batch_isend_irecv`` before
+  the current block's attention, waited on after it) runs beside the window's attention kernels:
+  only what exceeds them is exposed;
+- ``side`` copies (``upipe/host.py``: FPDT's chunk offload and prefetch on a side stream) run
+  beside the window's compute: only what exceeds it is exposed;
+- FSDP2 (``torch.distributed.fsdp``, separate all-gather and reduce-scatter streams): a unit's
+  all-gather runs beside the window before it in execution order (forward: the CPU issues it
+  while the previous block computes; backward: FSDP2's default backward prefetch), its
+  reduce-scatter beside the window after it; the first all-gather and last reduce-scatter of a
+  stage, and the root unit's, have nothing to hide behind.
+
+The step time is the sum of the windows' compute-stream times plus the exposed FSDP time: the
+critical path of the emulated rank, which the emulator picks to be the slowest one
+(``critical_rank``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from experiments.emulation.profile import Profile
+
+Window = tuple[str, int | None]
+
+
+@dataclass(frozen=True)
+class WindowTime:
+    """Seconds of one window's work by kind, before overlap."""
+
+    matmul: float = 0.0
+    attention: float = 0.0
+    memory: float = 0.0
+    overhead: float = 0.0  # launch overhead of the window's kernels
+    blocking: float = 0.0  # collectives on the compute stream
+    p2p: float = 0.0  # ring rotation
+    fsdp_gather: float = 0.0
+    fsdp_reduce: float = 0.0
+    copy_sync: float = 0.0
+    copy_side: float = 0.0
+
+    @property
+    def compute(self) -> float:
+        return self.matmul + self.attention + self.memory
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The step's critical path and where it goes (seconds); the four parts sum to the step."""
+
+    step_s: float
+    compute_s: float  # kernels' work (matmul, attention, memory-bound)
+    comm_exposed_s: float  # collectives not hidden behind compute
+    offload_exposed_s: float  # host<->device copies not hidden behind compute
+    overhead_s: float  # kernel launch overhead
+    detail: dict  # seconds by kind before overlap (matmul, attention, ..., copy_side)
+
+
+def price(work: Counter, profile: Profile, pinned: bool) -> WindowTime:
+    """The seconds of a window's work (keys of ``op_costs``) on ``profile``; ``pinned``: host
+    buffers are pinned (the harness pins up to ``PIN_MAX_TOKENS``)."""
+    t: Counter = Counter()
+    for key, amount in work.items():
+        kind = key[0]
+        if kind == "matmul":
+            _, dtype, (m, n, k) = key
+            t["matmul"] += amount / profile.matmul_rate(dtype, m, n, k)
+        elif kind == "attention":
+            _, kernel, dtype, pass_, d, (s_k,) = key
+            t["attention"] += amount / profile.attention_rate(kernel, dtype, pass_, d, s_k)
+        elif kind == "memory":
+            t["memory"] += amount / profile.memory_bandwidth
+        elif kind == "kernels":
+            t["overhead"] += amount * profile.launch_overhead_s
+        elif kind in ("comm", "comm_calls"):
+            _, mechanism, op, scope = key
+            bandwidth, latency = profile.collective(op, scope)
+            seconds = amount / bandwidth if kind == "comm" else amount * latency
+            slot = {"p2p": "p2p", "blocking": "blocking"}.get(mechanism)
+            if slot is None:  # fsdp
+                slot = "fsdp_gather" if op == "all_gather" else "fsdp_reduce"
+            t[slot] += seconds
+        elif kind == "copy":
+            _, mechanism, direction = key
+            t[f"copy_{mechanism}"] += amount / profile.host_copy(direction, pinned)
+        else:
+            raise ValueError(f"unknown work key {key!r}")
+    return WindowTime(**t)
+
+
+def _stream_time(w: WindowTime, overlap: bool) -> tuple[float, float, float]:
+    """(compute-stream seconds, exposed comm, exposed copies) of one window, FSDP aside."""
+    if not overlap:
+        comm = w.blocking + w.p2p
+        copies = w.copy_sync + w.copy_side
+    else:
+        comm = w.blocking + max(0.0, w.p2p - w.attention)
+        copies = w.copy_sync + max(0.0, w.copy_side - (w.compute + w.overhead))
+    return w.compute + w.overhead + comm + copies, comm, copies
+
+
+def _neighbour(windows, streams, j: int, stage: str) -> float:
+    """The compute-stream time of window ``j`` if it is a block of ``stage``, else 0: FSDP2
+    overlaps a unit's collectives with the blocks beside it, not with the root's work."""
+    if 0 <= j < len(windows) and windows[j][0][0] == stage and windows[j][0][1] is not None:
+        return streams[j][0]
+    return 0.0
+
+
+def step_time(windows: list[tuple[Window, WindowTime]], profile: Profile) -> StepTime:
+    """Overlap the priced windows (in execution order) by the rules of the module."""
+    overlap = profile.side_streams
+    streams = [_stream_time(w, overlap) for _, w in windows]
+    fsdp = 0.0
+    for i, ((stage, block), w) in enumerate(windows):
+        if not overlap or block is None:
+            fsdp += w.fsdp_gather + w.fsdp_reduce
+            continue
+        before = _neighbour(windows, streams, i - 1, stage)
+        after = _neighbour(windows, streams, i + 1, stage)
+        fsdp += max(0.0, w.fsdp_gather - before) + max(0.0, w.fsdp_reduce - after)
+    detail: Counter = Counter()
+    for _, w in windows:
+        for name in WindowTime.__dataclass_fields__:
+            detail[name] += getattr(w, name)
+    compute = sum(w.compute for _, w in windows)
+    overhead = sum(w.overhead for _, w in windows)
+    comm = sum(s[1] for s in streams) + fsdp
+    copies = sum(s[2] for s in streams)
+    return StepTime(compute + overhead + comm + copies, compute, comm, copies, overhead,
+                    dict(detail))

@@ -1,0 +1,192 @@
+"""What fits on a cluster, and how fast (DESIGN.md §9): ``upipe-bench plan``.
+
+Every configuration a cluster of ``gpus`` GPUs can run a model with at one sequence length:
+each registered method, on each stack level, with each valid mesh (hybrids: ring degree x
+Ulysses degree) and, for UPipe, each valid number of heads per stage U; each emulated on the
+hardware (memory and time, ``emulation.emulate_cell``) and ranked: the configurations that fit
+first, fastest first (tokens/s per GPU), then those that do not fit (and why: device or host),
+then those that cannot be emulated here.
+
+The stack levels form a ladder in device memory (``config.stack``): alst keeps the least on
+the device, then offload and native, then ac, then none (each adds back what a lighter level
+moves off the device or never materialises). A configuration is emulated on alst first; a
+heavier level is not emulated when a lighter level below it on the ladder is over the device
+budget: its row says which one (status ``skipped``). The heavier levels are emulated for their
+memory first; only what fits is emulated again with its work counted, for its time (so those
+that do not fit have no time). Emulations run in ``workers`` processes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from experiments.config import Cell, Hardware, Status, resolve_model, takes_option
+from experiments.emulation.emulate import emulate_cell
+from experiments.harness.launch import unrun
+from upipe.registry import available_methods, get_method
+
+# stack -> the lighter levels (less on the device) that must fit before it is worth emulating
+LADDER: dict[str, tuple[str, ...]] = {
+    "alst": (), "offload": ("alst",), "native": ("alst",), "ac": ("offload", "native"),
+    "none": ("ac",),
+}
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """One planning question: a model, a cluster size and a sequence length."""
+
+    model: str
+    """preset name (the model's shape; a config.json arrives as ``overrides`` of a preset)"""
+    gpus: int
+    """GPUs in the job (the CP degree; FSDP shards over the same ranks)"""
+    seq_len: int
+    """global tokens per step"""
+    overrides: tuple[tuple[str, str], ...] = ()
+    dtype: str = "bf16"
+    kernel: str = "auto"
+    methods: tuple[str, ...] | None = None
+    """None: every registered method"""
+    stacks: tuple[str, ...] = tuple(LADDER)
+    label: str = ""
+    """what the model is called in the rows (a config.json's path; default the preset)"""
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def validate(self) -> None:
+        resolve_model(self.model, self.overrides)
+        if self.gpus < 1:
+            raise ValueError(f"gpus must be >= 1, got {self.gpus}")
+        unknown = [m for m in self.methods or () if m not in available_methods()]
+        if unknown:
+            raise ValueError(f"methods must be among {available_methods()}, got {unknown}")
+        bad = [s for s in self.stacks if s not in LADDER]
+        if bad:
+            raise ValueError(f"stacks must be among {list(LADDER)}, got {bad}")
+
+
+def _meshes(method: str, gpus: int) -> list[int]:
+    """Ring degrees a method can use on ``gpus`` ranks (1 for the non-hybrids)."""
+    if not get_method(method).supports_mesh:
+        return [1]
+    return [r for r in range(1, gpus + 1) if gpus % r == 0]
+
+
+def _variants(spec: PlanSpec, method: str) -> list[Cell]:
+    """The method's valid (mesh, U) configurations on the alst stack (invalid ones dropped:
+    their rule is the method's, not the cluster's)."""
+    cfg = resolve_model(spec.model, spec.overrides)
+    cells = []
+    for ring in _meshes(method, spec.gpus):
+        us = [None]
+        if takes_option(get_method(method), "heads_per_stage"):
+            uly = spec.gpus // ring
+            us = list(range(uly, cfg.n_heads + 1, uly))
+        for u in us:
+            cell = Cell(method=method, model=spec.model, overrides=spec.overrides,
+                        seq_len=spec.seq_len, nproc=spec.gpus, ring_degree=ring,
+                        heads_per_stage=u, dtype=spec.dtype, kernel=spec.kernel, stack="alst",
+                        extra={"plan_model": spec.label or spec.model})
+            try:
+                cell.validate()
+            except ValueError:
+                continue
+            cells.append(cell)
+    return cells
+
+
+def configurations(spec: PlanSpec) -> tuple[list[Cell], list[dict]]:
+    """(the alst cell of every valid method x mesh x U, rows of the methods that have no valid
+    configuration on this cluster with the first rule each breaks)."""
+    spec.validate()
+    cells, invalid = [], []
+    for method in spec.methods or available_methods():
+        variants = _variants(spec, method)
+        if variants:
+            cells += variants
+            continue
+        cell = Cell(method=method, model=spec.model, overrides=spec.overrides,
+                    seq_len=spec.seq_len, nproc=spec.gpus, dtype=spec.dtype, kernel=spec.kernel,
+                    stack="alst", extra={"plan_model": spec.label or spec.model})
+        try:
+            cell.validate()
+            reason = "no valid mesh or heads per stage"
+        except ValueError as e:
+            reason = str(e)
+        invalid.append(unrun(cell, None, Status.INVALID, reason, "emulated"))
+    return cells, invalid
+
+
+def _over_device(row: dict) -> bool:
+    """Whether a row is over the device budget: emulated so (not: over the host budget only,
+    or not emulated for another reason), or left out because a lighter level was."""
+    return ("plan_inferred_from" in row
+            or row["status"] == Status.OOM and "device peak" in row.get("error", ""))
+
+
+def plan_configuration(alst: Cell, hw: Hardware, stacks: tuple[str, ...],
+                       exact: bool = False) -> list[dict]:
+    """Rows of one configuration on each stack of ``stacks``, walking the ladder (see the
+    module): a level is emulated unless a lighter level it depends on is over the device."""
+    rows: dict[str, dict] = {}
+    for stack in LADDER:  # lightest first
+        if stack not in stacks:
+            continue
+        cell = Cell.from_dict(alst.to_dict() | {"stack": stack})
+        blocking = [s for s in LADDER[stack] if s in rows and _over_device(rows[s])]
+        if blocking:
+            rows[stack] = unrun(cell, None, Status.SKIPPED,
+                                f"not emulated: the {blocking[0]} stack keeps less on the device "
+                                "and does not fit it either", "emulated")
+            rows[stack]["plan_inferred_from"] = blocking[0]
+        elif stack == "alst":  # the level most likely to fit: its memory and time at once
+            rows[stack] = emulate_cell(cell, hw, exact=exact)
+        else:
+            # memory first (no work counted: about 40% faster); the time of what fits only
+            rows[stack] = emulate_cell(cell, hw, exact=exact, count=False)
+            if rows[stack]["status"] == Status.OK:
+                rows[stack] = emulate_cell(cell, hw, exact=exact)
+    return list(rows.values())
+
+
+def _order(row: dict) -> tuple:
+    status = row["status"]
+    if status == Status.OK:
+        return (0, -(row.get("tokens_per_s_per_gpu") or 0.0))
+    if status == Status.OOM:
+        return (1, row.get("peak_device_bytes") or 0)
+    return (2 if status == Status.SKIPPED else 3, 0)
+
+
+def rank(rows: list[dict]) -> list[dict]:
+    """Best first: fitting rows by tokens/s per GPU, then rows over a budget by device peak,
+    then skipped and invalid ones."""
+    return sorted(rows, key=_order)
+
+
+def plan(spec: PlanSpec, hw: Hardware, *, workers: int = 2, exact: bool = False,
+         on_rows: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Every configuration of ``spec`` on ``hw``, ranked (``rank``). ``on_rows`` sees each
+    configuration's rows as they arrive (progress)."""
+    hw.validate(world=spec.gpus)
+    cells, rows = configurations(spec)
+    stacks = tuple(spec.stacks)
+    if workers <= 1 or len(cells) <= 1:
+        for cell in cells:
+            got = plan_configuration(cell, hw, stacks, exact)
+            rows += got
+            if on_rows is not None:
+                on_rows(got)
+        return rank(rows)
+    # spawn: the workers start clean (no fake process group or dispatch mode of this process)
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        futures = [pool.submit(plan_configuration, c, hw, stacks, exact) for c in cells]
+        for f in concurrent.futures.as_completed(futures):
+            got = f.result()
+            rows += got
+            if on_rows is not None:
+                on_rows(got)
+    return rank(rows)

@@ -1,0 +1,76 @@
+"""The emulated time model against real CPU runs (DESIGN.md §9; issue 14's validation).
+
+    upipe-bench validate-time [--out results] [--calibrate]
+
+1. The profile: ``<out>/time_validation_cpu/profile.json``, measured on this machine by
+   ``calibrate`` with 2 ranks (the cells' ranks) when missing or with ``--calibrate``.
+2. The measured cells: the ``time_validation_cpu`` sweep (``experiments/sweeps``; resumable:
+   cells already measured are kept), each a real 2-rank gloo run with its timed steps.
+3. The predictions: every cell emulated exactly on the CPU (``Hardware(device="cpu")``, the
+   CPU's kernels and allocator) with that profile, its step time priced by the time model.
+4. ``comparison.csv`` (one row per cell: measured and predicted step seconds, the error, the
+   predicted breakdown), ``summary.json`` (median and worst |error|, against the issue's
+   targets: median <= 15%, worst <= 35%) and ``predicted_vs_measured.png``.
+
+The profile is this machine's: on another machine, calibrate again (the measured step times
+are that machine's too). Nothing is fitted to the measured steps: the profile comes from the
+calibration's micro-benchmarks only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from experiments.config import Cell, Hardware, Status, Sweep
+from experiments.emulation.calibrate import calibrate, write_profile
+from experiments.emulation.emulate import emulate_cell
+from experiments.reporting.validation import write_time_validation
+from experiments.runner.sweep_runner import SweepRunner
+from experiments.store import read_json, read_row
+
+SWEEP = "time_validation_cpu"  # the sweep (experiments/sweeps) the CLI validates with
+NPROC = 2  # the sweep's ranks: the calibration times as many at once
+
+
+def predictions(sweep_dir: Path, profile: Path) -> pd.DataFrame:
+    """Measured against predicted step time for every measured ok row of the sweep."""
+    hw = Hardware(device="cpu", profile=str(profile))
+    records = []
+    for path in sorted(sweep_dir.glob("runs/*/row.json")):
+        row = read_row(path)
+        if row["status"] != Status.OK or not row.get("time_median_s"):
+            continue
+        cell = Cell.from_dict(read_json(path.with_name("cell.json")))
+        pred = emulate_cell(dataclasses.replace(cell, budget_mib=None), hw, exact=True)
+        if pred["status"] != Status.OK:
+            print(f"warning: {cell.cell_id()} could not be predicted: {pred['error']}",
+                  file=sys.stderr)
+            continue
+        records.append({
+            "cell_id": cell.cell_id(), "method": cell.method, "model": cell.model,
+            "seq_len": cell.seq_len, "stack": cell.stack, "ring_degree": cell.ring_degree,
+            "measured_s": row["time_median_s"], "measured_p20_s": row.get("time_p20_s"),
+            "measured_p80_s": row.get("time_p80_s"), "predicted_s": pred["step_time_s"],
+            "error": pred["step_time_s"] / row["time_median_s"] - 1,
+            **{k: pred[k] for k in ("time_compute_s", "time_comm_exposed_s",
+                                    "time_offload_exposed_s", "time_overhead_s")},
+            "measured_git_rev": row.get("git_rev"), "predicted_git_rev": pred.get("git_rev"),
+        })
+    return pd.DataFrame.from_records(records)
+
+
+def validate_time(sweep: Sweep, out: Path, *, recalibrate: bool = False,
+                  progress: bool = True) -> dict:
+    """The validation of the module's docstring for ``sweep`` into ``out / sweep.name``; its
+    summary (``reporting.validation.summarize_errors``)."""
+    sweep_dir = out / sweep.name
+    profile = sweep_dir / "profile.json"
+    if recalibrate or not profile.exists():
+        print(f"calibrating this machine with {NPROC} ranks ...", file=sys.stderr)
+        write_profile(calibrate(nproc=NPROC, device="cpu"), profile)
+    SweepRunner(sweep, out, progress=progress)()
+    return write_time_validation(sweep_dir, predictions(sweep_dir, profile))

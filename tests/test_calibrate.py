@@ -1,0 +1,126 @@
+"""``upipe-bench calibrate``'s measurement (experiments/emulation/calibrate.py) on CPU ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from experiments.config import Cell, Hardware
+from experiments.emulation.calibrate import (
+    bus_factor,
+    calibrate,
+    fit_latency_bandwidth,
+    write_profile,
+)
+from experiments.emulation.emulate import emulate_cell
+from experiments.emulation.profile import (
+    COLLECTIVE_OPS,
+    PASSES,
+    ProfileError,
+    load_profile,
+)
+
+
+@pytest.fixture(scope="module")
+def cpu_profile() -> dict:
+    """A quick calibration on two gloo ranks (about 6 s on 2 cores)."""
+    return calibrate(nproc=2, device="cpu", quick=True)
+
+
+def _constants(tree, path=""):
+    """(field path, constant) for every constant of a profile's JSON."""
+    if isinstance(tree, dict) and "value" in tree:
+        yield path, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _constants(v, f"{path}.{k}" if path else k)
+
+
+def test_quick_cpu_profile_round_trips(cpu_profile, tmp_path):
+    path = tmp_path / "cpu.json"
+    write_profile(cpu_profile, path)
+    profile = load_profile(str(path))
+    assert profile.device == "cpu" and not profile.side_streams
+    for dtype in ("fp32", "bf16"):
+        table = cpu_profile["matmul"][dtype]["value"]
+        assert table and all(rate > 0 for _, rate in table)
+        assert profile.matmul_rate(dtype, 64, 64, 64) > 0
+        assert profile.peak_flops(dtype) == max(rate for _, rate in table)
+        for kernel in ("sdpa", "math"):
+            assert set(cpu_profile["attention"][kernel][dtype]) == set(PASSES)
+            assert profile.attention_rate(kernel, dtype, "bwd_causal", 32, 256) > 0
+    for scope in ("intra", "inter"):
+        for op in COLLECTIVE_OPS:
+            bandwidth, latency = profile.collective(op, scope)
+            assert bandwidth > 0 and latency >= 0
+    assert profile.memory_bandwidth > 0 and profile.launch_overhead_s > 0
+    assert profile.host_copy("h2d", pinned=True) > 0
+
+
+def test_emulation_reads_a_calibrated_profile(cpu_profile, tmp_path):
+    """The round trip of the time model: calibrate on CPU -> file -> --hardware PATH -> an
+    emulated CPU cell priced on it."""
+    path = tmp_path / "cpu.json"
+    write_profile(cpu_profile, path)
+    cell = Cell("ulysses", "tiny", seq_len=2048, nproc=2, stack="ac")
+    row = emulate_cell(cell, Hardware(device="cpu", profile=str(path)), exact=True)
+    assert row["status"] == "ok", row["error"]
+    assert row["hardware_profile"] == cpu_profile["name"]
+    assert row["step_time_s"] > 0 and row["time_compute_s"] > 0
+
+
+def test_every_source_names_calibrate(cpu_profile):
+    constants = dict(_constants({k: v for k, v in cpu_profile.items() if k != "provenance"}))
+    assert len(constants) > 30  # device fields, tables, rates, 2 x 5 collectives
+    bad = [f for f, c in constants.items() if "upipe-bench calibrate on" not in c["source"]]
+    assert not bad, bad
+    # one node: the inter-node rates are the intra-node fit, and say so
+    inter = cpu_profile["collectives"]["inter"]["all_to_all"]
+    assert inter["value"] == cpu_profile["collectives"]["intra"]["all_to_all"]["value"]
+    assert inter["source"].startswith("not measured")
+    # provenance holds strings only: the loader refuses numbers outside constants
+    assert all(v is None or isinstance(v, str) for v in cpu_profile["provenance"].values())
+
+
+def test_a_profile_that_would_not_load_is_not_written(cpu_profile, tmp_path):
+    broken = json.loads(json.dumps(cpu_profile)) | {"memory_bandwidth": 1.0e10}
+    with pytest.raises(ProfileError, match="memory_bandwidth: 10000000000.0 is a number"):
+        write_profile(broken, tmp_path / "broken.json")
+    assert not (tmp_path / "broken.json").exists()
+
+
+def test_inter_node_rates_from_a_base_profile():
+    got = calibrate(nproc=2, device="cpu", quick=True, base="h100-sxm", dtypes=("fp32",))
+    shipped = json.loads(Path(load_profile("h100-sxm").path).read_text())
+    inter = got["collectives"]["inter"]["all_to_all"]["bus_bandwidth"]
+    assert inter["value"] == shipped["collectives"]["inter"]["all_to_all"]["bus_bandwidth"]["value"]
+    assert "from profile h100-sxm" in inter["source"]
+    assert set(got["matmul"]) == {"fp32"}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"nproc": 1}, "needs nproc >= 2"),
+    ({"nproc": 2, "dtypes": ("fp8",)}, "dtypes must be"),
+    ({"nproc": 2, "device": "tpu"}, "device must be"),
+])
+def test_refused_before_anything_runs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        calibrate(**({"device": "cpu"} | kwargs))
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    latency, bandwidth = 20e-6, 5e9
+    points = [(b, latency + b / bandwidth) for b in (1e3, 1e5, 1e7, 1e9)]
+    got = fit_latency_bandwidth(points)
+    assert got == pytest.approx((latency, bandwidth), rel=1e-9)
+    # times that shrink with size (noise) cannot give a negative latency
+    lat, bw = fit_latency_bandwidth([(1e3, 1e-3), (1e6, 1e-3), (4e6, 1.5e-3)])
+    assert lat >= 0 and bw > 0
+
+
+def test_bus_factors_follow_nccl_tests():
+    assert bus_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
+    assert bus_factor("all_gather", 8) == bus_factor("all_to_all", 8) == pytest.approx(7 / 8)
+    assert bus_factor("p2p", 8) == 1.0

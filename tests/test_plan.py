@@ -1,0 +1,131 @@
+"""``upipe-bench plan`` (DESIGN.md §9): configurations a cluster can run, the stack ladder,
+the ranking, a Hugging Face config.json as the model, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from experiments import cli
+from experiments.config import Hardware, Status
+from experiments.runner import plan as plan_mod
+from experiments.runner.plan import LADDER, PlanSpec, configurations, plan, rank
+
+CPU_PROFILE = str(Path(__file__).parent / "data" / "profile_unit_cpu.json")
+
+
+def test_configurations_cover_every_mesh_and_heads_per_stage():
+    cells, invalid = configurations(PlanSpec("tiny", 4, 4096, methods=("upipe", "usp", "ring")))
+    got = {(c.method, c.ring_degree, c.heads_per_stage) for c in cells}
+    # tiny: 16 query heads, 4 KV heads; UPipe's U is a multiple of the Ulysses degree (4 / R)
+    upipe = {(r, u) for m, r, u in got if m == "upipe"}
+    # (U must also divide the 16 heads: no 12 at R = 1, no 6, 10, 12, 14 at R = 2)
+    assert upipe == ({(1, u) for u in (4, 8, 16)} | {(2, u) for u in (2, 4, 8, 16)}
+                     | {(4, u) for u in (1, 2, 4, 8, 16)})
+    assert {(r, u) for m, r, u in got if m == "usp"} == {(1, None), (2, None), (4, None)}
+    assert {(r, u) for m, r, u in got if m == "ring"} == {(1, None)}
+    assert invalid == []
+
+
+def test_a_cluster_a_method_cannot_use_is_an_invalid_row_naming_the_rule():
+    # 3 ranks: neither 16 query heads nor 4 KV heads split over 3 Ulysses ranks
+    cells, invalid = configurations(PlanSpec("tiny", 3, 3 * 1024, methods=("ulysses",)))
+    assert cells == []
+    assert [r["status"] for r in invalid] == [Status.INVALID]
+    assert "n_heads" in invalid[0]["error"] or "heads" in invalid[0]["error"]
+
+
+def _fake_emulation(outcome: dict):
+    """An emulate_cell stand-in: each stack's status from ``outcome`` (``device``: over the
+    device budget; ``host``: over the host budget only; ``ok``)."""
+    def emulate(cell, hw, exact=False, count=True):
+        kind = outcome[cell.stack]
+        row = {"method": cell.method, "stack": cell.stack, "nproc": cell.nproc,
+               "ring_degree": cell.ring_degree, "heads_per_stage": cell.heads_per_stage}
+        if kind == "ok":
+            return row | {"status": Status.OK, "error": "", "tokens_per_s_per_gpu": 1.0}
+        return row | {"status": Status.OOM, "error": f"{kind} peak 9 GiB > budget 8 GiB"}
+    return emulate
+
+
+@pytest.mark.parametrize("outcome,emulated", [
+    # alst over the device: nothing heavier is emulated
+    ({"alst": "device"}, {"alst"}),
+    # alst fits, offload does not: ac (needs offload and native) and none (needs ac) are not
+    ({"alst": "ok", "offload": "device", "native": "ok"}, {"alst", "offload", "native"}),
+    # over the host budget only says nothing of the device: the ladder goes on
+    ({s: "host" for s in LADDER}, set(LADDER)),
+])
+def test_the_stack_ladder_emulates_a_heavier_level_only_if_the_lighter_ones_fit(
+        monkeypatch, outcome, emulated):
+    monkeypatch.setattr(plan_mod, "emulate_cell", _fake_emulation(outcome))
+    cell = configurations(PlanSpec("tiny", 2, 4096, methods=("ulysses",)))[0][0]
+    rows = plan_mod.plan_configuration(cell, Hardware(), tuple(LADDER))
+    assert [r["stack"] for r in rows] == list(LADDER)
+    assert {r["stack"] for r in rows if "plan_inferred_from" not in r} == emulated
+    for r in rows:
+        if "plan_inferred_from" in r:
+            assert r["status"] == Status.SKIPPED
+            assert r["plan_inferred_from"] in LADDER[r["stack"]]
+
+
+def test_ranking_puts_what_fits_first_fastest_first():
+    rows = [
+        {"status": Status.SKIPPED, "error": "x"},
+        {"status": Status.OOM, "peak_device_bytes": 9},
+        {"status": Status.OK, "tokens_per_s_per_gpu": 10.0},
+        {"status": Status.INVALID, "error": "y"},
+        {"status": Status.OOM, "peak_device_bytes": 5},
+        {"status": Status.OK, "tokens_per_s_per_gpu": 30.0},
+    ]
+    ranked = rank(rows)
+    assert [r["status"] for r in ranked] == [Status.OK, Status.OK, Status.OOM, Status.OOM,
+                                              Status.SKIPPED, Status.INVALID]
+    assert [r.get("tokens_per_s_per_gpu") for r in ranked[:2]] == [30.0, 10.0]
+    assert [r.get("peak_device_bytes") for r in ranked[2:4]] == [5, 9]
+
+
+def test_a_small_real_plan_emulates_and_ranks(tmp_path):
+    """tiny on 2 CPU "GPUs", Ulysses on two stacks, emulated with the CPU unit profile: every
+    row has a time and the ranking follows the emulated tokens/s."""
+    spec = PlanSpec("tiny", 2, 2048, methods=("ulysses",), stacks=("alst", "ac"))
+    hw = Hardware(device="cpu", profile=CPU_PROFILE)
+    rows = plan(spec, hw, workers=1)
+    assert {r["stack"] for r in rows} == {"alst", "ac"}
+    ok = [r for r in rows if r["status"] == Status.OK]
+    assert ok and all(r["step_time_s"] > 0 for r in ok)
+    tps = [r["tokens_per_s_per_gpu"] for r in ok]
+    assert tps == sorted(tps, reverse=True)
+
+
+def test_plan_reads_a_hugging_face_config_and_prints_json(tmp_path, capsys):
+    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 256,
+              "num_attention_heads": 16, "num_key_value_heads": 4, "intermediate_size": 768,
+              "vocab_size": 1024, "rope_theta": 500000.0, "rms_norm_eps": 1e-5}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code = cli.main(["plan", "--model", str(path), "--gpus", "2", "--seq-len", "2K",
+                     "--methods", "ulysses", "--stacks", "alst", "--emulate-device", "cpu",
+                     "--hardware", CPU_PROFILE, "--workers", "1", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert out["model"] == str(path) and out["gpus"] == 2
+    assert out["rows"][0]["model_n_layers"] == 2 and out["rows"][0]["model_dim"] == 256
+    assert out["plan"][0]["fits"] == "yes" and out["plan"][0]["tokens_per_s_per_gpu"] > 0
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--hardware", "no-such-gpu"], "--hardware"),
+    (["--methods", "ulysses,warp-drive"], "--methods must be among"),
+    (["--stacks", "alst,turbo"], "--stacks must be among"),
+    (["--model", "no-such-model"], "--model must be a preset"),
+])
+def test_bad_plan_input_is_a_clear_error(capsys, argv, match):
+    base = {"--model": "tiny", "--gpus": "2", "--seq-len": "2K"}
+    for flag, value in zip(argv[::2], argv[1::2], strict=True):
+        base[flag] = value
+    code = cli.main(["plan", *[x for kv in base.items() for x in kv]])
+    assert code == 2
+    assert match in capsys.readouterr().err

@@ -1,0 +1,220 @@
+"""The time model (DESIGN.md §9): each price against a hand-computed value, each overlap rule on
+windows whose answer is known, the work the fake step records, and the emulated rows' columns.
+
+Prices use ``tests/data/profile_unit_{cuda,cpu}.json``: round numbers (their sources say so),
+so every expected value below is computed by hand from the numbers in the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from experiments.config import Cell, Hardware
+from experiments.emulation.emulate import emulate_cell
+from experiments.emulation.fake_step import critical_rank, measure_fake
+from experiments.emulation.profile import ProfileError, attention_flops, load_profile
+from experiments.emulation.time_model import WindowTime, price, step_time
+
+DATA = Path(__file__).parent / "data"
+CUDA = str(DATA / "profile_unit_cuda.json")
+CPU = str(DATA / "profile_unit_cpu.json")
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    return load_profile(CUDA)
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return load_profile(CPU)
+
+
+# ---------------------------------------------------------------------------------------------
+# prices
+
+
+def test_matmul_price_interpolates_the_rate_in_log2_of_the_cube_side(cuda):
+    # bf16 table [[64, 1e14], [1024, 8e14]]: x = 256 is half way in log2 (6 -> 10): 4.5e14
+    t = price(Counter({("matmul", "bf16", (256, 256, 256)): 9e14}), cuda, pinned=True)
+    assert t.matmul == pytest.approx(2.0)
+    # beyond the table: its last rate; below: its first
+    big, small = ("matmul", "bf16", (8192, 8192, 8192)), ("matmul", "bf16", (16, 16, 16))
+    assert price(Counter({big: 8e14}), cuda, True).matmul == pytest.approx(1)
+    assert price(Counter({small: 1e14}), cuda, True).matmul == pytest.approx(1)
+    # a long, thin product runs at the rate of the square one of the same work: 4096 x 1024 x
+    # 256 has the work of 1024^3
+    assert price(Counter({("matmul", "bf16", (4096, 1024, 256)): 8e14}), cuda,
+                 True).matmul == pytest.approx(1)
+
+
+def test_attention_price_by_kernel_pass_head_dim_and_key_length(cuda):
+    # fwd_causal, head dim 128: [[1024, 5e13], [4096, 2e14]] -> 1.25e14 at 2048
+    flops = attention_flops(1, 8, 2048, 2048, 128, "fwd_causal")
+    assert flops == 4 * 8 * 2048 * 2048 * 128 / 2
+    key = ("attention", "fa3", "bf16", "fwd_causal", 128, (2048,))
+    t = price(Counter({key: flops}), cuda, True)
+    assert t.attention == pytest.approx(flops / 1.25e14)
+    # bwd_causal has no table: the bwd rate (1e14, flat); head dim 100 takes the nearest (128)
+    key = ("attention", "sdpa", "bf16", "bwd_causal", 100, (4096,))
+    t = price(Counter({key: 1e14}), cuda, True)
+    assert t.attention == pytest.approx(1.0)
+    # head dim 16 has its own table: 1e13
+    t = price(Counter({("attention", "sdpa", "fp32", "fwd", 16, (1024,)): 1e13}), cuda, True)
+    assert t.attention == pytest.approx(1.0)
+
+
+def test_memory_launch_collective_and_copy_prices(cuda):
+    work = Counter({
+        ("memory",): 4e12,  # / 2e12 B/s
+        ("kernels",): 1000,  # x 5 us
+        ("comm", "blocking", "all_to_all", "intra"): 2e11,  # / 1e11 B/s
+        ("comm_calls", "blocking", "all_to_all", "intra"): 100,  # x 10 us
+        ("comm", "p2p", "p2p", "inter"): 1e10,  # / 1e10 B/s across nodes
+        ("comm_calls", "p2p", "p2p", "inter"): 10,  # x 20 us
+        ("comm", "fsdp", "all_gather", "intra"): 1e11,
+        ("comm", "fsdp", "reduce_scatter", "intra"): 3e11,
+        ("copy", "sync", "d2h"): 1e11,  # pinned 5e10 B/s
+        ("copy", "side", "h2d"): 5e10,
+    })
+    t = price(work, cuda, pinned=True)
+    assert (t.memory, t.overhead) == pytest.approx((2.0, 5e-3))
+    assert t.blocking == pytest.approx(2.0 + 1e-3)
+    assert t.p2p == pytest.approx(1.0 + 2e-4)
+    assert (t.fsdp_gather, t.fsdp_reduce) == pytest.approx((1.0, 3.0))
+    assert (t.copy_sync, t.copy_side) == pytest.approx((2.0, 1.0))
+    # pageable host memory: half the pinned rate in the fixture
+    assert price(work, cuda, pinned=False).copy_sync == pytest.approx(4.0)
+
+
+def test_an_unknown_work_key_is_refused(cuda):
+    with pytest.raises(ValueError, match="unknown work key"):
+        price(Counter({("teleport",): 1}), cuda, True)
+
+
+def test_a_kernel_the_profile_has_no_rates_for_is_named(cuda):
+    with pytest.raises(ProfileError, match="'math'"):
+        price(Counter({("attention", "math", "bf16", "fwd", 128, (1024,)): 1.0}), cuda, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# overlap rules
+
+
+def _w(**kw) -> WindowTime:
+    return WindowTime(**kw)
+
+
+def test_ring_p2p_hides_behind_the_windows_attention(cuda):
+    hidden = step_time([(("forward", 0), _w(attention=1.0, matmul=1.0, p2p=0.6))], cuda)
+    assert (hidden.step_s, hidden.comm_exposed_s) == pytest.approx((2.0, 0.0))
+    # only what exceeds the attention kernels is exposed; the matmuls do not hide it
+    over = step_time([(("forward", 0), _w(attention=1.0, matmul=1.0, p2p=1.5))], cuda)
+    assert (over.step_s, over.comm_exposed_s) == pytest.approx((2.5, 0.5))
+
+
+def test_blocking_collectives_and_sync_copies_are_always_exposed(cuda):
+    t = step_time([(("forward", 0), _w(matmul=1.0, blocking=0.25, copy_sync=0.5))], cuda)
+    assert (t.step_s, t.comm_exposed_s, t.offload_exposed_s) == pytest.approx((1.75, 0.25, 0.5))
+
+
+def test_side_copies_hide_behind_the_windows_compute(cuda):
+    t = step_time([(("backward", 2), _w(matmul=1.0, overhead=0.5, copy_side=2.0))], cuda)
+    assert (t.step_s, t.offload_exposed_s) == pytest.approx((2.0, 0.5))
+
+
+def test_fsdp_gathers_hide_behind_the_previous_block_and_reductions_behind_the_next(cuda):
+    blocks = [(("forward", None), _w(memory=0.1, fsdp_gather=0.3))]  # the root: nothing hides it
+    blocks += [(("forward", i), _w(matmul=1.0, fsdp_gather=0.5)) for i in range(3)]
+    blocks += [(("backward", i), _w(matmul=2.0, fsdp_gather=0.5, fsdp_reduce=2.5))
+               for i in (2, 1, 0)]
+    t = step_time(blocks, cuda)
+    # forward: block 0's gather has no block before it (0.5); blocks 1, 2 hide behind 1.0 s.
+    # backward: block 2's gather has nothing before it in its stage (0.5), the others hide;
+    # reductions: 2.5 - 2.0 behind the next block (twice), block 0's has none after it (2.5)
+    fsdp = 0.3 + 0.5 + 0.5 + 2 * 0.5 + 2.5
+    assert t.comm_exposed_s == pytest.approx(fsdp)
+    assert t.step_s == pytest.approx(0.1 + 3 * 1.0 + 3 * 2.0 + fsdp)
+
+
+def test_without_side_streams_everything_is_serial(cpu):
+    w = _w(attention=1.0, p2p=0.5, fsdp_gather=0.25, fsdp_reduce=0.25, copy_side=1.0,
+           overhead=0.5)
+    t = step_time([(("forward", 0), w), (("forward", 1), w)], cpu)
+    assert t.step_s == pytest.approx(2 * 3.5)
+    assert (t.comm_exposed_s, t.offload_exposed_s, t.overhead_s) == pytest.approx((2.0, 2.0, 1.0))
+    assert t.compute_s + t.comm_exposed_s + t.offload_exposed_s + t.overhead_s == t.step_s
+
+
+# ---------------------------------------------------------------------------------------------
+# the work a fake step records
+
+
+def test_ulysses_work_per_block_window():
+    """tiny Ulysses on 2 ranks: every block's forward window holds its causal attention over the
+    full sequence for its 8 of 16 heads, the 4 blocking all-to-alls (q, k, v, out) and FSDP2's
+    all-gather of the block; every backward window its reduce-scatter."""
+    cell = Cell("ulysses", "tiny", seq_len=2048, nproc=2, stack="ac")
+    m = measure_fake(cell, cell.validate(), Hardware(device="cpu"))
+    windows = dict(m.work)
+    assert [w for w, _ in m.work][:5] == [("forward", None), *[("forward", i) for i in range(4)]]
+    fwd = windows[("forward", 1)]
+    assert fwd["attention", "sdpa", "fp32", "fwd_causal", 16, (2048,)] == attention_flops(
+        1, 8, 2048, 2048, 16, "fwd_causal")
+    assert fwd["comm_calls", "blocking", "all_to_all", "intra"] == 4
+    assert fwd["comm_calls", "fsdp", "all_gather", "intra"] == 1
+    assert windows[("backward", 1)]["comm_calls", "fsdp", "reduce_scatter", "intra"] == 1
+    # no offload on the "ac" stack
+    assert not any(k[0] == "copy" for w in windows.values() for k in w)
+
+
+def test_the_emulator_plays_the_critical_rank():
+    ring = Cell("ring", "tiny", seq_len=2048, nproc=4, stack="ac")
+    zigzag = dataclasses.replace(ring, method="zigzag-ring")
+    assert critical_rank(ring) == 3 and critical_rank(zigzag) == 0
+    hw = Hardware(device="cpu")
+
+    def attention(cell):
+        m = measure_fake(cell, cell.validate(), hw)
+        return sum(v for _, w in m.work for k, v in w.items() if k[0] == "attention")
+
+    # the last rank of a contiguous causal ring computes every block: 4 of the 4 x 4 pairs' half
+    # (one diagonal, three full), the zigzag's balanced rank 2.5 (two diagonal halves, ...)
+    assert attention(ring) > attention(zigzag)
+
+
+# ---------------------------------------------------------------------------------------------
+# rows
+
+
+def test_emulated_rows_carry_the_time_columns_and_the_parts_sum_to_the_step():
+    cell = Cell("upipe", "tiny", seq_len=4096, nproc=2, stack="alst", dtype="bf16")
+    row = emulate_cell(cell, Hardware(profile=CUDA), exact=True)
+    assert row["status"] == "ok", row["error"]
+    assert row["hardware_profile"] == "unit-cuda"
+    parts = ("time_compute_s", "time_comm_exposed_s", "time_offload_exposed_s", "time_overhead_s")
+    assert sum(row[k] for k in parts) == pytest.approx(row["step_time_s"])
+    assert row["tokens_per_s_per_gpu"] == pytest.approx(4096 / 2 / row["step_time_s"])
+    assert 0 < row["mfu"] < 1
+    assert row["time_offload_exposed_s"] > 0  # the ALST stack's offload is on the compute stream
+
+
+def test_memory_only_rows_and_cpu_rows_without_a_profile_have_no_time():
+    cell = Cell("ulysses", "tiny", seq_len=2048, nproc=2, stack="ac")
+    assert "step_time_s" not in emulate_cell(cell, Hardware(device="cpu"), exact=True)
+    memory_only = emulate_cell(cell, Hardware(profile=CPU, device="cpu"), exact=True, count=False)
+    assert "step_time_s" not in memory_only
+
+
+@pytest.mark.parametrize("profile,match", [
+    ("no-such-gpu", "must be one of"),
+    (CPU, "is for a cpu device, but the emulated device is 'cuda'"),
+])
+def test_a_bad_profile_is_an_invalid_row(profile, match):
+    cell = Cell("ulysses", "tiny", seq_len=2048, nproc=2)
+    row = emulate_cell(cell, Hardware(profile=profile), exact=True)
+    assert row["status"] == "invalid" and match in row["error"]

@@ -5,7 +5,8 @@
 #                                         of every artefact (gloo, 4 ranks; ~25 min on 2 cores)
 #                                         and the emulated twin of every paper-scale sweep
 #                                         (paper shapes and lengths through the emulator on the
-#                                         paper's 8x H100 80 GB nodes: memory and max context)
+#                                         paper's 8x H100 80 GB nodes: memory, max context and
+#                                         emulated time), then the time model's CPU validation
 #   NPROC_PER_NODE=8 ./run_all.sh         paper-scale sweeps on this node's GPUs (NCCL)
 #   SCALE=emulated ./run_all.sh           only the emulated twins
 #   torchrun --nnodes 2 --nproc-per-node 8 ... -m experiments.cli sweep <name>
@@ -73,6 +74,11 @@ for scale in cpu paper emulated; do  # one CLI call per scale: --nproc is for th
     python -m experiments.cli sweep "${group[@]}" "${args[@]}" "${extra[@]}" "$@"
 done
 [[ "$DRY_RUN" == 1 ]] && exit 0
+# The time model against the CPU step times just measured (README "Emulated time and the
+# planner"): predictions on the directory's calibrated profile (calibrated first if missing).
+if [[ " ${sweeps[*]} " == *" time_validation_cpu "* ]]; then
+    python -m experiments.cli validate-time --out "$OUT" --no-progress
+fi
 # The provenance index in $OUT/README.md, rewritten from the tables just written.
 python -m experiments.reporting.results_index --results "$OUT"
 

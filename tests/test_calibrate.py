@@ -8,12 +8,8 @@ from pathlib import Path
 import pytest
 
 from experiments.config import Cell, Hardware
-from experiments.emulation.calibrate import (
-    bus_factor,
-    calibrate,
-    fit_latency_bandwidth,
-    write_profile,
-)
+from experiments.emulation.calibrate import calibrate, write_profile
+from experiments.emulation.calibrate_comm import bus_factor, fit_latency_bandwidth
 from experiments.emulation.emulate import emulate_cell
 from experiments.emulation.profile import (
     COLLECTIVE_OPS,

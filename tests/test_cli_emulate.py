@@ -177,9 +177,10 @@ def test_emulated_sweeps_twin_every_paper_sweep(capsys):
     for paper in paper_sweeps():
         twin = twins[f"{paper.name}-emulated"]
         assert (twin.scale, twin.hardware) == ("emulated", Hardware())
-        assert (twin.base, twin.axes) == (paper.base, paper.axes)
+        # the paper's kernel (FlashAttention-3): what the paper ran, said in every emulated cell
+        assert (twin.base, twin.axes) == (paper.base | {"kernel": "fa3"}, paper.axes)
         assert twin.description.startswith("Emulated: ")
-        assert twin.plots == tuple(p for p in paper.plots if p not in THROUGHPUT_PLOTS)
+        assert twin.plots == paper.plots  # the throughput plots too: emulated rows have times
         assert twin.plots  # every twin draws something
         assert twin.validate() == [], twin.name
         if paper.search is None:
@@ -260,7 +261,8 @@ def test_emulated_sweep_runs_into_tables_and_plots(tmp_path):
 
 
 def test_plots_draw_from_emulated_rows(tmp_path):
-    """Every plot an emulated twin declares draws from rows without times, labelled emulated."""
+    """Every plot an emulated twin declares draws from emulated rows (with the time model's
+    step times), labelled emulated."""
     from experiments.reporting.plots import draw_plots
     from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
 
@@ -273,8 +275,10 @@ def test_plots_draw_from_emulated_rows(tmp_path):
         for seq in (2**18, 2**20, 2**21):
             for stack in ("none", "ac", "offload", "alst"):
                 peak = f * (16 + seq / 2**16) * GiB * (1.5 if stack == "none" else 1)
+                step = seq / 2**16 * (1.0 if method == "ulysses" else 1.02)
                 rows.append(hw | {"method": method, "heads_per_stage": u, "seq_len": seq,
-                                  "stack": stack, "peak_device_bytes": peak,
+                                  "stack": stack, "peak_device_bytes": peak, "iters": 8,
+                                  "step_time_s": step, "tokens_per_s_per_gpu": seq / 8 / step,
                                   "peak_model_bytes": 16 * GiB,
                                   "peak_attention_bytes": 0.5 * (peak - 16 * GiB),
                                   "peak_other_bytes": 0.5 * (peak - 16 * GiB),
@@ -286,5 +290,6 @@ def test_plots_draw_from_emulated_rows(tmp_path):
                                                                      ("upipe", 5 * 2**20))]
     pd.DataFrame(maxctx).reindex(columns=MAXCTX_COLUMNS).to_csv(tmp_path / MAXCTX, index=False)
     declared = sorted({p for s in emulated_sweeps() for p in s.plots})
-    assert set(declared) == {"max_context", "memory_vs_seq", "memory_ladder", "heads_per_stage"}
+    assert set(declared) == {"max_context", "memory_vs_seq", "memory_ladder", "heads_per_stage",
+                             *THROUGHPUT_PLOTS}
     assert set(draw_plots(tmp_path, declared)) == set(declared)

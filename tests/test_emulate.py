@@ -95,6 +95,15 @@ def test_fit_predicts_the_exact_emulation(method, options):
     assert fit["emulation"] == "fit" and fit["fit_nonaffine_phases"] == []
     keys = KEYS + ("rank_flops_per_step", "comm_bytes_per_step", "comm_bytes_by_op")
     assert {k: fit[k] for k in keys} == {k: exact[k] for k in keys}
+    # the time model's work, predicted window by window (work_fit), prices nearly the same.
+    # Not exactly at this size: the loss's chunk count is a step function of the length (its
+    # kernels and bytes are not quadratic between lattice lengths), and matmul sizes that
+    # coincide with a model dimension at a sample (L = 768 = ffn_dim) are lumped (listed in
+    # fit_time_approximate). Both are ~1% of this tiny step and vanish at paper scale, where
+    # the loss is a small part of the step and every matmul runs at the same saturated rate.
+    times = ("step_time_s", "time_compute_s", "time_comm_exposed_s", "time_offload_exposed_s",
+             "time_overhead_s")
+    assert {k: fit[k] for k in times} == pytest.approx({k: exact[k] for k in times}, rel=0.02)
 
 
 def test_budgets_decide_the_status():

@@ -18,6 +18,7 @@ from experiments.emulation.emulate import emulate_cell
 from experiments.emulation.fake_step import critical_rank, measure_fake
 from experiments.emulation.profile import ProfileError, attention_flops, load_profile
 from experiments.emulation.time_model import WindowTime, price, step_time
+from experiments.emulation.work_fit import quadratic_at
 
 DATA = Path(__file__).parent / "data"
 CUDA = str(DATA / "profile_unit_cuda.json")
@@ -218,3 +219,12 @@ def test_a_bad_profile_is_an_invalid_row(profile, match):
     cell = Cell("ulysses", "tiny", seq_len=2048, nproc=2)
     row = emulate_cell(cell, Hardware(profile=profile), exact=True)
     assert row["status"] == "invalid" and match in row["error"]
+
+
+def test_the_work_fit_extrapolates_a_quadratic_exactly():
+    """Work amounts are quadratic in S at most: three samples give them anywhere (far below and
+    far above the samples: the paper's lengths are 10-50x the fit's)."""
+    f = lambda x: 3 + 2 * x + 5 * x * x  # noqa: E731
+    xs = (65536, 98304, 131072)
+    for x in (1024, 131072 * 40):
+        assert quadratic_at(xs, [f(v) for v in xs], x) == f(x)

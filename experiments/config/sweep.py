@@ -23,7 +23,7 @@ from experiments.config.sizes import parse_size
 SIZE_FIELDS = ("seq_len", "chunk_size")
 PLOTS = ("max_context", "memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses",
          "memory_ladder", "heads_per_stage")
-THROUGHPUT_PLOTS = ("throughput_vs_seq", "throughput_vs_ulysses")  # need measured step times
+THROUGHPUT_PLOTS = ("throughput_vs_seq", "throughput_vs_ulysses")  # need step times
 SCALES = ("paper", "cpu", "emulated")
 
 
@@ -37,7 +37,7 @@ class Sweep:
     """what the artefact shows, in one line"""
     scale: str
     """``paper`` (GPUs, NCCL), ``cpu`` (2 cores, gloo) or ``emulated`` (paper-scale cells through
-    the emulator on ``hardware``; memory, FLOPs and communication, no times)"""
+    the emulator on ``hardware``; memory, FLOPs, communication and the time model's step time)"""
     base: dict
     """Cell fields shared by every cell"""
     axes: dict = field(default_factory=dict)

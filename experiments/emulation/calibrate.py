@@ -38,19 +38,33 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments.config import PROCESS_GROUP_TIMEOUT_S, format_size
+from experiments.emulation.calibrate_comm import (
+    CALLS,
+    bus_factor,
+    fit_latency_bandwidth,
+    measure_collectives,
+)
 from experiments.emulation.profile import (
-    COLLECTIVE_OPS,
     HOST_COPIES,
     attention_flops,
     load_profile,
     shipped_profiles,
 )
-from experiments.harness.launch import exit_without_finalizing, free_port, threads_per_rank
+from experiments.harness.launch import (
+    exit_without_finalizing,
+    free_port,
+    threads_per_rank,
+)
 from experiments.provenance import provenance
 from experiments.store import write_json
-from upipe.kernels import attention_backward, attention_forward, kernel_unavailable_reason
+from upipe.kernels import (
+    attention_backward,
+    attention_forward,
+    kernel_unavailable_reason,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TIMEOUT_S = 1800.0  # a whole calibration's wall-clock limit; its ranks are killed past it
@@ -60,15 +74,6 @@ BASE_ON_CUDA = "h100-sxm"  # one GPU measures no collectives: they come from thi
 DATASHEETS = {"NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H200": "h200",
               "NVIDIA A100-SXM4-80GB": "a100-80gb"}
 HALF_ONLY = {"flash-attn", "fa3"}  # kernels without an fp32 path
-# torch >= 2.13 names them *_single; earlier versions *_into_tensor / *_tensor (same arguments)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-CALLS = {  # what each op times, for its source
-    "all_to_all": "all_to_all_single", "all_gather": f"{_all_gather.__name__} (payload: output)",
-    "reduce_scatter": f"{_reduce_scatter.__name__} (payload: input)", "all_reduce": "all_reduce",
-    "p2p": "batch_isend_irecv to the next rank and from the previous, a ring step as "
-           "upipe/ring.py issues it",
-}
 
 
 @dataclass(frozen=True)
@@ -126,32 +131,6 @@ def attention_kernels(device: str) -> tuple[str, ...]:
     return tuple(k for k in names if kernel_unavailable_reason(k, device) is None)
 
 
-def bus_factor(op: str, world: int) -> float:
-    """Bus bytes per payload byte (nccl-tests PERFORMANCE.md, the factors of
-    ``instruments.collectives._sent``): 2(P-1)/P for an all-reduce, the whole tensor for p2p,
-    (P-1)/P for the others."""
-    if op == "all_reduce":
-        return 2 * (world - 1) / world
-    return 1.0 if op == "p2p" else (world - 1) / world
-
-
-def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of time = latency + bytes / bandwidth through
-    (bytes, seconds) points, by least squares on the relative error: every size weighs the same
-    (plain least squares lets the largest sizes decide, and the latency can come out negative).
-    A negative latency is clamped to 0 and the slope refitted through the origin."""
-    u = [1 / t for _, t in points]  # residual_i = a * u_i + c * v_i - 1, c = 1 / bandwidth
-    v = [b / t for b, t in points]
-    suu, svv = sum(x * x for x in u), sum(y * y for y in v)
-    suv = sum(x * y for x, y in zip(u, v, strict=True))
-    det = suu * svv - suv * suv
-    a = (svv * sum(u) - suv * sum(v)) / det if det > 0 else -1.0
-    c = (suu * sum(v) - suv * sum(u)) / det if det > 0 else 0.0
-    if a < 0 or c <= 0:
-        a, c = 0.0, sum(v) / svv
-    return a, 1 / c
-
-
 # --------------------------------------------------------------------------------------------
 # timing (on each rank)
 
@@ -204,8 +183,14 @@ def _measure_compute(grid: Grid, device: torch.device, dtypes, kernels, barrier)
     x = torch.ones(grid.stream_bytes // 4, device=device)
     y = torch.empty_like(x)
     timed(("memory_bandwidth",), partial(y.copy_, x), 2.0 * grid.stream_bytes)  # read + write
-    one = torch.ones(1, device=device)
-    timed(("launch_overhead_s",), partial(torch.add, one, one, out=torch.empty_like(one)), None)
+    if device.type == "cpu":  # the host thread runs every op: its eager cost per op
+        step, n_ops = _eager_step(device)
+        timed(("launch_overhead_s",), step, None)
+        out["launch_overhead_s",] /= n_ops
+    else:  # the GPU's floor per kernel (the host runs ahead of it)
+        one = torch.ones(1, device=device)
+        timed(("launch_overhead_s",), partial(torch.add, one, one, out=torch.empty_like(one)),
+              None)
     if device.type == "cpu":  # no device: a memcpy, the memory-bandwidth copy (bytes copied)
         for copy in HOST_COPIES:
             out["host_copy", copy] = out["memory_bandwidth",] / 2
@@ -214,6 +199,40 @@ def _measure_compute(grid: Grid, device: torch.device, dtypes, kernels, barrier)
         timed(("host_copy", f"h2d_{memory}"), partial(x.copy_, host), grid.stream_bytes)
         timed(("host_copy", f"d2h_{memory}"), partial(host.copy_, x), grid.stream_bytes)
     return out
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops a function dispatches (as the emulator's ``op_costs`` counts
+    kernels: views and allocations excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and not func._opname.startswith("empty"):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _eager_step(device: torch.device) -> tuple[Callable, int]:
+    """(a tiny training step, the ops it dispatches): eight 8 x 8 linear + tanh layers with
+    autograd, forward and backward. On a CPU every op of a step costs the host thread its eager
+    overhead (Python, the dispatcher, autograd's bookkeeping) beside its work; on tensors this
+    small the overhead is all there is, so time / ops is the cost per op the time model adds to
+    each kernel of a CPU step."""
+    x = torch.randn(8, 8, device=device, requires_grad=True)
+    ws = [torch.randn(8, 8, device=device, requires_grad=True) for _ in range(8)]
+
+    def step():
+        y = x
+        for w in ws:
+            y = torch.tanh(y @ w)
+        y.sum().backward()
+
+    with _OpCount() as count:
+        step()
+    return step, count.n
 
 
 def _attention_point(kernel: str, dtype: str, d: int, s: int, device, timed) -> None:
@@ -229,53 +248,6 @@ def _attention_point(kernel: str, dtype: str, d: int, s: int, device, timed) -> 
             pass_ += "_causal" if causal else ""
             timed(("attention", kernel, dtype, pass_, d, s), fn,
                   attention_flops(1, h, s, s, d, pass_))
-
-
-def _collective(op: str, numel: int, device, rank: int, world: int) -> Callable:
-    """One call of ``op`` on a payload of ``numel`` fp32 elements (zeros: sums stay finite)."""
-    x = torch.zeros(numel, device=device)
-    if op == "all_to_all":
-        return partial(dist.all_to_all_single, torch.empty_like(x), x)
-    if op == "all_gather":  # the payload is the gathered output
-        return partial(_all_gather, x, x[: numel // world].clone())
-    if op == "reduce_scatter":  # the payload is the input
-        return partial(_reduce_scatter, x[: numel // world].clone(), x)
-    if op == "all_reduce":
-        return partial(dist.all_reduce, x)
-    y = torch.empty_like(x)  # p2p: a ring step, send to the next rank and receive from the last
-
-    def p2p():
-        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (rank + 1) % world),
-                                         dist.P2POp(dist.irecv, y, (rank - 1) % world)]):
-            w.wait()
-    return p2p
-
-
-def _measure_comm(grid: Grid, device: torch.device, rank: int, world: int) -> dict:
-    """{op: [(payload bytes per rank, seconds per call), ...]}: per size the median over
-    repeats of the slowest rank's time (a collective ends when its last rank does), each repeat
-    a few back-to-back calls as nccl-tests times them (small calls are too short alone)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    out = {}
-    for op in COLLECTIVE_OPS:
-        out[op] = []
-        for nbytes in grid.comm_bytes:
-            numel = max(world, nbytes // 4 // world * world)
-            fn = _collective(op, numel, device, rank, world)
-            iters = max(1, min(20, (4 << 20) // nbytes))  # the same on every rank
-            fn()  # warm-up: connections and buffers
-            times = torch.zeros(grid.repeats, dtype=torch.float64, device=device)
-            for i in range(grid.repeats):
-                dist.barrier()
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                sync()
-                times[i] = (time.perf_counter() - t0) / iters
-            dist.all_reduce(times, op=dist.ReduceOp.MAX)
-            out[op].append((4 * numel, statistics.median(times.tolist())))
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,7 +268,7 @@ def _rank_main(rank: int, world: int, port: int, threads: int, device: str, dtyp
     try:
         dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
         compute = _measure_compute(grid, dev, dtypes, kernels, dist.barrier)
-        comm = _measure_comm(grid, dev, rank, world)
+        comm = measure_collectives(grid.comm_bytes, grid.repeats, dev, rank, world)
         every = [None] * world if rank == 0 else None
         dist.gather_object(compute, every, dst=0)
         if rank == 0:
@@ -407,6 +379,9 @@ def _compute_fields(rates: dict, src: _Sources, grid: Grid, device: str, dtypes)
         "memory_bandwidth": _c(rates["memory_bandwidth",], src.measured(
             f"Tensor.copy_ of a {size} fp32 tensor, bytes read + written / time")),
         "launch_overhead_s": _c(rates["launch_overhead_s",], src.measured(
+            "a tiny eager training step (eight 8 x 8 linear + tanh layers, forward and backward "
+            "with autograd) per aten op it dispatches: the host thread's cost per op on a CPU"
+            if device == "cpu" else
             "torch.add of two 1-element tensors into a third, seconds per op (looped)")),
     }
 

@@ -38,13 +38,12 @@ def _role(block: int | None, n_layers: int) -> str | None:
     return "mid_first" if block == 1 else "mid_last" if block == n_layers - 2 else "mid"
 
 
-def _quadratic_at(xs, ys, x) -> Fraction:
+def quadratic_at(xs, ys, x) -> Fraction:
     """The quadratic through three points, at x (exact in rationals)."""
     (x0, x1, x2), (y0, y1, y2) = xs, (Fraction(y) for y in ys)
     d01, d12 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
-    c = (d12 - d01) / (x2 - x0)
-    b = d01 - c * (x0 + x1)
-    return y0 + b * (x - x0) + c * (x - x0) * (x - x0)
+    c = (d12 - d01) / (x2 - x0)  # Newton's form: y0 + d01 (x - x0) + c (x - x0)(x - x1)
+    return y0 + d01 * (x - x0) + c * (x - x0) * (x - x1)
 
 
 def _by_role(work: list[tuple[Window, Counter]], n_layers: int) -> dict:
@@ -59,7 +58,7 @@ def _predict_window(samples: list[Counter], seq_lens, seq_len: int,
     out: Counter = Counter()
     plain = {k for c in samples for k in c if k[0] not in SIZED}
     for k in plain:
-        v = _quadratic_at(seq_lens, [c.get(k, 0) for c in samples], seq_len)
+        v = quadratic_at(seq_lens, [c.get(k, 0) for c in samples], seq_len)
         if v > 0:
             out[k] = float(v)
     families: dict[tuple, list[dict[tuple, float]]] = defaultdict(
@@ -72,7 +71,7 @@ def _predict_window(samples: list[Counter], seq_lens, seq_len: int,
     for fam, per_sample in families.items():
         at = SIZED[fam[0]]
         for size, ys in _matched(per_sample, seq_lens, seq_len, approximate, f"{label} {fam}"):
-            v = _quadratic_at(seq_lens, ys, seq_len)
+            v = quadratic_at(seq_lens, ys, seq_len)
             if v > 0:
                 out[fam[:at] + (size,) + fam[at:]] += float(v)
     return out

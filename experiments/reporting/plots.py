@@ -310,8 +310,11 @@ def plot_memory_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
 
 def _throughput(rows: pd.DataFrame) -> pd.DataFrame:
     """ok rows with `tps` (tokens/s per GPU) and its p20/p80 bounds `lo`/`hi`, the median of
-    repetitions; tokens/s per GPU = seq_len / nproc / step time."""
+    repetitions; tokens/s per GPU = seq_len / nproc / step time. Max-context probes (``iters``
+    0) are left out: they are the search's, not the sweep's cells (emulated ones have times)."""
     df = rows[rows["status"] == Status.OK]
+    if "iters" in df:
+        df = df[df["iters"] != 0]
     per_gpu = df["seq_len"] / df["nproc"]
     df = df.assign(tps=df["tokens_per_s_per_gpu"].fillna(per_gpu / df["time_median_s"]),
                    lo=per_gpu / df["time_p80_s"], hi=per_gpu / df["time_p20_s"])
@@ -362,7 +365,7 @@ def plot_throughput_vs_ulysses(rows: pd.DataFrame, maxctx: pd.DataFrame, path: P
         ax.axhline(1.0, ls="--", lw=1.3, color="0.25", label="Ulysses = 1.0")
         ax.set(xlabel="sequence length (global tokens)", ylim=(0, 1.2 * max(df["ratio"].max(), 1)),
                ylabel="tokens/s per GPU relative to Ulysses",
-               title=f"Throughput vs Ulysses · {_context(df)}")
+               title=f"{_titled('Throughput vs Ulysses', df)} · {_context(df)}")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     return True
 
@@ -422,8 +425,8 @@ def plot_memory_ladder(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
 
 def plot_heads_per_stage(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bool:
     """Bars per variant (Ulysses, then UPipe by U), each annotated with its ratio to Ulysses:
-    peak device memory, and tokens/s per GPU beside it when the rows are timed (emulated rows
-    are not: the memory panel alone). Reads rows.csv: method, heads_per_stage, model, nproc,
+    peak device memory, and tokens/s per GPU beside it when the rows are timed (measured, or
+    emulated by the time model: titled so). Reads rows.csv: method, heads_per_stage, model, nproc,
     stack, seq_len, status, peak_device_bytes, and the throughput columns."""
     df = rows[(rows["status"] == Status.OK) & rows["method"].isin(["ulysses", "upipe"])]
     timed = _throughput(df)
@@ -437,7 +440,7 @@ def plot_heads_per_stage(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -
     df = df.assign(mem=df["peak_device_bytes"] / scale)
     panels = [("mem", _titled(f"peak device memory per rank ({unit})", df))]
     if len(timed):
-        panels.append(("tps", "tokens/s per GPU"))
+        panels.append(("tps", _titled("tokens/s per GPU", df)))
     width = max(4.5 * len(panels), 0.8 * len(panels) * len(labels) + 2 * len(panels))
     with _figure(path, ncols=len(panels), width=width) as (fig, axes):
         for ax, (col, name) in zip(axes, panels, strict=True):

@@ -166,6 +166,15 @@ def rank(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=_order)
 
 
+def _cost(cell: Cell) -> int:
+    """A configuration's relative emulation cost, to start the longest first (no long tail on
+    the last worker): UPipe's head stages times the ring steps each runs."""
+    stages = 1
+    if cell.heads_per_stage:
+        stages = resolve_model(cell.model, cell.overrides).n_heads // cell.heads_per_stage
+    return stages * cell.ring_degree
+
+
 def plan(spec: PlanSpec, hw: Hardware, *, workers: int = 2, exact: bool = False,
          on_rows: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Every configuration of ``spec`` on ``hw``, ranked (``rank``). ``on_rows`` sees each
@@ -183,7 +192,8 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int = 2, exact: bool = False,
     # spawn: the workers start clean (no fake process group or dispatch mode of this process)
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        futures = [pool.submit(plan_configuration, c, hw, stacks, exact) for c in cells]
+        futures = [pool.submit(plan_configuration, c, hw, stacks, exact)
+                   for c in sorted(cells, key=_cost, reverse=True)]
         for f in concurrent.futures.as_completed(futures):
             got = f.result()
             rows += got

@@ -66,7 +66,8 @@ def test_emulation_equals_the_real_run(dist_pool, method, stack, options):
     cell = Cell(method=method, model="tiny", seq_len=seq_len, nproc=4, stack=stack,
                 dtype="fp32", warmup=1, iters=0, **options)
     real = dist_pool(4).run(_real_run, cell.to_dict())[0]  # rank 0, as the emulator plays
-    emulated = emulate_cell(cell, Hardware(device="cpu"), exact=True)
+    # memory only (count=False): the same allocations, a third fewer dispatch layers
+    emulated = emulate_cell(cell, Hardware(device="cpu"), exact=True, count=False)
     assert emulated["status"] == "ok", emulated["error"]
     assert {k: emulated[k] for k in KEYS} == real
 

@@ -90,7 +90,9 @@ def test_ranking_puts_what_fits_first_fastest_first():
 def test_a_small_real_plan_emulates_and_ranks(tmp_path):
     """tiny on 2 CPU "GPUs", Ulysses on two stacks, emulated with the CPU unit profile: every
     row has a time and the ranking follows the emulated tokens/s."""
-    spec = PlanSpec("tiny", 2, 2048, methods=("ulysses",), stacks=("alst", "ac"))
+    # two layers: fewer than the fit's samples, so each stack is one exact emulation
+    spec = PlanSpec("tiny", 2, 2048, overrides=(("n_layers", "2"),), methods=("ulysses",),
+                    stacks=("alst", "ac"))
     hw = Hardware(device="cpu", profile=CPU_PROFILE)
     rows = plan(spec, hw, workers=1)
     assert {r["stack"] for r in rows} == {"alst", "ac"}

@@ -35,9 +35,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from experiments.emulation.op_costs import Window
 from experiments.emulation.profile import Profile
-
-Window = tuple[str, int | None]
 
 
 @dataclass(frozen=True)

@@ -227,9 +227,8 @@ def _plan_line(row: dict) -> dict:
         fits = "yes"
     elif status == Status.OOM:
         fits = "no: " + " and ".join(w for w in ("device", "host") if f"{w} peak" in why)
-    elif "plan_inferred_from" in row:
+    elif "plan_inferred_from" in row:  # the error says from what (a lighter stack, a smaller U)
         fits = "no: device"
-        why = f"the {row['plan_inferred_from']} stack is over the device (not emulated)"
     else:
         fits = status
     gib = {k: None if row.get(k) is None else round(row[k] / GiB, 1)

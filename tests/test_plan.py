@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from experiments import cli
-from experiments.config import Hardware, Status
+from experiments.config import Cell, Hardware, Status
+from experiments.emulation.emulate import device_lower_bound, emulate_cell
 from experiments.runner import plan as plan_mod
 from experiments.runner.plan import LADDER, PlanSpec, configurations, plan, rank
 
@@ -69,6 +70,73 @@ def test_the_stack_ladder_emulates_a_heavier_level_only_if_the_lighter_ones_fit(
         if "plan_inferred_from" in r:
             assert r["status"] == Status.SKIPPED
             assert r["plan_inferred_from"] in LADDER[r["stack"]]
+
+
+def test_more_heads_per_stage_never_keep_less_on_the_device():
+    """What the planner's inference over U rests on (``plan._over_by_u``): exact emulations of
+    UPipe on tiny (16 heads), every valid U, on two stacks and both mesh shapes (alst: the
+    peak is the attention's, so it grows; offload: it is elsewhere, so it stays)."""
+    for stack, ring in (("alst", 1), ("offload", 2)):
+        peaks = []
+        for u in (2, 4, 8, 16):
+            cell = Cell(method="upipe", model="tiny", nproc=4 if ring > 1 else 2, seq_len=4096,
+                        ring_degree=ring, heads_per_stage=u, stack=stack, dtype="bf16")
+            peaks.append(emulate_cell(cell, Hardware(), exact=True, count=False)[
+                "peak_device_bytes"])
+        assert peaks == sorted(peaks), (stack, ring, peaks)
+        assert (peaks[-1] > peaks[0]) == (stack == "alst")
+
+
+def test_a_heads_per_stage_over_the_device_spares_the_larger_ones(monkeypatch):
+    """Serially (one worker) the plan starts U = 4 first (most stages), then 8, then 16: once 8
+    is over the device on alst, 16 is not emulated on any stack (each row says why)."""
+    emulated = []
+
+    def emulate(cell, hw, exact=False, count=True):
+        emulated.append((cell.heads_per_stage, cell.stack))
+        over = cell.heads_per_stage >= 8 and cell.stack == "alst"
+        row = {"method": cell.method, "stack": cell.stack, "heads_per_stage":
+               cell.heads_per_stage, "ring_degree": cell.ring_degree}
+        if over:
+            return row | {"status": Status.OOM, "error": "device peak 9 GiB > budget 8 GiB"}
+        return row | {"status": Status.OK, "error": "", "tokens_per_s_per_gpu": 1.0}
+
+    monkeypatch.setattr(plan_mod, "emulate_cell", emulate)
+    spec = PlanSpec("tiny", 4, 4096, methods=("upipe",), stacks=("alst", "offload"))
+    rows = plan(spec, Hardware(), workers=1)
+    r1 = {(r["heads_per_stage"], r["stack"]): r for r in rows if r["ring_degree"] == 1}
+    assert {(u, s) for u, s in r1} == {(u, s) for u in (4, 8, 16) for s in ("alst", "offload")}
+    assert r1[8, "alst"]["status"] == Status.OOM  # emulated
+    assert r1[8, "offload"]["plan_inferred_from"] == "alst"  # the ladder
+    row = r1[16, "alst"]
+    assert row["status"] == Status.SKIPPED and row["plan_inferred_from"] == "heads_per_stage=8"
+    assert "8 heads per stage do not fit" in row["error"]
+    assert r1[16, "offload"]["plan_inferred_from"] == "alst"  # and the ladder from there
+    assert (16, "alst") not in emulated and (4, "offload") in emulated
+
+
+def test_the_device_lower_bound_is_below_the_peak_and_decides_only_when_over():
+    """``device_lower_bound``: 4 of 8 layers at the full length, exactly; never above the
+    8-layer model's emulated peak; a row (oom, "at least") only when over the budget."""
+    over = (("n_layers", "8"),)
+    cell = Cell(method="ulysses", model="tiny", overrides=over, nproc=2, seq_len=4096,
+                stack="offload", dtype="bf16")
+    full = emulate_cell(cell, Hardware(), exact=True, count=False)["peak_device_bytes"]
+    four = Cell(method="ulysses", model="tiny", overrides=(("n_layers", "4"),), nproc=2,
+                seq_len=4096, stack="offload", dtype="bf16")
+    bound = emulate_cell(four, Hardware(), exact=True, count=False)["peak_device_bytes"]
+    assert 0 < bound < full
+    # a budget between the two: the bound proves nothing, the full emulation says over
+    between = Cell.from_dict(cell.to_dict() | {"budget_mib": (bound + full) / 2 / 2**20})
+    assert device_lower_bound(between, Hardware()) is None
+    assert emulate_cell(between, Hardware(), exact=True, count=False)["status"] == Status.OOM
+    below = Cell.from_dict(cell.to_dict() | {"budget_mib": bound / 2 / 2**20})
+    row = device_lower_bound(below, Hardware())
+    assert row["status"] == Status.OOM and row["peak_device_is_lower_bound"]
+    assert row["peak_device_bytes"] == bound and "device peak at least" in row["error"]
+    # the tiled stack's op count grows with the length: no bound, nothing emulated
+    assert device_lower_bound(Cell.from_dict(below.to_dict() | {"stack": "alst"}),
+                              Hardware()) is None
 
 
 def test_ranking_puts_what_fits_first_fastest_first():

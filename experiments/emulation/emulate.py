@@ -19,9 +19,17 @@ import dataclasses
 import time
 import traceback
 
-from experiments.config import ERROR_TAIL_CHARS, Cell, GiB, Hardware, ModelConfig, Status
+from experiments.config import (
+    ERROR_TAIL_CHARS,
+    STACKS,
+    Cell,
+    GiB,
+    Hardware,
+    ModelConfig,
+    Status,
+)
 from experiments.emulation.fake_step import Measurement, measure_fake
-from experiments.emulation.fit import N_SAMPLE, fitted
+from experiments.emulation.fit import N_SAMPLE, fitted, sequence_chunk
 from experiments.emulation.kernel_models import MODELLED_KERNELS
 from experiments.emulation.profile import Profile, profile_for
 from experiments.emulation.time_model import price, step_time
@@ -136,3 +144,38 @@ def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
     return describe(cell, cfg) | _row_metrics(cell, cfg, hw, m) | time_columns(
         cell, cfg, profile, m) | extra | {
         "emulation_s": round(time.monotonic() - t0, 2)} | provenance()
+
+
+def device_lower_bound(cell: Cell, hw: Hardware = PAPER_NODE) -> dict | None:
+    """The row of ``cell`` over the device budget by a lower bound on its peak, or None when the
+    bound does not prove it (then only ``emulate_cell`` can tell).
+
+    The bound: the exact peak of the step with the fit's first depth (``N_SAMPLE[0]`` layers)
+    at the full length. More layers never keep less on the device at a given length (each adds
+    its parameter, gradient and optimizer shards, and its checkpoint, all live at once), so
+    the model's own peak is at least that. Cheap where the step's op count does not grow with
+    the length: stacks without the tiled MLP, methods without sequence chunks; for the others
+    (and for models no deeper than the bound's depth) it returns None without emulating.
+    """
+    cfg = cell.validate()
+    if (STACKS[cell.stack].tiled or sequence_chunk(cell) is not None
+            or cfg.n_layers <= N_SAMPLE[0] or emulation_unavailable(cell, hw) is not None):
+        return None
+    t0 = time.monotonic()
+    try:
+        m = measure_fake(cell, dataclasses.replace(cfg, n_layers=N_SAMPLE[0]), hw, count=False)
+    except Exception:  # noqa: BLE001 -- proves nothing; emulate_cell reports the error as a row
+        return None
+    budget = hw.device_budget(cell)
+    if m.peak_device_bytes <= budget:
+        return None
+    return describe(cell, cfg) | provenance() | {
+        "status": Status.OOM, "mode": "emulated", "memory_source": "emulated",
+        "error": (f"device peak at least {m.peak_device_bytes / GiB:.2f} GiB > budget "
+                  f"{budget / GiB:.2f} GiB ({N_SAMPLE[0]} of the model's {cfg.n_layers} "
+                  "layers emulated at the full length: more layers keep at least as much)"),
+        "world_size": cell.nproc, "device": f"emulated {hw.device} ({hw.gpu_mem_gib:g} GiB)",
+        "peak_device_bytes": m.peak_device_bytes, "peak_device_is_lower_bound": True,
+        "device_budget_bytes": budget, "host_budget_bytes": hw.host_budget(cell.nproc),
+        "emulation": "lower bound", "emulation_s": round(time.monotonic() - t0, 2),
+    } | {f"hw_{k}": v for k, v in dataclasses.asdict(hw).items()}

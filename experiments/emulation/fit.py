@@ -53,7 +53,7 @@ MIN_CHUNKS = 3
 ROLES = ("first", "mid_first", "mid", "mid_last", "last")
 
 
-def _chunk(cell: Cell) -> int | None:
+def sequence_chunk(cell: Cell) -> int | None:
     """The cell's sequence chunk (its method's default when unset), or None: not chunked."""
     cls = get_method(cell.method)
     if not takes_option(cls, "chunk_size"):
@@ -65,14 +65,14 @@ def _first_quantum(cell: Cell, q: int, dim: int) -> int:
     """The smallest k such that k * q holds MIN_TILES MLP shards per rank and MIN_CHUNKS
     chunks: the fit's three lengths are k, k + 1 and k + 2 quanta."""
     k = math.ceil(MIN_TILES * cell.nproc * dim / q)
-    chunk = _chunk(cell)
+    chunk = sequence_chunk(cell)
     return max(k, math.ceil(MIN_CHUNKS * chunk / q)) if chunk else k
 
 
 def lattice(cell: Cell, dim: int) -> int:
     """The global-token quantum Q on which every allocation of the step is affine in S."""
     q = math.lcm(cell.nproc * dim, 2 * cell.nproc * 128)
-    chunk = _chunk(cell)
+    chunk = sequence_chunk(cell)
     return math.lcm(q, chunk) if chunk else q
 
 

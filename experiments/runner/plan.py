@@ -11,20 +11,23 @@ The stack levels form a ladder in device memory (``config.stack``): alst keeps t
 the device, then offload and native, then ac, then none (each adds back what a lighter level
 moves off the device or never materialises). A configuration is emulated on alst first; a
 heavier level is not emulated when a lighter level below it on the ladder is over the device
-budget: its row says which one (status ``skipped``). The heavier levels are emulated for their
-memory first; only what fits is emulated again with its work counted, for its time (so those
-that do not fit have no time). Emulations run in ``workers`` processes.
+budget: its row says which one (status ``skipped``). A heavier level is first checked against
+the device by a lower bound on its peak where that is cheap (``emulation.device_lower_bound``:
+a few layers emulated exactly at the full length; a row over the device by it says "at least"),
+then emulated for its memory; only what fits is emulated again with its work counted, for its
+time (so those that do not fit have no time). Emulations run in ``workers`` processes.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import multiprocessing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from experiments.config import Cell, Hardware, Status, resolve_model, takes_option
-from experiments.emulation.emulate import emulate_cell
+from experiments.emulation.emulate import device_lower_bound, emulate_cell
 from experiments.harness.launch import unrun
 from upipe.registry import available_methods, get_method
 
@@ -127,16 +130,24 @@ def _over_device(row: dict) -> bool:
 
 
 def plan_configuration(alst: Cell, hw: Hardware, stacks: tuple[str, ...],
-                       exact: bool = False) -> list[dict]:
+                       exact: bool = False, over: dict[str, int] | None = None) -> list[dict]:
     """Rows of one configuration on each stack of ``stacks``, walking the ladder (see the
-    module): a level is emulated unless a lighter level it depends on is over the device."""
+    module): a level is emulated unless a lighter level it depends on is over the device.
+    ``over``: stack -> a smaller number of UPipe heads per stage already over the device on that
+    stack (``_over_by_u``): this configuration is too, on it."""
     rows: dict[str, dict] = {}
     for stack in LADDER:  # lightest first
         if stack not in stacks:
             continue
         cell = Cell.from_dict(alst.to_dict() | {"stack": stack})
         blocking = [s for s in LADDER[stack] if s in rows and _over_device(rows[s])]
-        if blocking:
+        if stack in (over or {}):
+            rows[stack] = unrun(cell, None, Status.SKIPPED,
+                                f"not emulated: {over[stack]} heads per stage do not fit the "
+                                "device on this stack and mesh, and more heads per stage keep "
+                                "more on it", "emulated")
+            rows[stack]["plan_inferred_from"] = f"heads_per_stage={over[stack]}"
+        elif blocking:
             rows[stack] = unrun(cell, None, Status.SKIPPED,
                                 f"not emulated: the {blocking[0]} stack keeps less on the device "
                                 "and does not fit it either", "emulated")
@@ -144,10 +155,15 @@ def plan_configuration(alst: Cell, hw: Hardware, stacks: tuple[str, ...],
         elif stack == "alst":  # the level most likely to fit: its memory and time at once
             rows[stack] = emulate_cell(cell, hw, exact=exact)
         else:
-            # memory first (no work counted: about 40% faster); the time of what fits only
-            rows[stack] = emulate_cell(cell, hw, exact=exact, count=False)
-            if rows[stack]["status"] == Status.OK:
-                rows[stack] = emulate_cell(cell, hw, exact=exact)
+            # over the device by a lower bound (one short exact step, where that is cheap), or
+            # memory first (no work counted: three dispatch layers fewer per op); the time of
+            # what fits only
+            row = None if exact else device_lower_bound(cell, hw)
+            if row is None:
+                row = emulate_cell(cell, hw, exact=exact, count=False)
+            if row["status"] == Status.OK:
+                row = emulate_cell(cell, hw, exact=exact)
+            rows[stack] = row
     return list(rows.values())
 
 
@@ -175,28 +191,75 @@ def _cost(cell: Cell) -> int:
     return stages * cell.ring_degree
 
 
+def _family(cell: Cell) -> tuple:
+    """What configurations that differ only in UPipe's heads per stage share."""
+    return cell.method, cell.ring_degree
+
+
+def _over_by_u(cell: Cell, over_at: dict[tuple, int]) -> dict[str, int]:
+    """stack -> the smallest heads per stage of ``cell``'s family found over the device on that
+    stack, where it is below ``cell``'s. A UPipe stage's buffers (its heads' Q, K, V, output
+    and their gradients) grow with the heads it processes and nothing else does, so the peak
+    never falls as U grows (tests/test_plan.py checks it on exact emulations)."""
+    if not cell.heads_per_stage:
+        return {}
+    fam = _family(cell)
+    return {stack: u for (f, stack), u in over_at.items()
+            if f == fam and u < cell.heads_per_stage}
+
+
+def _record_over(cell: Cell, rows: list[dict], over_at: dict[tuple, int]) -> None:
+    """Note the stacks on which ``cell`` (a UPipe configuration) was emulated over the
+    device."""
+    if not cell.heads_per_stage:
+        return
+    for row in rows:
+        if _over_device(row) and "plan_inferred_from" not in row:
+            key = (_family(cell), row["stack"])
+            over_at[key] = min(over_at.get(key, cell.heads_per_stage), cell.heads_per_stage)
+
+
+def _done(fn, *args) -> concurrent.futures.Future:
+    """``fn(*args)`` run here, as a finished future (the serial plan's executor)."""
+    f: concurrent.futures.Future = concurrent.futures.Future()
+    f.set_result(fn(*args))
+    return f
+
+
 def plan(spec: PlanSpec, hw: Hardware, *, workers: int = 2, exact: bool = False,
          on_rows: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Every configuration of ``spec`` on ``hw``, ranked (``rank``). ``on_rows`` sees each
-    configuration's rows as they arrive (progress)."""
+    configuration's rows as they arrive (progress).
+
+    Configurations start longest first (``_cost``), at most ``workers`` at once, each when a
+    worker is free: so a UPipe configuration starts after the smaller numbers of heads per stage
+    of its mesh (they cost more) and is not emulated on a stack where one of them was over the
+    device (``_over_by_u``)."""
     hw.validate(world=spec.gpus)
     cells, rows = configurations(spec)
     stacks = tuple(spec.stacks)
-    if workers <= 1 or len(cells) <= 1:
-        for cell in cells:
-            got = plan_configuration(cell, hw, stacks, exact)
-            rows += got
-            if on_rows is not None:
-                on_rows(got)
-        return rank(rows)
-    # spawn: the workers start clean (no fake process group or dispatch mode of this process)
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        futures = [pool.submit(plan_configuration, c, hw, stacks, exact)
-                   for c in sorted(cells, key=_cost, reverse=True)]
-        for f in concurrent.futures.as_completed(futures):
-            got = f.result()
-            rows += got
-            if on_rows is not None:
-                on_rows(got)
+    pending = sorted(cells, key=_cost, reverse=True)
+    over_at: dict[tuple, int] = {}
+    with contextlib.ExitStack() as stack:
+        if workers > 1 and len(cells) > 1:
+            # spawn: workers start clean (no fake process group or dispatch mode of this one)
+            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn")))
+            submit = pool.submit
+        else:
+            submit = _done
+        running: dict[concurrent.futures.Future, Cell] = {}
+        while pending or running:
+            while pending and len(running) < max(1, workers):
+                cell = pending.pop(0)
+                running[submit(plan_configuration, cell, hw, stacks, exact,
+                               _over_by_u(cell, over_at))] = cell
+            finished, _ = concurrent.futures.wait(
+                running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for f in finished:
+                got = f.result()
+                _record_over(running.pop(f), got, over_at)
+                rows += got
+                if on_rows is not None:
+                    on_rows(got)
     return rank(rows)

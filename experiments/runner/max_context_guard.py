@@ -5,8 +5,8 @@ paper's stack for the method (DESIGN.md §6) -- Llama3-8B on 8 ranks, Qwen3-32B 
 hybrids on the 8 (Ulysses) x 2 (ring) mesh, UPipe also on all 16 ranks as one Ulysses group;
 on 8 ranks the hybrids run 4 x 2) -- searched to a 64K-token granularity; plus one real CPU
 run: UPipe on the tiny preset, 4 gloo ranks, under a 39.5 MiB tracked budget (1K-token
-granularity, from 4K tokens: it fits 4K at 38.5 MiB, not 5K at 40.5 MiB). A method that cannot run or be
-emulated here is a row with its status and no length.
+granularity, from 4K tokens: it fits 4K at 38.5 MiB, not 5K at 40.5 MiB). A method that cannot
+run or be emulated here is a row with its status and no length.
 
     python -m experiments.runner.max_context_guard            # recompute, compare with the table
     python -m experiments.runner.max_context_guard --update   # recompute and rewrite the table

@@ -118,9 +118,8 @@ def test_a_heads_per_stage_over_the_device_spares_the_larger_ones(monkeypatch):
 def test_the_device_lower_bound_is_below_the_peak_and_decides_only_when_over():
     """``device_lower_bound``: 4 of 8 layers at the full length, exactly; never above the
     8-layer model's emulated peak; a row (oom, "at least") only when over the budget."""
-    over = (("n_layers", "8"),)
-    cell = Cell(method="ulysses", model="tiny", overrides=over, nproc=2, seq_len=4096,
-                stack="offload", dtype="bf16")
+    cell = Cell(method="ulysses", model="tiny", overrides=(("n_layers", "8"),), nproc=2,
+                seq_len=4096, stack="offload", dtype="bf16")
     full = emulate_cell(cell, Hardware(), exact=True, count=False)["peak_device_bytes"]
     four = Cell(method="ulysses", model="tiny", overrides=(("n_layers", "4"),), nproc=2,
                 seq_len=4096, stack="offload", dtype="bf16")

@@ -240,10 +240,10 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int = 2, exact: bool = False,
     stacks = tuple(spec.stacks)
     pending = sorted(cells, key=_cost, reverse=True)
     over_at: dict[tuple, int] = {}
-    with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as exits:
         if workers > 1 and len(cells) > 1:
             # spawn: workers start clean (no fake process group or dispatch mode of this one)
-            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+            pool = exits.enter_context(concurrent.futures.ProcessPoolExecutor(
                 workers, mp_context=multiprocessing.get_context("spawn")))
             submit = pool.submit
         else:

@@ -168,6 +168,51 @@ def test_device_rounding_like_the_caching_allocator():
         MemoryTracker(round_bytes=0)
 
 
+def test_observers_see_what_stacked_modes_see():
+    """Instruments on the tracker's dispatch (``observers``) count what they count as modes of
+    their own, after the tracker has counted the outputs; device queries reach neither."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from experiments.instruments.collectives import CollectiveCounter
+    from experiments.instruments.op_flops import CountedFlops
+
+    class Seen:
+        def __init__(self, tracker):
+            self.tracker, self.ops, self.tracked_outputs = tracker, [], 0
+
+        def observe(self, func, args, kwargs, out):
+            self.ops.append(func)
+            if isinstance(out, torch.Tensor) and self.tracker.tracks(out):
+                self.tracked_outputs += 1
+
+    def step():
+        a, b = torch.randn(6, 5), torch.randn(5, 7)
+        c = a @ b
+        c.t().contiguous()  # a view (the fake run asks its device) and a copy
+        dist.all_reduce(c)
+        return c
+
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        with FakeTensorMode():
+            flops, comm = CountedFlops(), CollectiveCounter()
+            with flops, comm, MemoryTracker():
+                step()
+            tracker = MemoryTracker()
+            observed = [CountedFlops(), CollectiveCounter(), Seen(tracker)]
+            tracker.observers += observed
+            with tracker:
+                step()
+    finally:
+        dist.destroy_process_group()
+    assert observed[0].total == flops.total == 2 * 6 * 5 * 7
+    assert observed[1].counts == comm.counts and comm.counts["allreduce_"] == 1
+    assert observed[1].bytes_sent == comm.bytes_sent and comm.total_bytes_sent > 0
+    seen = observed[2]
+    assert torch.ops.aten.mm.default in seen.ops and torch.ops.prim.device.default not in seen.ops
+    assert seen.tracked_outputs >= 3  # randn, randn, mm: counted before the observer ran
+
+
 def test_phase_peaks_and_breakdowns():
     """Each phase key keeps the highest device bytes seen while it was the innermost key."""
     with MemoryTracker() as mt:

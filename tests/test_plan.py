@@ -116,23 +116,31 @@ def test_a_heads_per_stage_over_the_device_spares_the_larger_ones(monkeypatch):
 
 
 def test_the_device_lower_bound_is_below_the_peak_and_decides_only_when_over():
-    """``device_lower_bound``: 4 of 8 layers at the full length, exactly; never above the
-    8-layer model's emulated peak; a row (oom, "at least") only when over the budget."""
-    cell = Cell(method="ulysses", model="tiny", overrides=(("n_layers", "8"),), nproc=2,
-                seq_len=4096, stack="offload", dtype="bf16")
-    full = emulate_cell(cell, Hardware(), exact=True, count=False)["peak_device_bytes"]
-    four = Cell(method="ulysses", model="tiny", overrides=(("n_layers", "4"),), nproc=2,
-                seq_len=4096, stack="offload", dtype="bf16")
-    bound = emulate_cell(four, Hardware(), exact=True, count=False)["peak_device_bytes"]
-    assert 0 < bound < full
-    # a budget between the two: the bound proves nothing, the full emulation says over
-    between = Cell.from_dict(cell.to_dict() | {"budget_mib": (bound + full) / 2 / 2**20})
+    """``device_lower_bound``: 1, then 4, of 8 layers at the full length, exactly; never above
+    the 8-layer model's emulated peak; a row (oom, "at least") only when over the budget, from
+    the shallowest depth that proves it."""
+    def cell(layers, **kw):
+        return Cell(method="ulysses", model="tiny", overrides=(("n_layers", str(layers)),),
+                    nproc=2, seq_len=4096, stack="offload", dtype="bf16", **kw)
+
+    full, four, one = (emulate_cell(cell(n), Hardware(), exact=True, count=False)
+                       ["peak_device_bytes"] for n in (8, 4, 1))
+    assert 0 < one < four < full
+    # a budget between the 4-layer bound and the model: the bounds prove nothing, the full
+    # emulation says over
+    between = cell(8, budget_mib=(four + full) / 2 / 2**20)
     assert device_lower_bound(between, Hardware()) is None
     assert emulate_cell(between, Hardware(), exact=True, count=False)["status"] == Status.OOM
-    below = Cell.from_dict(cell.to_dict() | {"budget_mib": bound / 2 / 2**20})
+    # between one layer and four: the 4-layer step proves it
+    row = device_lower_bound(cell(8, budget_mib=(one + four) / 2 / 2**20), Hardware())
+    assert row["status"] == Status.OOM and row["peak_device_is_lower_bound"]
+    assert row["peak_device_bytes"] == four and "(4 of the model's 8 layers" in row["error"]
+    # below one layer: one layer proves it
+    below = cell(8, budget_mib=one / 2 / 2**20)
     row = device_lower_bound(below, Hardware())
     assert row["status"] == Status.OOM and row["peak_device_is_lower_bound"]
-    assert row["peak_device_bytes"] == bound and "device peak at least" in row["error"]
+    assert row["peak_device_bytes"] == one and "device peak at least" in row["error"]
+    assert "(1 of the model's 8 layers" in row["error"]
     # the tiled stack's op count grows with the length: no bound, nothing emulated
     assert device_lower_bound(Cell.from_dict(below.to_dict() | {"stack": "alst"}),
                               Hardware()) is None

@@ -130,11 +130,12 @@ def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True)
             model.set_offload(host_context=tracker.host)
             states = [t for s in opt.state.values() for t in s.values()
                       if isinstance(t, torch.Tensor)]
-            flop_counter = CountedFlops() if count else contextlib.nullcontext()
-            comm = CollectiveCounter() if count else contextlib.nullcontext()
-            work = StepWork(tracker, hw.gpus_per_node) if count else contextlib.nullcontext()
+            if count:  # on the tracker's dispatch: one mode layer for all four instruments
+                flop_counter, comm = CountedFlops(), CollectiveCounter()
+                work = StepWork(tracker, hw.gpus_per_node)
+                tracker.observers += [flop_counter, comm, work]
             try:
-                with flop_counter, comm, tracker, work:
+                with tracker:
                     tracker.track(model, state.tokens, state.labels, states, category="model")
                     with tracker.phase("forward"):
                         loss_sum = model(state.tokens, state.labels)

@@ -180,11 +180,16 @@ class StepWork(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.observe(func, args, kwargs, out)
+        return out
+
+    def observe(self, func, args, kwargs, out) -> None:
+        """Sort one op into its window's work (as a mode entered inside the tracker, or as the
+        tracker's observer: either way after the tracker has counted the op's outputs)."""
         if func.namespace == "c10d":
             self._collective(func, args, kwargs)
         elif not func.is_view and func not in _NO_KERNEL and func.namespace != "prim":
             self._kernel(func, args, kwargs, out)
-        return out
 
     def _collective(self, func, args, kwargs) -> None:
         call = describe_collective(func, args, kwargs)

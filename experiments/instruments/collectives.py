@@ -128,6 +128,12 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.observe(func, args, kwargs, None)
+        return func(*args, **kwargs)
+
+    def observe(self, func, args, kwargs, out) -> None:
+        """Count one op if it is a collective (as a mode, or as a ``MemoryTracker`` observer;
+        only the arguments are read)."""
         if func.namespace == "c10d":
             name = func.__name__.split(".")[0]
             self.counts[name] += 1
@@ -135,7 +141,6 @@ class CollectiveCounter(TorchDispatchMode):
             if call is not None:
                 self.payload_bytes[name] += call.payload
                 self.bytes_sent[name] += call.sent
-        return func(*args, **kwargs)
 
     @property
     def total(self) -> int:

@@ -17,6 +17,12 @@ private API, and it classifies bytes by device, so host-offloaded activations (C
 "device" tensors of a CPU run (also CPU tensors) cannot be told apart. Here allocations made
 inside ``tracker.host()`` are host bytes, everything else device bytes, on any device.
 
+Other instruments of the same step (FLOPs, collectives, the emulator's work per window) can ride
+on the tracker's dispatch instead of stacking modes of their own: each ``observers`` entry's
+``observe(func, args, kwargs, out)`` is called after the tracker has counted the op's outputs.
+One Python dispatch layer instead of several is most of an emulated step's instrument cost (an
+emulated step dispatches ~200K ops; a mode layer costs several microseconds per op).
+
 Two optional refinements: ``round_bytes=512`` counts each device storage as the CUDA caching
 allocator does (so the tracked peak can be compared with ``torch.cuda.max_memory_allocated``),
 and phases (``tracker.phase("forward")``, nested) record the device peak of each stretch of the
@@ -39,6 +45,7 @@ import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -50,6 +57,16 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 DEVICE, HOST = "device", "host"
 _P2P_OPS = frozenset({"send", "recv_", "recv_any_source_"})
+# a device query (C++ code asks a fake or subclass tensor for its device after most view ops:
+# a third of an emulated step's dispatches); it allocates nothing and observers ignore it
+_DEVICE_QUERY = torch.ops.prim.device.default
+
+
+class Observer(Protocol):
+    """An instrument that sees each op the tracker dispatches (``MemoryTracker.observers``)."""
+
+    def observe(self, func, args, kwargs, out) -> None:
+        """Called after ``func(*args, **kwargs)`` returned ``out`` and its outputs are counted."""
 
 
 @dataclass
@@ -138,6 +155,7 @@ class MemoryTracker(TorchDispatchMode):
         breakdown_by_phase: {phase key: {category: device bytes}} when that key's peak was set.
         peak_allocations: the live ``Allocation`` list at the device peak, when constructed with
             ``snapshot_peak=True`` (for explaining a peak; costs a list copy per new peak).
+        observers: ``Observer``s called for every op after it is counted (append to add one).
     """
 
     def __init__(
@@ -172,6 +190,7 @@ class MemoryTracker(TorchDispatchMode):
         self._phase_key: tuple[str, ...] = ()  # tuple(self._phase_stack), kept built
         self.peak_by_phase: dict[tuple[str, ...], int] = {}
         self.breakdown_by_phase: dict[tuple[str, ...], dict[str, int]] = {}
+        self.observers: list[Observer] = []
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -301,6 +320,8 @@ class MemoryTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if self._comm_aliases:
             self._settle_comm()
+        if func is _DEVICE_QUERY:
+            return func(*args, **kwargs)
         if self.settle_comm and func.namespace == "c10d" and func._opname not in _P2P_OPS:
             args, kwargs = tree_map_only(torch.Tensor, self._comm_alias, (args, kwargs))
         out = func(*args, **kwargs)
@@ -313,6 +334,8 @@ class MemoryTracker(TorchDispatchMode):
                 self._category_stack.pop()
         else:
             self._add_outputs(func, args, kwargs, out)
+        for observer in self.observers:
+            observer.observe(func, args, kwargs, out)
         return out
 
     def _add_outputs(self, func, args, kwargs, out) -> None:

@@ -26,7 +26,11 @@ class CountedFlops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.observe(func, args, kwargs, out)
+        return out
+
+    def observe(self, func, args, kwargs, out) -> None:
+        """Add one op's FLOPs (as a mode, or as a ``MemoryTracker`` observer)."""
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
             self.total += int(formula(*args, **kwargs, out_val=out))
-        return out

@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments.config import Cell, Hardware
 from experiments.emulation.emulate import emulate_cell
+from experiments.emulation.fake_step import measure_fake
 from experiments.instruments.memory import MemoryTracker
 
 KEYS = ("tracked_peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
@@ -276,3 +277,10 @@ def test_memory_only_emulation_allocates_the_same():
     assert {k: memory[k] for k in KEYS} == {k: full[k] for k in KEYS}
     assert full["rank_flops_per_step"] > 0 and full["comm_bytes_per_step"] > 0
     assert memory["rank_flops_per_step"] is None and memory["comm_bytes_per_step"] is None
+    # the fit's 5-layer samples: FLOPs and bytes sent counted, the work per window not
+    cfg = cell.validate()
+    counted = measure_fake(cell, cfg, Hardware(device="cpu"))
+    no_work = measure_fake(cell, cfg, Hardware(device="cpu"), work=False)
+    assert counted.work and no_work.work is None
+    assert (no_work.flops, no_work.comm_bytes) == (counted.flops, counted.comm_bytes)
+    assert no_work.phase_peaks == counted.phase_peaks

@@ -111,10 +111,13 @@ def critical_rank(cell: Cell) -> int:
     return get_method(cell.method).critical_rank(cell.nproc, cell.ring_degree)
 
 
-def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True) -> Measurement:
+def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True,
+                 work: bool | None = None) -> Measurement:
     """Emulate one steady-state step of ``cell`` with the model shape ``cfg`` as its critical
-    rank (``count``: also count FLOPs, bytes sent and the work per window; a memory-only search
-    leaves them out, three dispatch layers fewer per op)."""
+    rank (``count``: also count FLOPs and bytes sent, and, unless ``work`` is False, the work
+    per window that the time model prices, the dearest of the three; a memory-only search
+    leaves them all out)."""
+    work = count if work is None else work and count
     device = torch.device("cpu")
     with fake_world(cell.nproc, critical_rank(cell)):
         meshes = make_meshes(cell, device)  # outside fake mode: meshes read rank values
@@ -132,8 +135,10 @@ def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True)
                       if isinstance(t, torch.Tensor)]
             if count:  # on the tracker's dispatch: one mode layer for all four instruments
                 flop_counter, comm = CountedFlops(), CollectiveCounter()
-                work = StepWork(tracker, hw.gpus_per_node)
-                tracker.observers += [flop_counter, comm, work]
+                tracker.observers += [flop_counter, comm]
+            if work:
+                step_work = StepWork(tracker, hw.gpus_per_node)
+                tracker.observers.append(step_work)
             try:
                 with tracker:
                     tracker.track(model, state.tokens, state.labels, states, category="model")
@@ -154,4 +159,5 @@ def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True)
         phase_breakdowns={k: dict(v) for k, v in tracker.breakdown_by_phase.items()},
         flops=flop_counter.total if count else None,
         comm_bytes=dict(comm.bytes_sent) if count else None,
-        work=[(w, work.windows[w]) for w in work.order if w[0] != "setup"] if count else None)
+        work=[(w, step_work.windows[w]) for w in step_work.order if w[0] != "setup"]
+        if work else None)

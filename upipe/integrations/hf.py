@@ -90,8 +90,10 @@ class CPSelfAttention(nn.Module):
         object.__setattr__(self, "method", method)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
-                past_key_values=None, **kwargs) -> tuple[torch.Tensor, None]:
-        if past_key_values is not None:
+                past_key_values=None, cache=None, **kwargs) -> tuple[torch.Tensor, None]:
+        # the decoder layers pass the KV cache as ``past_key_values`` in older transformers and
+        # as ``cache`` in newer ones (5.24 does; it deprecates ``past_key_values`` until 5.40)
+        if past_key_values is not None or cache is not None:
             raise ValueError("a KV cache (past_key_values) is not supported under context "
                              "parallelism: call the model with use_cache=False (training only)")
         if attention_mask is not None:

@@ -161,7 +161,7 @@ def device_lower_bound(cell: Cell, hw: Hardware = PAPER_NODE) -> dict | None:
     parameter, gradient and optimizer shards, and its checkpoint, all live at once), so the
     model's own peak is at least that. Cheap where the step's op count does not grow with the
     length: stacks without the tiled MLP, methods without sequence chunks; for the others (and
-    for models no deeper than the bound's depth) it returns None without emulating.
+    for one-layer models) it returns None without emulating.
     """
     cfg = cell.validate()
     if (STACKS[cell.stack].tiled or sequence_chunk(cell) is not None

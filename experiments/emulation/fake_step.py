@@ -112,12 +112,12 @@ def critical_rank(cell: Cell) -> int:
 
 
 def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True,
-                 work: bool | None = None) -> Measurement:
+                 work: bool = True) -> Measurement:
     """Emulate one steady-state step of ``cell`` with the model shape ``cfg`` as its critical
-    rank (``count``: also count FLOPs and bytes sent, and, unless ``work`` is False, the work
-    per window that the time model prices, the dearest of the three; a memory-only search
-    leaves them all out)."""
-    work = count if work is None else work and count
+    rank (``count``: also count FLOPs and bytes sent, and, with ``work``, the work per window
+    that the time model prices, the dearest of the three; a memory-only search leaves them all
+    out)."""
+    work = work and count
     device = torch.device("cpu")
     with fake_world(cell.nproc, critical_rank(cell)):
         meshes = make_meshes(cell, device)  # outside fake mode: meshes read rank values

@@ -1,20 +1,33 @@
 """``torch-cp``: PyTorch's native context parallelism -- the paper's "native PyTorch" baseline.
 
 An adapter over ``torch.distributed.tensor.experimental`` (torch 2.13: ``_context_parallel/
-_attention.py``): the local Q/K/V shards become DTensors sharded on the sequence dim of SDPA's
-(B, H, S, D) layout, and with torch's CP dispatcher on, the fused SDPA ops on those DTensors run
-torch's ring (``_templated_ring_attention``: K/V rotated by one all-gather, or an all-to-all per
-step; dK/dV always by all-to-all in backward; an fp32 LSE merge).
+_attention.py``). With its CP dispatcher on, an SDPA call on sequence-sharded DTensors reaches
+``_sdpa_handler``, which unwraps the local shards and calls torch's ring: ``_templated_ring_
+attention`` with the fused SDPA op (forward: K/V rotated by one all-gather or an all-to-all per
+step, an fp32 LSE merge) and ``_templated_ring_attention_backward`` (dK/dV always by
+all-to-all). This module calls that same ring with the same arguments on the local shards,
+without the DTensor round trip, for three reasons:
 
-Why an autograd.Function around the SDPA call: torch reads its CP switches when an op *runs*,
-forward and backward alike -- the DTensor custom-op handlers that route SDPA to the ring
-(``_enable_context_parallel_dispatcher``) and the process-global ``_cp_options``
-(``enable_load_balance``, ``rotate_method``). Left on globally (TorchTitan's way), they would
-also capture every other DTensor SDPA in the process (e.g. tensor-parallel attention) and make
-one module's causal flag everyone's. So :class:`_TorchRingSDPA` switches them on around the
-public ``F.scaled_dot_product_attention`` in forward, keeps that inner graph, and switches them
-on again around its backward (the reentrant pattern of ``torch.utils.checkpoint``); the module
-is then used like any nn.Module. The ring is torch's own; only the switching is ours.
+* Checkpointing frees what it should. The fused op's autograd node would save q, k, v, out and
+  the LSE; :class:`_TorchRingSDPA` saves exactly those through ``save_for_backward``, so
+  non-reentrant activation checkpointing drops them after the forward and recomputes them. (An
+  earlier version kept the inner DTensor graph on a ``ctx`` attribute to switch the dispatcher
+  on again in backward; checkpointing cannot see ``ctx`` attributes, so every layer's q,
+  expanded K/V and output outlived the forward.)
+* It runs on CPU. DTensor has no CP rule for the CPU fused op
+  (``aten._scaled_dot_product_flash_attention_for_cpu``: "does not have a sharding strategy
+  registered"); torch's ring takes the op as an argument, so on CPU it runs the CPU op.
+* Everything the ring allocates is tracked. A dispatch mode (the memory tracker) is not active
+  inside a tensor subclass's ``__torch_dispatch__``, so it would see only the outputs of a
+  DTensor SDPA call, not the rotated K/V buffers, per-step outputs and merge temporaries inside.
+
+The fused op is the one SDPA dispatches on the device (``upipe.kernels.kernel_device_type``, so
+the emulator's fake CPU tensors take the CUDA path): CUDA fp16/bf16 FlashAttention-2
+(``_scaled_dot_product_flash_attention``; flash is SDPA's first choice when it qualifies,
+``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``), CUDA fp32 the memory-efficient
+kernel, CPU the CPU flash kernel. The options the ring reads from the process-global
+``_cp_options`` (load balancing, rotation) are set around each call and restored
+(:func:`torch_cp_options`), so one module's settings never leak into another's.
 
 Layout: always zigzag, which is torch's ``_HeadTailLoadBalancer`` order (rank r holds chunks r and
 2W-1-r of 2W, in that order; ``_load_balancer.py``). Causal: load balancing on, so the ring's
@@ -22,19 +35,17 @@ per-step masking matches that layout. Non-causal: load balancing must be off (th
 "Load balancing requires `is_causal=True`"); every step is then a full block and the key order
 does not matter, so the same zigzag shard is exact.
 
+Rotation: the paper's runs name the PyTorch baseline ``attn_impl = "torch_ring_alltoall"``
+(togethercomputer/Untied-Ulysses, torchtitan/exps/llama3_8b/run_all_8B.sh and the Qwen3-32B
+script), so ``alltoall`` is the default here; the shared TorchTitan config of those runs sets
+``context_parallel_rotate_method = "allgather"`` (llama3_8b_test_2d.toml), torch's own default,
+and which of the two the fork applies for that attn_impl could not be read (its Python sources
+are not available here). ``rotate_method="allgather"`` runs the other.
+
 GQA: torch's ring rotates K/V as given and relies on the SDPA kernel for the head mapping; the
 efficient kernel (fp32) takes no ``enable_gqa``, so K/V are expanded to the query heads first
 (``repeat_interleave``, as TorchTitan's ``repeat_kv`` did), which costs H/Hkv x the K/V traffic
 and memory of a GQA-aware ring -- part of what this baseline measures.
-
-CUDA only: on CPU SDPA runs ``aten._scaled_dot_product_flash_attention_for_cpu``, which has no CP
-rule. Verified on 2 gloo ranks (torch 2.13, :class:`_TorchRingSDPA` called directly): causal fails
-in forward with "NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu
-.default does not have a sharding strategy registered", non-causal in backward with the same for
-``..._for_cpu_backward``; under ``sdpa_kernel(MATH)``: "aten.add.Tensor got mixed torch.Tensor
-and DTensor". So forward on a CPU tensor raises before any collective. Emulation does not work
-either on a CPU-only torch build: fake CUDA tensors abort in autograd ("PyTorch is not linked with
-support for cuda devices"), and without autograd SDPA falls back to redistributing (no ring).
 """
 
 from __future__ import annotations
@@ -46,160 +57,163 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from baselines.zigzag_ring import ZigzagRingAttention
+from upipe.kernels import fused_op_scope, kernel_device_type
 from upipe.registry import register_method
 
 ROTATE_METHODS = ("allgather", "alltoall")
+DEFAULT_ROTATE_METHOD = "alltoall"  # the paper's attn_impl "torch_ring_alltoall" (module doc)
 _ROTATE_ENUM = {"allgather": "ALL_GATHER", "alltoall": "ALL_TO_ALL"}  # torch's _RotateMethod
-_CPU_REASON = (
-    "method 'torch-cp' needs a CUDA device: PyTorch's CP ring intercepts only the fused CUDA "
-    "SDPA kernels (flash / efficient / cuDNN); on CPU SDPA dispatches to "
-    "aten._scaled_dot_product_flash_attention_for_cpu, which has no context-parallel sharding "
-    "rule"
-)
+_SEQ_DIM = 2  # SDPA's (B, H, S, D): the dim torch's ring shards and merges over
+_aten = torch.ops.aten
+_SAVED = object()  # marks an output of the fused op kept through save_for_backward
 
 
-def _cp_api():
-    """torch's experimental CP module (imported lazily: it pulls in DTensor and flex attention)."""
-    from torch.distributed.tensor.experimental import _context_parallel as cp
+def _attention_module():
+    """torch's experimental CP attention module (imported lazily: it pulls in DTensor and flex
+    attention)."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
 
-    return cp
+    return _attention
 
 
 @contextlib.contextmanager
-def torch_cp_active(causal: bool, rotate_method: str):
-    """torch's CP dispatcher and options on for the body, then put back as they were.
-
-    A dispatcher someone else switched on (TorchTitan style) is left on; only the two options
-    this call needs are set and restored.
-    """
-    cp = _cp_api()
-    from torch.distributed.tensor import DTensor
-
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    op = torch.ops.aten._scaled_dot_product_flash_attention.default
-    already_on = handlers.get(op) is cp._attention._sdpa_handler
-    opts = cp._cp_options
+def torch_cp_options(causal: bool, rotate_method: str):
+    """torch's process-global ring options for this call (load balancing: on for the causal
+    head-tail layout, off otherwise, as the ring requires; the rotation), then put back."""
+    att = _attention_module()
+    opts = att._cp_options
     saved = (opts.enable_load_balance, opts.rotate_method)
-    opts.enable_load_balance = causal  # head-tail balancing; the ring refuses it when non-causal
+    opts.enable_load_balance = causal
     # what set_rotate_method does, without its log line on every call
-    opts.rotate_method = getattr(cp._RotateMethod, _ROTATE_ENUM[rotate_method])
-    if not already_on:
-        cp._enable_context_parallel_dispatcher()
+    opts.rotate_method = getattr(att._RotateMethod, _ROTATE_ENUM[rotate_method])
     try:
         yield
     finally:
-        if not already_on:
-            cp._disable_context_parallel_dispatcher()
         opts.enable_load_balance, opts.rotate_method = saved
 
 
-def _sdpa_on_shards(q, k, v, mesh, causal: bool) -> torch.Tensor:
-    """Public SDPA on the shards as DTensors (Shard(2) over ``mesh``): torch's ring when the CP
-    dispatcher is on. (B, H, L, D) x 3 -> local out (B, H, L, D)."""
-    from torch.distributed.tensor import DTensor, Shard
+def _ring_forward(q, k, v, group, causal: bool, device_type: str) -> tuple:
+    """torch's ring over the fused op SDPA would run on ``device_type``; (B, H, L, D) x 3 ->
+    (out (B, H, L, D), lse (B, H, L) fp32, *the op's other outputs, as its backward takes them)."""
+    ring = _attention_module()._templated_ring_attention
+    if device_type != "cuda":
+        return ring(group, _SEQ_DIM, _aten._scaled_dot_product_flash_attention_for_cpu, q, k, v,
+                    is_causal=causal, dropout_p=0.0)
+    if q.dtype in (torch.float16, torch.bfloat16):  # as _scaled_dot_product_ring_flash_attention
+        return ring(group, _SEQ_DIM, _aten._scaled_dot_product_flash_attention, q, k, v,
+                    is_causal=causal, dropout_p=0.0, scale=None)
+    # as _scaled_dot_product_ring_efficient_attention (compute_log_sumexp: the merge needs it)
+    return ring(group, _SEQ_DIM, _aten._scaled_dot_product_efficient_attention, q, k, v,
+                is_causal=causal, attn_bias=None, dropout_p=0.0, scale=None,
+                compute_log_sumexp=True)
 
-    dq, dk, dv = (DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in (q, k, v))
-    return F.scaled_dot_product_attention(dq, dk, dv, is_causal=causal).to_local()
+
+def _ring_backward(dout, q, k, v, out, lse, rest, group, causal: bool, device_type: str):
+    """torch's ring backward for the op :func:`_ring_forward` ran; returns (dq, dk, dv)."""
+    ring = _attention_module()._templated_ring_attention_backward
+    common = dict(grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse,
+                  is_causal=causal, dropout_p=0.0)
+    if device_type != "cuda":
+        return ring(group, _SEQ_DIM, _aten._scaled_dot_product_flash_attention_for_cpu_backward
+                    .default, grad_out_name="grad_out", **common)[:3]
+    if q.dtype in (torch.float16, torch.bfloat16):
+        # the forward's (cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_mask)
+        cum_q, cum_k, max_q, max_k, seed, offset = rest[:6]
+        return ring(group, _SEQ_DIM, _aten._scaled_dot_product_flash_attention_backward.default,
+                    grad_out_name="grad_out", cum_seq_q=cum_q, cum_seq_k=cum_k, max_q=max_q,
+                    max_k=max_k, philox_seed=seed, philox_offset=offset, scale=None,
+                    **common)[:3]
+    seed, offset = rest[:2]
+    return ring(group, _SEQ_DIM, _aten._scaled_dot_product_efficient_attention_backward.default,
+                grad_out_name="grad_out_", attn_bias=None, philox_seed=seed,
+                philox_offset=offset, grad_input_mask=(True, True, True, False), scale=None,
+                **common)[:3]
 
 
 class _TorchRingSDPA(torch.autograd.Function):
-    """torch's ring SDPA on local shards q, k, v (B, H, L, D) -> out (B, H, L, D).
+    """torch's ring attention on local shards q, k, v (B, H, L, D) -> out (B, H, L, D).
 
-    Forward runs :func:`_sdpa_on_shards` inside :func:`torch_cp_active` and keeps that small
-    graph; backward replays it inside the same context, so the fused backward op reaches torch's
-    ring backward too. What the inner graph saves is what native CP saves (q, k, v, out, LSE).
+    Saves what the fused op's own autograd node saves (q, k, v, out, lse and the op's RNG
+    outputs), through ``save_for_backward``, so activation checkpointing can drop them.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mesh, causal, rotate_method):
-        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        with torch.enable_grad(), torch_cp_active(causal, rotate_method):
-            out = _sdpa_on_shards(*leaves, mesh, causal)
-        ctx.graph = (leaves, out)
-        ctx.causal, ctx.rotate_method = causal, rotate_method
-        return out.detach()
+    def forward(ctx, q, k, v, group, causal, rotate_method):
+        device_type = kernel_device_type(q)
+        with torch_cp_options(causal, rotate_method):
+            out, lse, *rest = _ring_forward(q, k, v, group, causal, device_type)
+        tensors = [t for t in rest if isinstance(t, torch.Tensor)]
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        # the other outputs (max_q/max_k; None for the flash op's undefined cum_seq_q/k) keep
+        # their places among the saved tensors
+        ctx.rest = [_SAVED if isinstance(t, torch.Tensor) else t for t in rest]
+        ctx.group, ctx.causal, ctx.rotate_method = group, causal, rotate_method
+        ctx.device_type = device_type
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
-        leaves, out = ctx.graph
-        del ctx.graph  # the inner graph's saved tensors are freed after this one use
-        with torch_cp_active(ctx.causal, ctx.rotate_method):
-            grads = torch.autograd.grad(out, leaves, dout)
-        return (*grads, None, None, None)
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        it = iter(tensors)
+        rest = [next(it) if r is _SAVED else r for r in ctx.rest]
+        with torch_cp_options(ctx.causal, ctx.rotate_method), fused_op_scope():
+            dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, rest, ctx.group,
+                                        ctx.causal, ctx.device_type)
+        return dq, dk, dv, None, None, None
 
 
-def torch_ring_sdpa(q, k, v, mesh, *, causal: bool, rotate_method: str = "allgather"):
+def torch_ring_sdpa(q, k, v, group, *, causal: bool,
+                    rotate_method: str = DEFAULT_ROTATE_METHOD) -> torch.Tensor:
     """torch's native CP ring attention on this rank's shards, differentiable.
 
     q, k, v: (B, H, L, D) with equal head counts (expand GQA K/V first), the local tokens of a
-    head-tail (zigzag) layout when causal; ``mesh``: the 1-D CP DeviceMesh. Returns (B, H, L, D).
+    head-tail (zigzag) layout when causal; ``group``: the CP process group. Returns
+    (B, H, L, D) in q's dtype.
     """
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _TorchRingSDPA.apply(q, k, v, mesh, causal, rotate_method)
-    with torch_cp_active(causal, rotate_method):  # no graph wanted (eval, inference)
-        return _sdpa_on_shards(q, k, v, mesh, causal)
+    out, _lse = _TorchRingSDPA.apply(q, k, v, group, causal, rotate_method)
+    return out
 
 
 @register_method("torch-cp")
 class TorchCPAttention(ZigzagRingAttention):
-    """PyTorch-native ring CP attention; forward(x_local (B, L, dim)) -> (B, L, dim), CUDA only.
+    """PyTorch-native ring CP attention; forward(x_local (B, L, dim)) -> (B, L, dim).
 
-    Option ``rotate_method``: how torch's ring moves K/V, ``"allgather"`` (torch's default: one
-    all-gather of K/V, then a slice per step) or ``"alltoall"`` (a permute per step). Head rules
-    are the ring's (any GQA ratio on any number of ranks); the layout is zigzag (see the module
-    docstring). ``group`` becomes a 1-D DeviceMesh, built on first use per device type.
+    Option ``rotate_method``: how torch's ring moves K/V, ``"alltoall"`` (a permute per step;
+    the paper's, the default) or ``"allgather"`` (one all-gather of K/V, then a slice per step;
+    torch's own default). Head rules are the ring's (any GQA ratio on any number of ranks); the
+    layout is zigzag (see the module docstring). Runs wherever SDPA's fused op does: CUDA, CPU,
+    and the emulator's fake tensors.
     """
 
-    def __init__(self, *args, rotate_method: str = "allgather", **kwargs):
+    def __init__(self, *args, rotate_method: str = DEFAULT_ROTATE_METHOD, **kwargs):
         if rotate_method not in ROTATE_METHODS:
             raise ValueError(
                 f"rotate_method must be one of {ROTATE_METHODS}, got {rotate_method!r}"
             )
         self.rotate_method = rotate_method
         super().__init__(*args, **kwargs)
-        self._meshes: dict = {}
 
     def options(self) -> dict:
         return {"rotate_method": self.rotate_method}
 
     @classmethod
     def unavailable_reason(cls, device_type: str) -> str | None:
-        if device_type != "cuda":
-            return _CPU_REASON if device_type == "cpu" else (
-                f"method 'torch-cp' needs a CUDA device, got device type {device_type!r}"
-            )
-        if not torch.cuda.is_available():
-            return "method 'torch-cp' needs a CUDA device; none is available"
         try:
-            _cp_api()
+            _attention_module()
         except ImportError as e:
             return f"method 'torch-cp' needs torch's experimental context_parallel module ({e})"
         return None
 
-    def _mesh(self, device_type: str):
-        """The CP group as a 1-D DeviceMesh (no collective: the group exists already)."""
-        if device_type not in self._meshes:
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-            from torch.distributed.device_mesh import DeviceMesh
-
-            group = self.group if self.group is not None else dist.group.WORLD
-            with unset_fake_temporarily():  # the mesh holds a real rank tensor, read with tolist()
-                self._meshes[device_type] = DeviceMesh.from_group(
-                    group, device_type, mesh_dim_names=("cp",)
-                )
-        return self._meshes[device_type]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        reason = self.unavailable_reason(x.device.type)
-        if reason is not None:  # before any collective, so no peer waits on this rank
-            raise RuntimeError(reason)
         self.check_input(x)
         q, k, v = self.project_qkv(x)  # (B, L, H, D), (B, L, Hkv, D) x 2; RoPE at zigzag positions
         g = self.n_heads // self.n_kv_heads
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k.repeat_interleave(g, 2),
                                                    v.repeat_interleave(g, 2)))
         if dist.is_available() and dist.is_initialized():
-            oh = torch_ring_sdpa(qh, kh, vh, self._mesh(x.device.type), causal=self.causal,
+            group = self.group if self.group is not None else dist.group.WORLD
+            oh = torch_ring_sdpa(qh, kh, vh, group, causal=self.causal,
                                  rotate_method=self.rotate_method)
         else:  # one process, no group: torch's ring would be one local block anyway
             oh = F.scaled_dot_product_attention(qh, kh, vh, is_causal=self.causal)

@@ -1,12 +1,14 @@
-"""The GPU-only adapters: ``torch-cp`` (PyTorch native CP), ``rfa-zigzag`` (ring-flash-attn) and
-``ds-fpdt`` (DeepSpeed FPDT).
+"""The adapters over other libraries: ``torch-cp`` (PyTorch native CP), ``rfa-zigzag``
+(ring-flash-attn) and ``ds-fpdt`` (DeepSpeed FPDT).
 
-On CPU (always run): each is registered; its ``unavailable_reason("cpu")`` names what is missing;
-building or calling it on 2 gloo ranks fails on every rank with that message and no collective
-(a hang would be a DistPool timeout); its layout is the one its library uses (checked against
-torch's head-tail load balancer and DeepSpeed's ``FPDT_InputConstruct``); the torch-cp gate is
-the real failure; and ds-fpdt matches the reference with a math stand-in for flash-attn's
-private kernels, which checks the adapter's weight, RoPE, layout and KV-replication mapping.
+On CPU (always run): each is registered; for those that cannot run on CPU here (``GATED``) its
+``unavailable_reason("cpu")`` names what is missing, and building or calling it on 2 gloo ranks
+fails on every rank with that message and no collective (a hang would be a DistPool timeout);
+its layout is the one its library uses (checked against torch's head-tail load balancer and
+DeepSpeed's ``FPDT_InputConstruct``); torch-cp's ring options are scoped to its calls (its CPU
+runs: tests/test_torch_cp.py and the shared matrix); and ds-fpdt matches the reference with a
+math stand-in for flash-attn's private kernels, which checks the adapter's weight, RoPE, layout
+and KV-replication mapping.
 
 On a GPU (marked ``gpu``): every adapter against the single-device reference with the shared
 recipe (tests/cases.py). DistPool runs gloo, so ranks exchange CUDA tensors through gloo; a
@@ -57,15 +59,17 @@ def test_registered(name):
     assert get_method(name) is ADAPTERS[name] and ADAPTERS[name].registry_name == name
 
 
-@pytest.mark.parametrize("name", list(ADAPTERS))
+# the adapters that cannot run on this machine's CPU (torch-cp runs on CPU: test_torch_cp.py)
+GATED = [n for n, cls in ADAPTERS.items() if cls.unavailable_reason("cpu") is not None]
+
+
+@pytest.mark.parametrize("name", GATED)
 def test_cpu_reason_names_what_is_missing(name):
     reason = ADAPTERS[name].unavailable_reason("cpu")
     assert isinstance(reason, str) and "CUDA" in reason and name in reason
     for module, pkg in NEEDS[name].items():
         if baselines.rfa_zigzag.import_problem(module) is not None:
             assert pkg in reason and "pip install 'upipe[flash]'" in reason
-    if name == "torch-cp":  # the op without a CP rule (test_torch_cp_gate_is_the_real_cpu_failure)
-        assert "_scaled_dot_product_flash_attention_for_cpu" in reason
 
 
 def _build_and_call(name: str) -> dict:
@@ -91,7 +95,7 @@ def _build_and_call(name: str) -> dict:
     return {"stage": "returned", "comms": cc.total}
 
 
-@pytest.mark.parametrize("name", list(ADAPTERS))
+@pytest.mark.parametrize("name", GATED)
 def test_cpu_call_fails_on_every_rank_before_any_collective(dist_pool, name):
     reason = ADAPTERS[name].unavailable_reason("cpu")
     for rank, res in enumerate(dist_pool(2).run(_build_and_call, name)):
@@ -133,26 +137,19 @@ def test_config_rules_without_building():
         fpdt.check_config(6, 2, cp=4, seq_len=64)  # Ulysses head rule
 
 
-def test_torch_cp_switches_are_scoped_to_the_call():
-    from torch.distributed.tensor import DTensor
+def test_torch_cp_options_are_scoped_to_the_call():
+    from baselines.torch_cp import _attention_module, torch_cp_options
 
-    from baselines.torch_cp import _cp_api, torch_cp_active
-
-    cp, op = _cp_api(), torch.ops.aten._scaled_dot_product_flash_attention.default
-    handler = lambda: DTensor._op_dispatcher._custom_op_handlers.get(op)  # noqa: E731
-    opts = cp._cp_options
-    before = (handler(), opts.enable_load_balance, opts.rotate_method)
-    with torch_cp_active(False, "alltoall"):
-        assert handler() is cp._attention._sdpa_handler
-        assert not opts.enable_load_balance and opts.rotate_method == cp._RotateMethod.ALL_TO_ALL
-    assert (handler(), opts.enable_load_balance, opts.rotate_method) == before
-    cp._enable_context_parallel_dispatcher()  # switched on by someone else (TorchTitan style)
-    try:
-        with torch_cp_active(True, "allgather"):
-            assert opts.enable_load_balance
-        assert handler() is cp._attention._sdpa_handler  # left on
-    finally:
-        cp._disable_context_parallel_dispatcher()
+    att = _attention_module()
+    opts = att._cp_options
+    before = (opts.enable_load_balance, opts.rotate_method)
+    with torch_cp_options(False, "alltoall"):
+        assert not opts.enable_load_balance and opts.rotate_method == att._RotateMethod.ALL_TO_ALL
+    assert (opts.enable_load_balance, opts.rotate_method) == before
+    with pytest.raises(RuntimeError), torch_cp_options(True, "allgather"):
+        assert opts.enable_load_balance and opts.rotate_method == att._RotateMethod.ALL_GATHER
+        raise RuntimeError  # restored on the way out of an error too
+    assert (opts.enable_load_balance, opts.rotate_method) == before
 
 
 # -- CPU: the layouts are the libraries' own ------------------------------------------------------
@@ -178,27 +175,6 @@ def test_chunked_is_fpdt_input_construct(seq, world, chunk):
     for r in range(world):
         construct = FPDT_InputConstruct(tokens, None, None, None, None, args, world, r)
         assert torch.equal(layout.shard(tokens, r, world), construct.generate()[0]), f"rank {r}"
-
-
-def _torch_cp_on_cpu() -> str:
-    """Per rank: torch's ring SDPA itself on CPU tensors (the gate bypassed)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from baselines.torch_cp import _TorchRingSDPA
-
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-    q = torch.randn(1, 2, 8, 4, requires_grad=True)
-    try:
-        _TorchRingSDPA.apply(q, q, q, mesh, True, "allgather").sum().backward()
-    except NotImplementedError as e:
-        return str(e)
-    return "ran"
-
-
-def test_torch_cp_gate_is_the_real_cpu_failure(dist_pool):
-    # If a torch release gives the CPU SDPA op a CP rule, this fails: lift the gate then.
-    for msg in dist_pool(2).run(_torch_cp_on_cpu):
-        assert "_scaled_dot_product_flash_attention_for_cpu" in msg, msg
 
 
 # -- CPU: ds-fpdt's mapping, with a math stand-in for flash-attn's private kernels ----------------

@@ -121,15 +121,21 @@ def test_emulate_json_row(capsys):
 
 
 def test_emulate_text_and_stack_default(capsys):
-    """torch-cp cannot be emulated (its code needs CUDA): a skipped row, exit 1, on the native
-    stack the paper runs it on; the text output names the status and the reason."""
-    code, out, err = _cli(capsys, "emulate", "--method", "torch-cp", "--mesh", "4x1", "--json")
-    assert code == 1, err
+    """torch-cp emulates on the native stack the paper runs it on; a method that cannot be
+    emulated here (rfa-zigzag: flash-attn's code, absent) is a skipped row, exit 1; the text
+    output names the status and the reason."""
+    code, out, err = _cli(capsys, "emulate", "--method", "torch-cp", "--mesh", "4x1",
+                          "--model", "tiny", "--seq-len", "4K", "--json")
+    assert code == 0, err
     row = json.loads(out)
     assert (row["status"], row["stack"], row["nproc"], row["mode"]) == (
-        "skipped", "native", 4, "emulated")
+        "ok", "native", 4, "emulated")
+    code, out, err = _cli(capsys, "emulate", "--method", "rfa-zigzag", "--world", "4", "--json")
+    assert code == 1, err
+    row = json.loads(out)
+    assert (row["status"], row["stack"]) == ("skipped", "alst")
     assert "cannot be emulated" in row["error"]
-    code, out, _ = _cli(capsys, "emulate", "--method", "torch-cp", "--world", "4")
+    code, out, _ = _cli(capsys, "emulate", "--method", "rfa-zigzag", "--world", "4")
     assert code == 1 and "status" in out and "skipped" in out
 
 
@@ -226,7 +232,7 @@ def test_emulated_sweep_runs_into_tables_and_plots(tmp_path):
     sweep = Sweep(
         "mini-emulated", "emulated test sweep", "emulated",
         base={"model": "tiny", "nproc": 4, "dtype": "bf16", "iters": 1},
-        axes={"variant": [{"method": "upipe"}, {"method": "torch-cp", "stack": "native"}],
+        axes={"variant": [{"method": "upipe"}, {"method": "rfa-zigzag"}],
               "seq_len": ["4K", "8K"]},
         # 30 MiB per rank: upipe's step peaks at 26.5 MiB at 4K tokens and 30.7 MiB at 8K
         # (bf16, CPU kernels), so the search passes 4K and fails 8K: two probes, 4K apart
@@ -240,13 +246,13 @@ def test_emulated_sweep_runs_into_tables_and_plots(tmp_path):
     assert set(rows["mode"]) == {"emulated"}
     grid = rows[rows.iters == 1]
     assert sorted(zip(grid.method, grid.status, strict=True)) == [
-        ("torch-cp", "skipped")] * 2 + [("upipe", "ok")] * 2
+        ("rfa-zigzag", "skipped")] * 2 + [("upipe", "ok")] * 2
     ok = grid[grid.status == "ok"].iloc[0]
     assert json.loads(ok["comm_bytes_by_op"]) and ok["emulation"] == "exact"
     assert (ok["hw_device"], ok["device_memory_bytes"]) == ("cpu", 76 * 2**30)
     mc = pd.read_csv(paths["max_context_csv"]).set_index("method")
     assert set(mc["mode"]) == {"emulated"}
-    assert (mc.loc["torch-cp", "status"], mc.loc["torch-cp", "n_probes"]) == ("skipped", 0)
+    assert (mc.loc["rfa-zigzag", "status"], mc.loc["rfa-zigzag", "n_probes"]) == ("skipped", 0)
     up = mc.loc["upipe"]
     assert (up["status"], up["max_seq_len"], up["first_failing_seq_len"]) == ("ok", 4096, 8192)
     assert 0 < up["peak_device_bytes"] <= 30 * 2**20 == up["device_budget_bytes"]

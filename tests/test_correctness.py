@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 from cases import Case, compare_with_reference
 
-METHODS = ("upipe", "ulysses", "ds-ulysses", "ring", "zigzag-ring")
-ZIGZAG = ("zigzag-ring",)  # global length must split into 2W chunks
+METHODS = ("upipe", "ulysses", "ds-ulysses", "ring", "zigzag-ring", "torch-cp")
+ZIGZAG = ("zigzag-ring", "torch-cp")  # global length must split into 2W chunks
 QUANTITIES = ("y", "dx", "wq.weight", "wk.weight", "wv.weight", "wo.weight")
 # ulps-of-magnitude floor: 2^-23 (fp32) and 2^-8 (bf16) mantissa steps, times a small factor
 FLOOR = {"fp32": 8 * 2.0**-23, "bf16": 2 * 2.0**-8}
@@ -52,6 +52,7 @@ def _params(world, method, h, hkv, seq, options, tag):
             for dtype in ("fp32", "bf16"):
                 case = Case(method, h, hkv, seq, causal=causal, dtype=dtype, options=o)
                 u = f"-U{o['heads_per_stage']}" if "heads_per_stage" in o else ""
+                u += f"-{o['rotate_method']}" if "rotate_method" in o else ""
                 cid = f"{method}{u}{tag}-w{world}-h{h}kv{hkv}-s{seq}-" + (
                     "causal" if causal else "full") + f"-{dtype}"
                 out.append(pytest.param(world, case, id=cid))
@@ -62,7 +63,8 @@ def _cases() -> list:
     out = []
     for world, h, hkv, seq in HEADS:
         for method in METHODS:
-            opts = _stage_options(world, h) if method == "upipe" else [{}]
+            opts = (_stage_options(world, h) if method == "upipe"
+                    else [{}, {"rotate_method": "allgather"}] if method == "torch-cp" else [{}])
             s = seq - seq % (2 * world) if method in ZIGZAG else seq
             out += _params(world, method, h, hkv, s, opts, "")
     for world, (ring, uly), h, hkv, seq in MESH_CASES:

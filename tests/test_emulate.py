@@ -47,6 +47,7 @@ CASES = [
     ("usp", "alst", {"ring_degree": 2}),
     ("upipe", "alst", {"ring_degree": 2}),
     ("fpdt", "alst", {"chunk_size": 1024}),
+    ("torch-cp", "native", {}),
     # ... and every stack level
     ("upipe", "none", {}),
     ("upipe", "ac", {}),
@@ -125,8 +126,8 @@ def test_budgets_decide_the_status():
 
 
 def test_unavailable_and_invalid_cells_are_rows():
-    row = emulate_cell(Cell(method="torch-cp", model="tiny", seq_len=4096, nproc=4,
-                            stack="native"), Hardware())
+    row = emulate_cell(Cell(method="rfa-zigzag", model="tiny", seq_len=4096, nproc=4,
+                            dtype="bf16"), Hardware())
     assert row["status"] == "skipped" and "cannot be emulated" in row["error"]
     row = emulate_cell(Cell(method="upipe", model="tiny", seq_len=4095, nproc=4), Hardware())
     assert row["status"] == "invalid" and "seq_len" in row["error"]

@@ -34,16 +34,17 @@ def test_invalid_cell_is_a_row_without_a_launch():
     assert "wall_s" not in row
 
 
-@needs("torch-cp")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="torch-cp runs where CUDA is present")
+@needs("rfa-zigzag")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="rfa-zigzag may run where CUDA is present")
 def test_unavailable_method_is_a_skipped_row_without_a_launch(tmp_path):
-    """torch-cp needs CUDA: on CPU its cell and its max-context search are recorded as skipped,
-    with the method's reason, and nothing is launched."""
-    row = run_cell(Cell("torch-cp", seq_len=512, **(BASE | {"stack": "native"})))
+    """rfa-zigzag needs CUDA (and flash-attn): on CPU its cell and its max-context search are
+    recorded as skipped, with the method's reason, and nothing is launched."""
+    base = BASE | {"dtype": "bf16"}
+    row = run_cell(Cell("rfa-zigzag", seq_len=512, **base))
     assert row["status"] == "skipped" and "CUDA" in row["error"]
     assert "wall_s" not in row  # no launch
-    sweep = Sweep("skip", "unavailable", "cpu", base=BASE | {"stack": "native"},
-                  axes={"variant": [{"method": "torch-cp"}], "seq_len": [512]},
+    sweep = Sweep("skip", "unavailable", "cpu", base=base,
+                  axes={"variant": [{"method": "rfa-zigzag"}], "seq_len": [512]},
                   search=SearchSpec(start=1024, block=256, limit=2048), timeout_s=60)
     paths = SweepRunner(sweep, tmp_path, progress=False)()
     mc = pd.read_csv(paths["max_context_csv"])
@@ -176,9 +177,10 @@ def test_cli_list_and_dry_run(capsys):
     assert {"upipe", "ulysses"} <= set(cat["methods"]) and "llama3-8b" in cat["presets"]
     assert cat["methods"]["ulysses"]["available"] and cat["methods"]["ulysses"]["reason"] is None
     assert cat["methods"]["upipe"]["options"] == ["heads_per_stage", "ring_degree"]
-    if "torch-cp" in cat["methods"] and cat["methods"]["torch-cp"]["device"] == "cpu":
-        assert not cat["methods"]["torch-cp"]["available"]
-        assert "CUDA" in cat["methods"]["torch-cp"]["reason"]
+    if "rfa-zigzag" in cat["methods"] and cat["methods"]["rfa-zigzag"]["device"] == "cpu":
+        assert not cat["methods"]["rfa-zigzag"]["available"]
+        assert "CUDA" in cat["methods"]["rfa-zigzag"]["reason"]
+    assert cat["methods"]["torch-cp"]["available"]  # torch's ring runs on CPU too
     code = main(["sweep", "--dry-run", "table3_llama3_8b_h100x8", "table3_llama3_8b_h100x8-cpu"])
     out = capsys.readouterr().out
     # 6 methods x 8 lengths, each searched; the CPU one: 6 x 3 and three searches

@@ -51,21 +51,39 @@ def check_kernel(name: str) -> str:
 # backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)
 KernelImpl = tuple[Callable, Callable]
 
-# (device type the kernels are chosen for or None: the tensors', {kernel name: replacement})
-_DISPATCH: contextvars.ContextVar[tuple[str | None, dict[str, KernelImpl]]] = (
-    contextvars.ContextVar("upipe_kernel_dispatch", default=(None, {})))
+# (device type the kernels are chosen for or None: the tensors', {kernel name: replacement},
+#  the scope around PyTorch's fused attention ops called directly, or None)
+_DISPATCH: contextvars.ContextVar[
+    tuple[str | None, dict[str, KernelImpl], Callable[[], contextlib.AbstractContextManager] | None]
+] = contextvars.ContextVar("upipe_kernel_dispatch", default=(None, {}, None))
 
 
 @contextlib.contextmanager
 def kernel_dispatch(device_type: str | None = None,
-                    overrides: dict[str, KernelImpl] | None = None):
-    """Inside, pick kernels as if tensors were on ``device_type`` and use ``overrides[name]``
-    instead of the kernel ``name`` (names as resolved: ``"auto"`` is ``"sdpa"``)."""
-    token = _DISPATCH.set((device_type, dict(overrides or {})))
+                    overrides: dict[str, KernelImpl] | None = None,
+                    op_scope: Callable[[], contextlib.AbstractContextManager] | None = None):
+    """Inside, pick kernels as if tensors were on ``device_type``, use ``overrides[name]``
+    instead of the kernel ``name`` (names as resolved: ``"auto"`` is ``"sdpa"``), and run code
+    that calls PyTorch's fused attention ops itself (``torch-cp``'s ring) inside ``op_scope()``
+    (:func:`fused_op_scope`; the emulator's model of what those ops allocate inside)."""
+    token = _DISPATCH.set((device_type, dict(overrides or {}), op_scope))
     try:
         yield
     finally:
         _DISPATCH.reset(token)
+
+
+def kernel_device_type(t: torch.Tensor) -> str:
+    """The device type kernels are chosen for with ``t`` as input: ``kernel_dispatch``'s, else
+    ``t``'s own (the emulator's fake CPU tensors take the CUDA path this way)."""
+    return _DISPATCH.get()[0] or t.device.type
+
+
+def fused_op_scope() -> contextlib.AbstractContextManager:
+    """The context to call PyTorch's fused attention ops in: ``kernel_dispatch``'s ``op_scope``
+    (the emulator allocates the ops' internal scratch there), else one that does nothing."""
+    scope = _DISPATCH.get()[2]
+    return scope() if scope is not None else contextlib.nullcontext()
 
 
 def kernel_functions(kernel: str, device_type: str) -> KernelImpl:
@@ -84,7 +102,7 @@ def kernel_functions(kernel: str, device_type: str) -> KernelImpl:
 
 
 def _resolve(kernel: str, t: torch.Tensor) -> KernelImpl:
-    device_type, overrides = _DISPATCH.get()
+    device_type, overrides, _ = _DISPATCH.get()
     impl = overrides.get(kernel)
     return impl if impl is not None else kernel_functions(kernel, device_type or t.device.type)
 
@@ -297,19 +315,20 @@ def _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale):
     t = lambda x: x.transpose(1, 2)  # noqa: E731
     kh, vh = _expand_kv(k, hq), _expand_kv(v, hq)
     no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout is 0: unused
-    if q.dtype in (torch.float16, torch.bfloat16):
-        # cum_seq_q/k must be *undefined* (None), as the forward returns them for dense
-        # inputs: a defined (even empty) tensor selects the varlen kernel, which then fails
-        # with "batch size must be positive".
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            t(dout), t(q), kh, vh, t(out), lse, None, None, s, s, 0.0, causal, no_rng, no_rng,
-            scale=scale,
-        )
-    else:
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            t(dout), t(q), kh, vh, None, t(out), lse, no_rng, no_rng, 0.0,
-            [True, True, True, False], causal, scale=scale,
-        )
+    with fused_op_scope():
+        if q.dtype in (torch.float16, torch.bfloat16):
+            # cum_seq_q/k must be *undefined* (None), as the forward returns them for dense
+            # inputs: a defined (even empty) tensor selects the varlen kernel, which then fails
+            # with "batch size must be positive".
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                t(dout), t(q), kh, vh, t(out), lse, None, None, s, s, 0.0, causal, no_rng,
+                no_rng, scale=scale,
+            )
+        else:
+            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                t(dout), t(q), kh, vh, None, t(out), lse, no_rng, no_rng, 0.0,
+                [True, True, True, False], causal, scale=scale,
+            )
     return t(dq), _sum_kv(dk, n_kv), _sum_kv(dv, n_kv)
 
 

@@ -67,7 +67,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from upipe.kernels import kernel_dispatch, kernel_functions
+from upipe.kernels import kernel_dispatch
 
 
 def _round_up(n: int, m: int) -> int:
@@ -84,9 +84,8 @@ def _flash_workspace(q: torch.Tensor) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------
-# sdpa: upipe's CUDA path; the fused backward ops get their internal scratch while they run
-
-_SDPA_FWD, _SDPA_BWD = kernel_functions("sdpa", "cuda")
+# sdpa: upipe's CUDA path (and torch-cp's ring); the fused backward ops get their internal
+# scratch while they run, inside ``upipe.kernels.fused_op_scope``
 
 
 def _efficient_workspace(q: torch.Tensor) -> list[torch.Tensor]:
@@ -106,7 +105,8 @@ _OP_WORKSPACE = {
 
 class _OpWorkspace(TorchDispatchMode):
     """Allocates a fused op's internal scratch just before the op and frees it just after, so
-    the tracker (the mode below this one) sees it alive exactly while the op runs."""
+    the tracker (the mode below this one) sees it alive exactly while the op runs. Entered by
+    the code that calls the fused ops (``upipe.kernels.fused_op_scope``), inside the tracker."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         make = _OP_WORKSPACE.get(func)
@@ -114,11 +114,6 @@ class _OpWorkspace(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         del scratch
         return out
-
-
-def _sdpa_backward(dout, q, k, v, out, lse, causal, scale):
-    with _OpWorkspace():
-        return _SDPA_BWD(dout, q, k, v, out, lse, causal, scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,8 +272,7 @@ MODELLED_KERNELS = ("flash-attn", "fa3")
 @contextlib.contextmanager
 def cuda_kernels():
     """Attention inside runs the CUDA kernels' code path and allocations (see the module)."""
-    overrides = {"sdpa": (_SDPA_FWD, _sdpa_backward),
-                 "flash-attn": (_flash_attn_forward, _flash_attn_backward),
+    overrides = {"flash-attn": (_flash_attn_forward, _flash_attn_backward),
                  "fa3": (_fa3_forward, _fa3_backward)}
-    with kernel_dispatch("cuda", overrides):
+    with kernel_dispatch("cuda", overrides, op_scope=_OpWorkspace):
         yield

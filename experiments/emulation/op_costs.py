@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from experiments.emulation.profile import attention_flops
-from experiments.instruments.collectives import describe_collective
+from experiments.instruments.collectives import COLLECTIVE_NAMESPACES, describe_collective
 from experiments.instruments.memory import HOST, MemoryTracker, plain_tensors, tensor_leaves
 
 Window = tuple[str, int | None]
@@ -61,7 +61,15 @@ COLLECTIVE_OPS = {
     "recv_any_source_": "p2p",
     # a broadcast relays the tensor along a ring or tree, as an all-gather moves its pieces
     "broadcast_": "all_gather",
+    # functional collectives (torch's CP ring, torch.distributed._functional_collectives)
+    "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce", "all_to_all_single": "all_to_all",
 }
+# torch's CP ring (``_templated_ring_attention``): its K/V (and, in backward, dK/dV) exchanges
+# are functional collectives issued before the step's attention and waited after it, so they
+# run beside that attention, as the ring's P2P does. (With the all-gather rotation the one
+# gather overlaps the first step's attention only: optimistic for that rotation.)
+_TORCH_RING_FILE = "tensor/experimental/_context_parallel/_attention.py"
 
 _aten = torch.ops.aten
 _MATMUL = {_aten.mm.default: (0, 1), _aten.addmm.default: (1, 2), _aten.bmm.default: (0, 1),
@@ -186,7 +194,7 @@ class StepWork(TorchDispatchMode):
     def observe(self, func, args, kwargs, out) -> None:
         """Sort one op into its window's work (as a mode entered inside the tracker, or as the
         tracker's observer: either way after the tracker has counted the op's outputs)."""
-        if func.namespace == "c10d":
+        if func.namespace in COLLECTIVE_NAMESPACES:
             self._collective(func, args, kwargs)
         elif not func.is_view and func not in _NO_KERNEL and func.namespace != "prim":
             self._kernel(func, args, kwargs, out)
@@ -200,7 +208,9 @@ class StepWork(TorchDispatchMode):
         if fsdp:  # counted in its unit's window: the overlap rules place it from there
             mechanism, w = "fsdp", self._window(unit)
         else:
-            mechanism, w = ("p2p" if op == "p2p" else "blocking"), self._window()
+            beside = op == "p2p" or (func.namespace == "_c10d_functional"
+                                     and _called_from(_TORCH_RING_FILE))
+            mechanism, w = ("p2p" if beside else "blocking"), self._window()
         scope = self._scope(call.group, call.peer)
         w["comm", mechanism, op, scope] += call.sent
         if call.sent or op != "p2p":  # a ring step's send and receive are one transfer

@@ -2,8 +2,11 @@
 
 torch.distributed's functions (``all_to_all_single``, ``send``, ``all_gather``...) dispatch
 ``c10d.*`` ops, so a ``TorchDispatchMode`` sees every collective of every library (ours,
-DeepSpeed's) without patching, on gloo, nccl and the fake process group alike. Only shapes and
-dtypes are read, never data, so the bytes are counted under FakeTensorMode too.
+DeepSpeed's) without patching, on gloo, nccl and the fake process group alike. The functional
+collectives (``torch.distributed._functional_collectives``, which torch's own CP ring uses)
+dispatch ``_c10d_functional.*`` ops instead, which name their group by a string; they are
+counted the same way. Only shapes and dtypes are read, never data, so the bytes are counted
+under FakeTensorMode too.
 """
 
 from __future__ import annotations
@@ -34,6 +37,17 @@ _BYTES: dict[str, tuple[str, str]] = {
     "recv_any_source_": ("tensors", "none"),
     "broadcast_": ("tensors", "root"),
 }
+# _c10d_functional op name -> (payload: "input" or "gathered" (the input x the group size, the
+# output it returns), rule). Schemas: all_gather_into_tensor(input, group_size, group_name),
+# reduce_scatter_tensor(input, reduce_op, group_size, group_name), all_reduce(input, reduce_op,
+# group_name), all_to_all_single(input, output_split_sizes, input_split_sizes, group_name).
+_FUNCTIONAL_BYTES: dict[str, tuple[str, str]] = {
+    "all_gather_into_tensor": ("gathered", "ring"),
+    "reduce_scatter_tensor": ("input", "ring"),
+    "all_reduce": ("input", "all_reduce"),
+    "all_to_all_single": ("input", "ring"),
+}
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 
 
 def _sent(rule: str, payload: int, p: int, is_root: bool) -> int:
@@ -81,13 +95,29 @@ class CollectiveCall:
     peer: int | None  # send / recv: the peer's rank in ``group``; else None
 
 
+def _describe_functional(name: str, bound: dict) -> CollectiveCall | None:
+    """The ``CollectiveCall`` of a ``_c10d_functional`` op (its group named by a string)."""
+    if name not in _FUNCTIONAL_BYTES:
+        return None  # wait_tensor, broadcast, ...: no byte rule
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(bound["group_name"])
+    payload_kind, rule = _FUNCTIONAL_BYTES[name]
+    payload = _nbytes(bound["input"]) * (group.size() if payload_kind == "gathered" else 1)
+    return CollectiveCall(name, payload, _sent(rule, payload, group.size(), False), group, None)
+
+
 def describe_collective(func, args, kwargs) -> CollectiveCall | None:
-    """The ``CollectiveCall`` of a c10d op, or None for ops without a byte rule (barrier...)."""
+    """The ``CollectiveCall`` of a c10d or functional collective op, or None for ops without a
+    byte rule (barrier, wait_tensor...)."""
     name = func.__name__.split(".")[0]
-    if name not in _BYTES:
-        return None
     # trailing defaulted arguments may be left out of args: strict=False
     schema = func._schema.arguments
+    if func.namespace == "_c10d_functional":
+        return _describe_functional(
+            name, {a.name: v for a, v in zip(schema, args, strict=False)} | kwargs)
+    if name not in _BYTES:
+        return None
     bound = {a.name: v for a, v in zip(schema, args, strict=False)} | kwargs
     group = next(_process_group(bound[a.name]) for a in schema
                  if str(a.type).endswith("c10d.ProcessGroup"))
@@ -134,7 +164,7 @@ class CollectiveCounter(TorchDispatchMode):
     def observe(self, func, args, kwargs, out) -> None:
         """Count one op if it is a collective (as a mode, or as a ``MemoryTracker`` observer;
         only the arguments are read)."""
-        if func.namespace == "c10d":
+        if func.namespace in COLLECTIVE_NAMESPACES:
             name = func.__name__.split(".")[0]
             self.counts[name] += 1
             call = describe_collective(func, args, kwargs)

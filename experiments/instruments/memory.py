@@ -82,6 +82,14 @@ class Allocation:
 # torch.tensor(python data) builds its tensor without dispatching and then "lifts" it: a real run
 # returns the same tensor, FakeTensorMode a new fake one; count both as the allocation they are.
 _FRESH_CONSTANTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+# A functional collective's result is its op's output once waited on: eager ``wait_tensor``
+# returns its input (c10d functional's C++ kernel), the fake kernel a fresh tensor like it.
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+# the functional collectives that move data (not wait_tensor or _wrap_tensor_autograd)
+_FUNCTIONAL_COLLECTIVES = frozenset({
+    "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced", "all_reduce", "all_reduce_coalesced",
+    "all_to_all_single", "broadcast"})
 
 
 def _storage(t: torch.Tensor):
@@ -176,6 +184,8 @@ class MemoryTracker(TorchDispatchMode):
         self.namespace_categories = dict(namespace_categories or {})
         self.settle_comm, self.settle_timeout_s = settle_comm, settle_timeout_s
         self._comm_aliases: list[torch.Tensor] = []
+        # functional collective in flight: its output's storage id -> aliases of its tensors
+        self._in_flight: dict[int, list[torch.Tensor]] = {}
         self._live: dict[int, tuple[Allocation, weakref.ref]] = {}
         self._kind_stack = [DEVICE]
         self._category_stack = ["other"]
@@ -324,7 +334,19 @@ class MemoryTracker(TorchDispatchMode):
             return func(*args, **kwargs)
         if self.settle_comm and func.namespace == "c10d" and func._opname not in _P2P_OPS:
             args, kwargs = tree_map_only(torch.Tensor, self._comm_alias, (args, kwargs))
+        functional = self.settle_comm and func.namespace == "_c10d_functional" and (
+            func is _WAIT_TENSOR or func._opname in _FUNCTIONAL_COLLECTIVES)
+        if functional and func is not _WAIT_TENSOR:
+            held: list[torch.Tensor] = []
+            args, kwargs = tree_map_only(
+                torch.Tensor, lambda t: held.append(torch.ops.aten.alias.default(t)) or held[-1],
+                (args, kwargs))
         out = func(*args, **kwargs)
+        if functional:
+            if func is _WAIT_TENSOR:
+                self._settle(self._in_flight.pop(id(_storage(args[0])), []))
+            else:
+                self._in_flight[id(_storage(out))] = held
         label = self.namespace_categories.get(func.namespace)
         if label is not None:
             self._category_stack.append(label)
@@ -347,6 +369,9 @@ class MemoryTracker(TorchDispatchMode):
         are ``prim.device`` queries) and views, in-place and out= ops on tracked storages,
         together most ops of an emulated step, need no input set.
         """
+        if func is _WAIT_TENSOR:
+            self._carry(args[0], out)
+            return
         inputs = None
         for t in tensor_leaves(out, []):
             for p in plain_tensors(t):
@@ -369,6 +394,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def __exit__(self, *exc):
         self._comm_aliases.clear()
+        self._in_flight.clear()
         _ResizeHook.remove(self)
         return super().__exit__(*exc)
 
@@ -384,6 +410,10 @@ class MemoryTracker(TorchDispatchMode):
     # ``settle_timeout_s`` and its buffers stay counted, as they are really held. The waits stall
     # async overlap: time runs untracked.
     #
+    # Functional collectives (torch's CP ring) run asynchronously until the program waits on
+    # their result (``wait_tensor``): their tensors are aliased when issued and settled at that
+    # wait, so an exchange in flight beside the attention is not stalled.
+    #
     # Point-to-point ops are not settled: a ring keeps its send and receive buffers itself until
     # it waits (upipe.ring.RingComm), so they are counted for exactly as long as the program
     # holds them, and settling would only time out on every in-flight send (0.25 s each).
@@ -394,12 +424,17 @@ class MemoryTracker(TorchDispatchMode):
         return alias
 
     def _settle_comm(self) -> None:
+        self._settle(self._comm_aliases)
+        self._comm_aliases.clear()
+
+    def _settle(self, aliases: list[torch.Tensor]) -> None:
+        """Wait (up to ``settle_timeout_s``) until the tracker holds the only reference to
+        ``aliases``: the backend has let go of the collective's tensors."""
         deadline = time.monotonic() + self.settle_timeout_s
-        while any(a._use_count() > 1 for a in self._comm_aliases):
+        while any(a._use_count() > 1 for a in aliases):
             if time.monotonic() > deadline:
                 break
             time.sleep(1e-4)
-        self._comm_aliases.clear()
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -425,6 +460,20 @@ class MemoryTracker(TorchDispatchMode):
         ref = weakref.ref(s, lambda _, k=key: (tr := self_ref()) is not None and tr._free(k))
         self._live[key] = (alloc, ref)
         self._count(alloc, alloc.nbytes)
+
+    def _carry(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``dst`` is ``src``'s memory under another storage object (a fake ``wait_tensor``'s
+        result): the allocation moves to ``dst``'s storage, uncounted again, and is freed with
+        it. (``src``'s callback then finds no entry under its key: nothing is freed twice.)"""
+        s_src, s_dst = _storage(src), _storage(dst)
+        if s_dst is None or s_dst is s_src or id(s_dst) in self._live:
+            return
+        entry = self._live.pop(id(s_src), None) if s_src is not None else None
+        if entry is None:  # an untracked input: its result is untracked too, as in eager
+            return
+        key, self_ref = id(s_dst), weakref.ref(self)
+        ref = weakref.ref(s_dst, lambda _, k=key: (tr := self_ref()) is not None and tr._free(k))
+        self._live[key] = (entry[0], ref)
 
     def _on_resize(self, s) -> None:
         key = id(s)

@@ -1,0 +1,109 @@
+"""``torch-cp`` (PyTorch's native CP ring) on CPU and in emulation: checkpointing frees its state.
+
+Correctness against the reference is in the shared matrix (tests/test_correctness.py, both
+rotations), emulated-equals-real memory in tests/test_emulate.py. Here: the leak the issue
+found -- the old adapter kept torch's inner graph (q, expanded K/V, output) on a ``ctx``
+attribute, which non-reentrant checkpointing cannot drop, so every layer's attention state
+lived until backward. The check: adding layers to a checkpointed model adds, besides their
+model states, at most one checkpointed block input per layer plus one layer's attention state
+(the layer being recomputed), on a real gloo run and in emulation; the same check fails when
+the saved tensors are kept on ``ctx`` instead (the old pattern), so it can tell.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import baselines.torch_cp as torch_cp
+from experiments.config import Cell, Hardware
+from experiments.emulation.emulate import emulate_cell
+
+N_LAYERS = (4, 6)  # from 4 layers on, the peak sits in the same block (layers.1 backward)
+
+
+def _cell(n_layers: int, **kw) -> Cell:
+    # 2048 tokens on 4 ranks: 512 per rank, 16 heads of 16 (H*D = dim), fp32
+    base = dict(method="torch-cp", model="tiny", seq_len=2048, nproc=4, stack="native",
+                dtype="fp32", warmup=1, iters=0, overrides=(("n_layers", str(n_layers)),))
+    return Cell(**(base | kw))
+
+
+def _activation_bytes(row: dict) -> int:
+    """Device bytes at the peak that are not model states (params, grads, optimizer states)."""
+    return row["tracked_peak_device_bytes"] - row["peak_model_bytes"]
+
+
+def _allowed_growth(cell: Cell, added: int) -> int:
+    """``added`` checkpointed block inputs (B, L, dim) plus one layer's attention state: q, K/V
+    expanded to the query heads and the output (B, H, L, D) each, and the fp32 LSE (B, H, L)."""
+    cfg = cell.validate()
+    local, elt = cell.seq_len // cell.nproc, 4  # fp32
+    block_input = local * cfg.dim * elt
+    state = 4 * local * cfg.n_heads * cfg.head_dim * elt + cfg.n_heads * local * 4
+    return added * block_input + state
+
+
+def _check_growth(rows: dict[int, dict], cell: Cell) -> None:
+    lo, hi = N_LAYERS
+    growth = _activation_bytes(rows[hi]) - _activation_bytes(rows[lo])
+    assert growth <= _allowed_growth(cell, hi - lo), (
+        f"{hi - lo} more checkpointed layers hold {growth} more activation bytes at the peak, "
+        f"more than their block inputs plus one layer's attention state "
+        f"({_allowed_growth(cell, hi - lo)})")
+
+
+def _real_run(cell_dict: dict) -> dict:
+    from experiments.harness.measure import measure_cell
+
+    cell = Cell.from_dict(cell_dict)
+    row = measure_cell(cell, cell.validate())
+    return {k: row[k] for k in ("tracked_peak_device_bytes", "peak_model_bytes")}
+
+
+@pytest.mark.slow  # two real 4-rank runs, ~5 s each on 2 cores
+def test_checkpointing_frees_attention_state_on_a_real_run(dist_pool):
+    rows = {n: dist_pool(4).run(_real_run, _cell(n).to_dict())[0] for n in N_LAYERS}
+    _check_growth(rows, _cell(N_LAYERS[0]))
+
+
+def test_checkpointing_frees_attention_state_in_emulation():
+    rows = {n: emulate_cell(_cell(n), Hardware(device="cpu"), exact=True, count=False)
+            for n in N_LAYERS}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    _check_growth(rows, _cell(N_LAYERS[0]))
+
+
+_RING = torch_cp._TorchRingSDPA
+
+
+class _KeptOnCtx(_RING):
+    """The old adapter's pattern: the backward's tensors on a ``ctx`` attribute."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, rotate_method):
+        out, lse = _RING.forward(ctx, q, k, v, group, causal, rotate_method)
+        ctx.kept = (q, k, v, out, lse)
+        return out, lse
+
+
+def test_the_check_fails_with_state_kept_on_ctx(monkeypatch):
+    monkeypatch.setattr(torch_cp, "_TorchRingSDPA", _KeptOnCtx)
+    rows = {n: emulate_cell(_cell(n), Hardware(device="cpu"), exact=True, count=False)
+            for n in N_LAYERS}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    with pytest.raises(AssertionError, match="more checkpointed layers"):
+        _check_growth(rows, _cell(N_LAYERS[0]))
+
+
+def test_emulates_on_a_cuda_device_with_torchs_ring_collectives():
+    """On an emulated GPU: the CUDA flash op's ring, its K/V exchanges counted (all-to-all by
+    default, the paper's), the flash backward's workspace inside the ring's backward."""
+    row = emulate_cell(_cell(2, dtype="bf16", seq_len=4096), Hardware(), exact=True)
+    assert row["status"] == "ok", row["error"]
+    assert row["comm_bytes_by_op"].get("all_to_all_single", 0) > 0, row["comm_bytes_by_op"]
+    assert row["time_by_kind_s"]["p2p"] > 0  # beside the attention, as the ring's P2P
+
+
+def test_rotation_default_is_the_papers():
+    m = torch_cp.TorchCPAttention(32, 4, 2, group=None)
+    assert m.rotate_method == "alltoall" == torch_cp.DEFAULT_ROTATE_METHOD

@@ -26,20 +26,36 @@ What this module maps (fpdt_layer.py, DeepSpeed 0.19.8):
   device (then the layout is contiguous and nothing is offloaded).
 * Input/output: FPDT is sequence-first, (L, B, dim); ours is (B, L, dim).
 
-Limits inherited from FPDT: CUDA and flash-attn only (its constructor raises without it), fp16/
-bf16, causal only, no dropout, and it calls ``deepspeed.comm.barrier()`` on the default group
-every chunk, so the CP group should be the world (or every rank must run FPDT).
+Off CUDA (a CPU run, and the emulator's fake CPU tensors) FPDT runs with stand-ins for
+flash-attn and DeepSpeed's CUDA accelerator (``baselines.ds_fpdt_portable``): real attention
+through upipe's kernel dispatch on CPU (fp32 too), the emulator's flash-attn 2 memory model where
+the dispatch picks CUDA kernels, and host buffers counted as host bytes on every device.
+
+Activation checkpointing: FPDT keeps its chunks on ``ctx`` attributes, not through
+``save_for_backward``, so non-reentrant checkpointing (which drops saved tensors only) keeps
+every layer's chunks alive until backward. Megatron-DeepSpeed checkpoints reentrantly
+(``deepspeed.checkpointing.checkpoint``: forward under no_grad, where FPDT records nothing), so
+the class asks the harness for that (``checkpoint_reentrant``).
+
+Limits inherited from FPDT: on CUDA flash-attn (fp16/bf16), causal only, no dropout, and it
+calls ``deepspeed.comm.barrier()`` on the default group every chunk, so the CP group should be
+the world (or every rank must run FPDT).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
+from baselines.ds_fpdt_portable import FPDTCall, flash_attn_stand_ins, fpdt_call
 from baselines.ds_ulysses import _attach_deepspeed_comm
-from baselines.rfa_zigzag import check_half_precision, require_packages, requirements_reason
+from baselines.rfa_zigzag import check_half_precision, import_problem, requirements_reason
+from upipe.kernels import kernel_device_type
 from upipe.layout import SeqLayout
 from upipe.module import ContextParallelAttention
 from upipe.registry import register_method
@@ -66,11 +82,17 @@ class DSFPDTAttention(ContextParallelAttention):
 
     Options: ``chunk_size`` (global tokens per chunk, a multiple of the CP degree; default
     65536), ``offload`` (FPDT's pinned-host offload of q/k/v/input chunks; default on, as in the
-    paper's FPDT runs). Head rules are Ulysses' (heads split over the ranks). Causal only; CUDA,
-    fp16/bf16 and flash-attn required; torch.distributed must be initialised.
+    paper's FPDT runs). Head rules are Ulysses' (heads split over the ranks). Causal only; on
+    CUDA fp16/bf16 and flash-attn required; torch.distributed must be initialised.
+
+    Attributes the harness may set (as for ``fpdt``): ``host_context`` (zero-argument callable
+    returning a context manager entered around FPDT's host allocations: a tracker's ``host``)
+    and ``pin_memory`` (FPDT always pins on CUDA; kept for the common interface).
     """
 
     layout = "chunked"
+    # FPDT's chunks live on ctx attributes: only reentrant checkpointing frees them (docstring)
+    checkpoint_reentrant: ClassVar[bool] = True
     # FPDT takes one fused bias-free qkv weight and theta's RoPE tables (see forward).
     projection_features = frozenset()
 
@@ -82,7 +104,9 @@ class DSFPDTAttention(ContextParallelAttention):
         super().__init__(*args, **kwargs)
         if not self.causal:
             raise ValueError("causal must be True for 'ds-fpdt': FPDT masks causally only")
-        require_packages("ds-fpdt", _PACKAGES, FPDT_EXTRA)  # before any comm set-up
+        self.host_context: Callable[[], contextlib.AbstractContextManager] = (
+            contextlib.nullcontext)
+        self.pin_memory = True
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("'ds-fpdt' needs an initialised torch.distributed process group")
         try:
@@ -100,10 +124,14 @@ class DSFPDTAttention(ContextParallelAttention):
         # the state_dict keeps the reference names. Batch-first all-to-alls: scatter heads (2),
         # gather sequence (1), as in ds_ulysses.
         group = self.group if self.group is not None else dist.group.WORLD
-        self.fpdt = FPDT_Attention(
-            config, None, None, None, None, group, gather_idx=1,
-            scatter_idx=2, return_bias=True, chunk_size=chunk_size, enable_offloading=offload,
-        )
+        # without flash-attn FPDT refuses to build; its stand-ins serve off CUDA (forward)
+        stand_ins = (flash_attn_stand_ins(self.kernel, torch.device("cpu"))
+                     if import_problem("flash_attn") else contextlib.nullcontext())
+        with stand_ins:
+            self.fpdt = FPDT_Attention(
+                config, None, None, None, None, group, gather_idx=1,
+                scatter_idx=2, return_bias=True, chunk_size=chunk_size, enable_offloading=offload,
+            )
 
     def options(self) -> dict:
         return {"chunk_size": self.chunk_size, "offload": self.offload}
@@ -121,6 +149,9 @@ class DSFPDTAttention(ContextParallelAttention):
 
     @classmethod
     def unavailable_reason(cls, device_type: str) -> str | None:
+        """None on CPU (stand-ins, ``ds_fpdt_portable``); on CUDA, FPDT's flash-attn."""
+        if device_type == "cpu":
+            return None
         return requirements_reason("ds-fpdt", device_type, _PACKAGES, FPDT_EXTRA)
 
     def _qkv_weight(self) -> torch.Tensor:
@@ -139,7 +170,8 @@ class DSFPDTAttention(ContextParallelAttention):
         reason = self.unavailable_reason(x.device.type)
         if reason is not None:  # before any collective, so no peer waits on this rank
             raise RuntimeError(reason)
-        check_half_precision("ds-fpdt", x)
+        if kernel_device_type(x) == "cuda":  # flash-attn's rule (also its emulated model's)
+            check_half_precision("ds-fpdt", x)
         self.check_input(x)
         s = x.shape[1] * self.cp
         check_whole_chunks(s, self.chunk_size)
@@ -154,9 +186,12 @@ class DSFPDTAttention(ContextParallelAttention):
         fpdt.qkv_linear_weight = w_qkv
         fpdt.qkv_dense_weight = self.wo.weight.view_as(self.wo.weight)
         fpdt.qkv_linear_bias = x.new_zeros(w_qkv.shape[0])
+        call = FPDTCall(self.kernel, x.device, self.host_context,
+                        stand_ins=x.device.type != "cuda")
         try:
-            y, _ = fpdt(x.transpose(0, 1).contiguous(), None, None, (cos, sin),
-                        cpu_offloading=self.offload)  # (L, B, dim)
+            with fpdt_call(call):
+                y, _ = fpdt(x.transpose(0, 1).contiguous(), None, None, (cos, sin),
+                            cpu_offloading=self.offload)  # (L, B, dim)
         finally:  # FPDT's autograd context keeps what backward needs; drop our references
             fpdt.qkv_linear_weight = fpdt.qkv_dense_weight = fpdt.qkv_linear_bias = None
         return y.transpose(0, 1)

@@ -8,6 +8,7 @@
     upipe-bench emulate --method upipe --model llama3-8b --world 8 --seq-len 3M --json
     upipe-bench max-context --emulate --method upipe --model llama3-8b --world 8
     upipe-bench emulate --method usp --model qwen3-32b --mesh 8x2 --seq-len 1M
+    upipe-bench emulate --method ulysses --model llama3-8b --dp 8 --seq-len 64K  # FSDP only
     upipe-bench sweep table3_llama3_8b_h100x8-cpu [--dry-run]
     upipe-bench plot table3_llama3_8b_h100x8-cpu
     upipe-bench list [methods|presets|stacks|sweeps] [--json]
@@ -16,7 +17,8 @@
     upipe-bench validate-time                    # emulated vs measured CPU step times
 
 ``--stack`` defaults to the stack the paper runs the method on (``config.paper_stack``:
-``native`` for torch-cp, ``alst`` for every other method), for every command.
+``native`` for torch-cp, ``megatron-ds`` for ds-fpdt, ``alst`` for every other method), for
+every command.
 
 ``emulate`` and ``max-context --emulate`` run the paper-scale emulator (``experiments.emulation``,
 DESIGN.md §8): one process plays one rank of a ``--world``-rank job on fake tensors and reports
@@ -146,11 +148,11 @@ def _print_row(a, row: dict, keys: list[str]) -> None:
         print(f"{k:24s} {json.dumps(v) if isinstance(v, dict) else v}{unit}", file=a.stdout)
 
 
-RUN_KEYS = ["status", "method", "seq_len", "nproc", "stack", "workload", "time_median_s",
+RUN_KEYS = ["status", "method", "seq_len", "nproc", "dp", "stack", "workload", "time_median_s",
             "tokens_per_s_per_gpu", "peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
             "peak_attention_bytes", "peak_other_bytes", "error"]
-EMULATE_KEYS = ["status", "method", "model", "seq_len", "nproc", "ring_degree", "stack", "dtype",
-                "emulation", "peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
+EMULATE_KEYS = ["status", "method", "model", "seq_len", "nproc", "dp", "ring_degree", "stack",
+                "dtype", "emulation", "peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
                 "peak_attention_bytes", "peak_other_bytes", "peak_phase", "device_budget_bytes",
                 "host_budget_bytes", "host_pinned", "model_tflops_per_step",
                 "comm_bytes_per_step", "comm_bytes_by_op", "hardware_profile", "step_time_s",
@@ -172,7 +174,7 @@ def cmd_run(a) -> int:
 
 def cmd_emulate(a) -> int:
     cell = cell_from_args(a, emulated=True)
-    row = Emulator(hardware_from_args(a, cell.nproc), exact=bool(a.exact)).run(cell)
+    row = Emulator(hardware_from_args(a, cell.world), exact=bool(a.exact)).run(cell)
     if a.json:
         _print_json(a, row)
     else:
@@ -182,7 +184,7 @@ def cmd_emulate(a) -> int:
 
 def cmd_max_context(a) -> int:
     cell = cell_from_args(a, emulated=a.emulate)
-    hw = hardware_from_args(a, cell.nproc, enabled=a.emulate, why="max-context --emulate")
+    hw = hardware_from_args(a, cell.world, enabled=a.emulate, why="max-context --emulate")
     spec = search_spec_from_args(a, cell, a.emulate)
     if a.emulate:
         executor, rank0 = Emulator(hw, exact=bool(a.exact)), True
@@ -233,9 +235,9 @@ def _plan_line(row: dict) -> dict:
         fits = status
     gib = {k: None if row.get(k) is None else round(row[k] / GiB, 1)
            for k in ("peak_device_bytes", "peak_host_bytes")}
-    u = row.get("heads_per_stage")
-    return {"method": row["method"],
-            "mesh": f"{row['nproc'] // row.get('ring_degree', 1)}x{row.get('ring_degree', 1)}",
+    u, dp = row.get("heads_per_stage"), row.get("dp", 1)
+    mesh = f"{row['nproc'] // row.get('ring_degree', 1)}x{row.get('ring_degree', 1)}"
+    return {"method": row["method"], "mesh": mesh if dp == 1 else f"{mesh} dp{dp}",
             "heads_per_stage": "-" if u is None else u, "stack": row["stack"], "fits": fits,
             "peak_device_gib": gib["peak_device_bytes"], "peak_host_gib": gib["peak_host_bytes"],
             "tokens_per_s_per_gpu": row.get("tokens_per_s_per_gpu"), "mfu": row.get("mfu"),

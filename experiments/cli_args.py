@@ -2,8 +2,9 @@
 a ``SearchSpec`` (``experiments.cli`` holds the commands).
 
 Every resolution checks the flags together and raises ValueError naming the flag and the rule
-(the CLI turns it into exit status 2): ``--world`` is ``--nproc`` by another name, ``--mesh UxR``
-sets both the world (U x R) and the ring degree R, the hardware flags apply to emulation only,
+(the CLI turns it into exit status 2): ``--world`` is the job's ``--dp`` x ``--nproc`` ranks
+(``--nproc`` by another name without ``--dp``), ``--mesh UxR`` sets both the CP degree (U x R)
+and the ring degree R, the hardware flags apply to emulation only,
 and a search's granularity is nproc x block. ``--stack`` defaults to the paper's stack for the
 method (``config.paper_stack``); emulated cells default to the paper's bf16 on one 8-GPU node.
 """
@@ -22,6 +23,7 @@ from experiments.config import (
     DTYPES,
     EMULATED_GRANULARITY,
     EMULATED_START,
+    METHOD_RESERVE_GIB,
     PRESETS,
     STACKS,
     WORKLOADS,
@@ -35,7 +37,7 @@ from experiments.config import (
     parse_size,
 )
 from experiments.emulation.profile import profile_for, shipped_profiles
-from experiments.runner.plan import PlanSpec
+from experiments.runner.plan import DEFAULT_STACKS, PlanSpec
 from upipe.kernels import KERNELS
 
 # emulation defaults: one node of the paper (8x H100 80 GB, DGX H100 host RAM)
@@ -93,7 +95,11 @@ def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
     p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--seq-len", type=size, default=4096, help="global tokens: 131072, 128K, 1M")
     p.add_argument("--nproc", type=positive_int, default=None,
-                   help=f"ranks = CP degree (default: {nproc_default})")
+                   help=f"ranks per CP group = the CP degree (default: {nproc_default}, over "
+                        "--dp)")
+    p.add_argument("--dp", type=positive_int, default=None,
+                   help="data-parallel replicas, each training its own sequence; the job has "
+                        "dp x nproc ranks and FSDP2 shards over all of them (default 1)")
     p.add_argument("--stack", default=None,
                    help=f"memory stack: {', '.join(STACKS)} (default: the paper's for the "
                         "method: native for torch-cp, else alst)")
@@ -133,7 +139,7 @@ def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
 def add_world_args(p: argparse.ArgumentParser) -> None:
     """--world and --mesh, resolved with --nproc and --ring-degree by ``world_from_args``."""
     p.add_argument("--world", type=positive_int, default=None, metavar="N",
-                   help="the (emulated) world size: the same as --nproc")
+                   help="the (emulated) world size: dp x nproc (--nproc without --dp)")
     p.add_argument("--mesh", default=None, metavar="UxR",
                    help="Ulysses degree x ring degree, e.g. 8x2: nproc 16 with ring degree 2")
 
@@ -144,15 +150,17 @@ def add_hardware_args(p: argparse.ArgumentParser, *, required: str = "") -> None
     without ``required`` is an error rather than silently ignored."""
     g = p.add_argument_group("emulated hardware" + (f" (with {required})" if required else ""))
     g.add_argument("--gpu-mem", type=float, default=None, metavar="GiB",
-                   help="device memory per GPU (default 80: H100)")
+                   help="device memory per GPU (default 79.65: an H100 80 GB as CUDA sees it)")
     g.add_argument("--host-mem", type=float, default=None, metavar="GiB",
                    help="host RAM per node, shared by its ranks (default 2048: DGX H100)")
     g.add_argument("--gpus-per-node", type=positive_int, default=None,
                    help="ranks per node; a rank's host budget is the node's RAM over them "
                         "(default 8)")
     g.add_argument("--reserve", type=float, default=None, metavar="GiB",
-                   help="device memory kept off the budget: CUDA context, library workspaces "
-                        f"and fragmentation (default {DEFAULT_RESERVE_GIB:g})")
+                   help="device memory kept off the budget: the caching allocator's reserve "
+                        "beyond its tensors (default: measured on an H100, "
+                        f"{DEFAULT_RESERVE_GIB:g}, " + ", ".join(
+                            f"{m} {r:g}" for m, r in METHOD_RESERVE_GIB.items()) + ")")
     g.add_argument("--exact", action="store_true", default=None,
                    help="emulate the target size itself instead of predicting it from the fit "
                         "of small exact emulations (slower at paper scale)")
@@ -208,17 +216,19 @@ def parse_mesh(text: str) -> tuple[int, int]:
 
 
 def world_from_args(a: argparse.Namespace, default_world: int) -> tuple[int, int]:
-    """(nproc, ring_degree) from --nproc, --world, --mesh and --ring-degree, which must agree:
-    --world is --nproc by another name, --mesh UxR is nproc U*R with ring degree R."""
+    """(nproc, ring_degree) from --nproc, --world, --mesh, --ring-degree and --dp, which must
+    agree: --world is the job's dp x nproc ranks (--nproc by another name at --dp 1), --mesh UxR
+    is nproc U*R with ring degree R; given none of them, nproc is ``default_world`` over dp."""
     nproc, ring = a.nproc, a.ring_degree
     world, mesh = getattr(a, "world", None), getattr(a, "mesh", None)
+    dp = getattr(a, "dp", None) or 1
     if world is not None:
         if world < 1:
             raise ValueError(f"--world must be >= 1, got {world}")
-        if nproc is not None and nproc != world:
-            raise ValueError(f"--world ({world}) and --nproc ({nproc}) are the same world size "
-                             "and must agree; give one")
-        nproc = world
+        if world % dp or nproc is not None and nproc * dp != world:
+            raise ValueError(f"--world ({world}) must be --dp x --nproc ({dp} x "
+                             f"{'?' if nproc is None else nproc}); they must agree, give two")
+        nproc = world // dp
     if mesh is not None:
         u, r = parse_mesh(mesh)
         if nproc is not None and nproc != u * r:
@@ -228,7 +238,12 @@ def world_from_args(a: argparse.Namespace, default_world: int) -> tuple[int, int
             raise ValueError(f"--mesh {mesh} has ring degree {r} but --ring-degree is {ring}; "
                              "they must agree")
         nproc, ring = u * r, r
-    return (default_world if nproc is None else nproc), (1 if ring is None else ring)
+    if nproc is None:
+        if default_world % dp:
+            raise ValueError(f"--dp ({dp}) must divide the default world size "
+                             f"({default_world}); give --nproc or --world")
+        nproc = default_world // dp
+    return nproc, (1 if ring is None else ring)
 
 
 def cell_from_args(a: argparse.Namespace, *, emulated: bool = False) -> Cell:
@@ -242,7 +257,7 @@ def cell_from_args(a: argparse.Namespace, *, emulated: bool = False) -> Cell:
                 dtype=a.dtype or ("bf16" if emulated else "fp32"),
                 kernel=a.kernel, overrides=parse_overrides(a.override),
                 budget_mib=a.budget_mib, warmup=getattr(a, "warmup", 1),
-                iters=getattr(a, "iters", 2), workload=a.workload)
+                iters=getattr(a, "iters", 2), workload=a.workload, dp=a.dp or 1)
     cell.validate()
     return cell
 
@@ -256,7 +271,7 @@ def search_spec_from_args(a: argparse.Namespace, cell: Cell, emulate: bool) -> S
     if a.granularity is not None:
         if a.granularity < 1 or a.granularity % cell.nproc:
             raise ValueError(f"--granularity ({a.granularity}) must be a positive multiple of "
-                             f"the world size ({cell.nproc})")
+                             f"the CP degree, nproc ({cell.nproc})")
         block = a.granularity // cell.nproc
         if a.block is not None and a.block != block:
             raise ValueError(f"--block ({a.block}) and --granularity ({a.granularity}) disagree:"
@@ -266,7 +281,7 @@ def search_spec_from_args(a: argparse.Namespace, cell: Cell, emulate: bool) -> S
     elif emulate:
         if EMULATED_GRANULARITY % cell.nproc:
             raise ValueError(f"the default --granularity ({format_size(EMULATED_GRANULARITY)}) "
-                             f"must be a multiple of the world size ({cell.nproc}); give "
+                             f"must be a multiple of the CP degree, nproc ({cell.nproc}); give "
                              "--granularity")
         block = EMULATED_GRANULARITY // cell.nproc
     else:
@@ -292,6 +307,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config.json "
                         "(Llama, Mistral, Qwen2, Qwen3)")
     p.add_argument("--gpus", type=positive_int, required=True, help="GPUs in the job")
+    p.add_argument("--dp", type=positive_int, default=1,
+                   help="data-parallel replicas, each training its own sequence: the CP degree "
+                        "is --gpus / --dp (default 1)")
     p.add_argument("--seq-len", type=size, required=True, help="global tokens per step: 4M")
     p.add_argument("--dtype", default="bf16", choices=DTYPES, help="default bf16")
     p.add_argument("--kernel", default="auto", choices=KERNELS,
@@ -299,7 +317,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default=None, metavar="A,B",
                    help="only these methods (default: every registered method)")
     p.add_argument("--stacks", default=None, metavar="A,B",
-                   help=f"only these stacks (default: {', '.join(STACKS)})")
+                   help=f"only these stacks, of {', '.join(STACKS)} (default: "
+                        f"{', '.join(DEFAULT_STACKS)})")
     p.add_argument("--workers", type=positive_int, default=2,
                    help="emulations run at once, one process each (default 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -318,13 +337,14 @@ def plan_spec_from_args(a: argparse.Namespace) -> PlanSpec:
             raise ValueError(f"--model must be a preset ({', '.join(PRESETS)}) or a Hugging "
                              f"Face config.json, got {a.model!r}")
         model, overrides = hf_overrides(a.model)
-    spec = PlanSpec(model=model, overrides=overrides, gpus=a.gpus, seq_len=a.seq_len,
+    spec = PlanSpec(model=model, overrides=overrides, gpus=a.gpus, dp=a.dp, seq_len=a.seq_len,
                     dtype=a.dtype, kernel=a.kernel, methods=_names(a.methods),
-                    stacks=_names(a.stacks) or tuple(STACKS), label=label)
+                    stacks=_names(a.stacks) or DEFAULT_STACKS, label=label)
     try:
         spec.validate()
     except ValueError as e:
         raise ValueError(str(e).replace("methods must", "--methods must")
                          .replace("stacks must", "--stacks must")
-                         .replace("gpus must", "--gpus must")) from None
+                         .replace("gpus must", "--gpus must")
+                         .replace("dp must", "--dp must")) from None
     return spec

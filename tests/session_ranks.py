@@ -22,7 +22,7 @@ def _run_on_rank(cell_dict: dict) -> dict:
 
 
 class SessionRanks:
-    """An executor whose cells run on the session's ranks (``dist_pool(cell.nproc)``)."""
+    """An executor whose cells run on the session's ranks (``dist_pool(cell.world)``)."""
 
     def __init__(self, dist_pool):
         self.dist_pool = dist_pool
@@ -35,4 +35,4 @@ class SessionRanks:
             cell.validate()
         except ValueError:  # an invalid row, as a launcher gives it: nothing runs
             return run_cell(cell)
-        return self.dist_pool(cell.nproc).run(_run_on_rank, cell.to_dict())[0]
+        return self.dist_pool(cell.world).run(_run_on_rank, cell.to_dict())[0]

@@ -109,7 +109,7 @@ def test_emulate_json_row(capsys):
     assert (row["mode"], row["emulation"]) == ("emulated", "exact")
     # the paper's defaults: bf16, the method's paper stack, the H100 budget less the reserve
     assert (row["dtype"], row["stack"], row["nproc"], row["seq_len"]) == ("bf16", "alst", 4, 4096)
-    assert row["device_budget_bytes"] == int((80 - DEFAULT_RESERVE_GIB) * 2**30)
+    assert row["device_budget_bytes"] == int((79.65 - DEFAULT_RESERVE_GIB) * 2**30)
     assert row["host_budget_bytes"] == 2048 * 2**30 // 4  # one node's RAM over its 4 ranks
     assert 0 < row["peak_device_bytes"] < row["device_budget_bytes"]
     assert row["peak_host_bytes"] > 0  # the ALST stack offloads block inputs
@@ -117,7 +117,8 @@ def test_emulate_json_row(capsys):
     assert parts == row["peak_device_bytes"]
     assert isinstance(row["comm_bytes_by_op"], dict)
     assert sum(row["comm_bytes_by_op"].values()) == row["comm_bytes_per_step"] > 0
-    assert row["hw_device"] == "cpu" and row["hw_gpu_mem_gib"] == 80.0
+    assert row["hw_device"] == "cpu" and row["hw_gpu_mem_gib"] == 79.65
+    assert row["hw_reserve_gib"] == DEFAULT_RESERVE_GIB  # resolved for the method
 
 
 def test_emulate_text_and_stack_default(capsys):
@@ -202,7 +203,7 @@ def test_emulated_sweeps_twin_every_paper_sweep(capsys):
     # the CLI lists and dry-runs them without invalid cells
     code, out, _ = _cli(capsys, "sweep", "--dry-run", *twins)
     assert code == 0 and "INVALID" not in out
-    assert "48 cells, 6 max-context searches, emulated on Hardware(" in out
+    assert "56 cells, 7 max-context searches, emulated on Hardware(" in out
     code, out, _ = _cli(capsys, "list", "sweeps", "--json")
     listed = json.loads(out)["sweeps"]
     assert all(listed[n]["scale"] == "emulated" for n in twins) and set(SWEEPS) == set(listed)
@@ -249,7 +250,8 @@ def test_emulated_sweep_runs_into_tables_and_plots(tmp_path):
         ("rfa-zigzag", "skipped")] * 2 + [("upipe", "ok")] * 2
     ok = grid[grid.status == "ok"].iloc[0]
     assert json.loads(ok["comm_bytes_by_op"]) and ok["emulation"] == "exact"
-    assert (ok["hw_device"], ok["device_memory_bytes"]) == ("cpu", 76 * 2**30)
+    assert (ok["hw_device"], ok["device_memory_bytes"]) == (
+        "cpu", int((79.65 - DEFAULT_RESERVE_GIB) * 2**30))
     mc = pd.read_csv(paths["max_context_csv"]).set_index("method")
     assert set(mc["mode"]) == {"emulated"}
     assert (mc.loc["rfa-zigzag", "status"], mc.loc["rfa-zigzag", "n_probes"]) == ("skipped", 0)
@@ -297,5 +299,5 @@ def test_plots_draw_from_emulated_rows(tmp_path):
     pd.DataFrame(maxctx).reindex(columns=MAXCTX_COLUMNS).to_csv(tmp_path / MAXCTX, index=False)
     declared = sorted({p for s in emulated_sweeps() for p in s.plots})
     assert set(declared) == {"max_context", "memory_vs_seq", "memory_ladder", "heads_per_stage",
-                             *THROUGHPUT_PLOTS}
+                             "memory_wall", *THROUGHPUT_PLOTS}
     assert set(draw_plots(tmp_path, declared)) == set(declared)

@@ -13,6 +13,7 @@ from experiments.config import (
     SearchSpec,
     Sweep,
     format_size,
+    paper_stack,
     parse_overrides,
     parse_size,
     resolve_model,
@@ -74,7 +75,8 @@ def test_overrides_are_typed_and_checked():
 @pytest.mark.parametrize("fields, msg", [
     ({"method": "nope"}, r"method must be one of \[.*'upipe'"),
     ({"model": "gpt5"}, r"model must be one of \[.*'tiny'"),
-    ({"stack": "zero3"}, r"stack must be one of \['none', 'ac', 'offload', 'alst', 'native'\]"),
+    ({"stack": "zero3"},
+     r"stack must be one of \['none', 'ac', 'offload', 'alst', 'native', 'megatron-ds'\]"),
     ({"seq_len": 1001}, r"seq_len \(1001\) must be >= 2 and divisible by nproc \(4\)"),
     ({"nproc": 3, "seq_len": 3072}, r"n_heads \(16\) must be divisible by the CP degree \(3\)"),
     ({"heads_per_stage": 6}, r"heads_per_stage"),
@@ -227,6 +229,32 @@ def test_stack_levels_build_on_each_other():
     assert STACKS["alst"].tiled and STACKS["alst"].chunked_loss
     # PyTorch-native CP as the paper runs it: checkpointing and chunked loss only
     assert STACKS["native"] == dataclasses.replace(STACKS["ac"], chunked_loss=True)
+
+
+def test_megatron_ds_stack_is_the_papers_fpdt_configuration():
+    """Megatron-DeepSpeed as the paper ran FPDT (sources: experiments/config/stack.py): every
+    block input offloaded, reentrant checkpointing, SwiGLU MLP untiled, chunked loss; the new
+    fields default off, so the other levels are what they were."""
+    mds = STACKS["megatron-ds"]
+    assert mds == dataclasses.replace(STACKS["offload"], chunked_loss=True, offload_all=True,
+                                      reentrant=True)
+    assert not mds.tiled
+    assert not any(STACKS[k].offload_all or STACKS[k].reentrant
+                   for k in ("none", "ac", "offload", "alst", "native"))
+    assert paper_stack("ds-fpdt") == "megatron-ds"
+    assert (paper_stack("torch-cp"), paper_stack("fpdt"), paper_stack("upipe")) == (
+        "native", "alst", "alst")
+
+
+def test_megatron_ds_model_offloads_every_block_and_checkpoints_reentrantly():
+    from experiments.harness.model import Transformer
+
+    cfg = resolve_model("tiny", ())
+    model = Transformer(cfg, "ulysses", STACKS["megatron-ds"])
+    assert all(b.offload and b.reentrant for b in model.layers)
+    alst = Transformer(cfg, "ulysses", STACKS["alst"])
+    assert [b.offload for b in alst.layers] == [False, True, True, False]
+    assert not any(b.reentrant for b in alst.layers)
 
 
 # -- max-context search logic, against a deterministic fake probe ------------------------------

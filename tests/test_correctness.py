@@ -1,7 +1,9 @@
 """Every CP method against the single-device reference (STYLE.md item 7), on 1, 2 and 4 ranks.
 
 The hybrids (usp, upipe on a mesh) run on (ring x ulysses) meshes; FPDT's matrix (chunk sizes)
-is in test_fpdt.py with the same recipe and tolerance.
+is in test_fpdt.py with the same recipe and tolerance. DeepSpeed's FPDT (``ds-fpdt``) runs here
+on CPU through its flash-attn stand-in (baselines/ds_fpdt_portable.py), causal only, in whole
+chunks of an awkward size (FPDT_CASES).
 
 Tolerance (Flash-Attention's rule, tests/test_flash_attn.py there): against an fp64 ground truth,
 a method's error may be at most twice the error of the plain-PyTorch reference computed in the
@@ -28,6 +30,32 @@ HEADS = [
     (2, 8, 8, 30), (2, 8, 2, 30), (2, 16, 4, 30), (2, 12, 4, 30), (2, 4, 1, 30),
     (4, 8, 8, 44), (4, 8, 2, 44), (4, 16, 4, 44),
 ]
+
+
+# ds-fpdt: (world, n_heads, n_kv_heads, seq, chunk_size). FPDT needs whole chunks (seq a multiple
+# of chunk_size) and chunk_size a multiple of the world; 7, 10 and 12 give 7, 5 and 3 tokens per
+# rank and chunk (odd, not powers of two), 3 to 5 chunks, so the offloading path and its LSE merge
+# over several K/V chunks run; one case per world keeps its chunk on the device (offload off).
+FPDT_CASES = [
+    (1, 8, 2, 35, 7), (1, 12, 4, 35, 7),
+    (2, 8, 2, 30, 10), (2, 4, 1, 30, 10), (2, 12, 4, 30, 10),
+    (4, 8, 2, 36, 12), (4, 16, 4, 36, 12),
+]
+
+
+def _fpdt_cases() -> list:
+    out = []
+    for world, h, hkv, seq, chunk in FPDT_CASES:
+        for offload in (True, False):
+            if not offload and (h, hkv) != (8, 2):
+                continue
+            o = {"chunk_size": chunk, "offload": offload}
+            for dtype in ("fp32", "bf16"):
+                case = Case("ds-fpdt", h, hkv, seq, dtype=dtype, options=o)
+                cid = (f"ds-fpdt-c{chunk}{'' if offload else '-on-device'}-w{world}-h{h}kv{hkv}"
+                       f"-s{seq}-causal-{dtype}")
+                out.append(pytest.param(world, case, id=cid))
+    return out
 
 
 def _stage_options(world: int, n_heads: int) -> list[dict]:
@@ -73,7 +101,7 @@ def _cases() -> list:
         out += _params(world, "usp", h, hkv, seq, [mesh], tag)
         stages = [mesh | o for o in _stage_options(uly, h)]
         out += _params(world, "upipe", h, hkv, seq, stages, tag)
-    return out
+    return out + _fpdt_cases()
 
 
 def assert_close_to_reference(results: list[dict], case: Case) -> None:

@@ -47,12 +47,14 @@ CASES = [
     ("usp", "alst", {"ring_degree": 2}),
     ("upipe", "alst", {"ring_degree": 2}),
     ("fpdt", "alst", {"chunk_size": 1024}),
+    ("ds-fpdt", "alst", {"chunk_size": 1024}),  # FPDT with its CPU stand-ins (ds_fpdt_portable)
     ("torch-cp", "native", {}),
     # ... and every stack level
     ("upipe", "none", {}),
     ("upipe", "ac", {}),
     ("upipe", "offload", {}),
     ("ulysses", "native", {}),
+    ("ds-fpdt", "megatron-ds", {"chunk_size": 1024}),  # reentrant, every block input offloaded
 ]
 
 
@@ -63,8 +65,9 @@ CASES = [
 def test_emulation_equals_the_real_run(dist_pool, method, stack, options):
     # 2048 tokens: 512 per rank still take every path of the step (two tiled-MLP shards and two
     # loss chunks per rank, four UPipe stages, eight zigzag chunks); FPDT's 1024-token chunks
-    # need 4096 for more than two of them (its prefetch reaches its steady state at three)
-    seq_len = 4096 if method == "fpdt" else 2048
+    # (ours and DeepSpeed's) need 4096 for more than two of them (its prefetch reaches its
+    # steady state at three)
+    seq_len = 4096 if method in ("fpdt", "ds-fpdt") else 2048
     cell = Cell(method=method, model="tiny", seq_len=seq_len, nproc=4, stack=stack,
                 dtype="fp32", warmup=1, iters=0, **options)
     real = dist_pool(4).run(_real_run, cell.to_dict())[0]  # rank 0, as the emulator plays

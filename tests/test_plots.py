@@ -94,7 +94,8 @@ def test_format_helpers():
     assert variant_label("usp", math.nan, 2.0, math.nan, 16) == "usp 8x2"
     assert variant_label("upipe", 4.0, 2, None, 4) == "upipe 2x2 U=4"
     assert variant_label("upipe", math.nan, 1.0, math.nan, 4) == "upipe"
-    assert variant_label("fpdt", None, 1, 1024.0, 4) == "fpdt c=1K"
+    # upipe's FPDT is named for what it is (not the paper's, which is ds-fpdt)
+    assert variant_label("fpdt", None, 1, 1024.0, 4) == "fpdt (upipe's, ALST stack) c=1K"
 
 
 def test_every_plot_drawn_and_closed(tmp_path):
@@ -167,8 +168,8 @@ def test_new_variants_get_their_own_labels(tmp_path):
     _write(tmp_path, rows)
     df, labels = _labelled(_read(tmp_path / ROWS, ROW_COLUMNS))
     # the stack is one per variant: named where it differs from the rest's
-    assert labels == ["ulysses", "fpdt c=1K", "torch-cp, stack native", "upipe", "upipe 2x2",
-                      "usp 2x2"]
+    assert labels == ["ulysses", "fpdt (upipe's, ALST stack) c=1K", "torch-cp, stack native",
+                      "upipe", "upipe 2x2", "usp 2x2"]
     tp = _throughput(_read(tmp_path / ROWS, ROW_COLUMNS))
     ratio = _vs_ulysses(tp, "tps", ["seq_len", "model", "nproc", "stack"])
     assert not np.isnan(ratio).any()  # torch-cp (native) against Ulysses (alst)
@@ -187,3 +188,12 @@ def test_throughput_and_ratio_vs_ulysses():
     ratio = _vs_ulysses(tp.reset_index(drop=True), "tps", ["seq_len", "model", "nproc", "stack"])
     assert ratio[0] == pytest.approx(1.0) and ratio[1] == pytest.approx(0.5)
     assert np.isnan(ratio[2])  # no Ulysses row at 8K
+
+
+def test_memory_wall_rungs_are_the_papers():
+    from experiments.reporting.plots import ladder_rung
+    from experiments.sweeps.memory_ladder import WALL_RUNGS
+
+    rungs = [ladder_rung(r["method"], r["stack"], r.get("nproc", 8)) for r in WALL_RUNGS]
+    assert rungs == ["FSDP only", "+ Ulysses", "+ checkpointing", "+ offload", "ALST", "UPipe"]
+    assert ladder_rung("fpdt", "alst", 8) == "fpdt alst"

@@ -55,7 +55,8 @@ def test_cp_training_matches_single_device(dist_pool, reference_losses, world, m
 # The other methods at the paper's stack, 4 ranks: the ring ones (zigzag layout), the hybrids on
 # a 2 x 2 (ring, ulysses) mesh, FPDT with 3 chunks of 32 tokens.
 OTHER_METHODS = [("zigzag-ring", {}), ("usp", {"ring_degree": 2}),
-                 ("upipe", {"ring_degree": 2}), ("fpdt", {"chunk_size": 32})]
+                 ("upipe", {"ring_degree": 2}), ("fpdt", {"chunk_size": 32}),
+                 ("ds-fpdt", {"chunk_size": 32})]  # its blocks checkpointed reentrantly
 
 
 @pytest.mark.parametrize("method, options", OTHER_METHODS,
@@ -67,6 +68,16 @@ def test_other_methods_train_like_single_device(dist_pool, reference_losses, met
     if method not in available_methods():
         pytest.skip(f"method {method!r} not registered")
     cell = dataclasses.replace(BASE, method=method, nproc=4, stack="alst", **options)
+    for rank_losses in dist_pool(4).run(_losses, cell):
+        torch.testing.assert_close(rank_losses, reference_losses["alst"], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("method, options", [("ds-fpdt", {"chunk_size": 32}), ("ulysses", {})])
+def test_megatron_ds_stack_trains_like_single_device(dist_pool, reference_losses, method,
+                                                     options):
+    """The megatron-ds level (reentrant checkpointing under FSDP2, every block input offloaded)
+    changes where bytes live, not the step: the alst reference's losses, same tolerance."""
+    cell = dataclasses.replace(BASE, method=method, nproc=4, stack="megatron-ds", **options)
     for rank_losses in dist_pool(4).run(_losses, cell):
         torch.testing.assert_close(rank_losses, reference_losses["alst"], rtol=1e-5, atol=0)
 

@@ -101,6 +101,11 @@ class ContextParallelAttention(nn.Module):
     #: the subset of :data:`PROJECTION_FEATURES` this method computes; the all-heads methods
     #: (``project_qkv`` + ``self.wo``) support every one.
     projection_features: ClassVar[frozenset[str]] = PROJECTION_FEATURES
+    #: True for methods that keep activations outside ``save_for_backward`` (on ``ctx``
+    #: attributes): non-reentrant checkpointing frees saved tensors only, so a model
+    #: checkpointing such a layer must do it reentrantly (forward under no_grad) for the
+    #: activations not to live until backward (DeepSpeed's FPDT, baselines/ds_fpdt.py).
+    checkpoint_reentrant: ClassVar[bool] = False
 
     def __init__(
         self,

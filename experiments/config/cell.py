@@ -23,16 +23,18 @@ from upipe.registry import available_methods, get_method
 
 @dataclass(frozen=True)
 class Cell:
-    """One benchmark configuration. World size is ``nproc`` (= the CP degree), stored once."""
+    """One benchmark configuration. The job's ranks are ``dp`` groups of ``nproc`` CP ranks;
+    the world size (``world``, dp x nproc) is derived, never stored."""
 
     method: str
     """registry name (``upipe-bench list``)"""
     model: str = "tiny"
     """model preset"""
     seq_len: int = 4096
-    """global tokens per step (batch 1); each rank holds seq_len / nproc"""
+    """tokens of one sequence (batch 1; each dp replica trains its own); each rank holds
+    seq_len / nproc"""
     nproc: int = 4
-    """ranks = CP degree (FSDP2 shards over the same ranks)"""
+    """ranks per CP group = the CP degree; world = dp x nproc (FSDP2 shards over the world)"""
     stack: str = "alst"
     """memory-stack level (``STACKS``): none, ac, offload, alst, native"""
     heads_per_stage: int | None = None
@@ -62,6 +64,8 @@ class Cell:
     """what runs (``WORKLOADS``): ``step``, one training step of the model (the paper's
     measurement), or ``attention``, one attention layer's forward and backward on random
     input (the model preset gives its heads and width; stack and budget do not apply)"""
+    dp: int = 1
+    """data-parallel degree: CP groups, each training its own sequence (FSDP2 over all ranks)"""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """free-form labels carried into the row (e.g. the sweep's ``rep``); not part of the id"""
 
@@ -80,6 +84,8 @@ class Cell:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.nproc < 1:
             raise ValueError(f"nproc must be >= 1, got {self.nproc}")
+        if self.dp < 1:
+            raise ValueError(f"dp must be >= 1, got {self.dp}")
         if self.seq_len < 2 or self.seq_len % self.nproc:
             raise ValueError(
                 f"seq_len ({self.seq_len}) must be >= 2 and divisible by nproc ({self.nproc})"
@@ -96,6 +102,10 @@ class Cell:
             raise ValueError(f"heads_per_stage must be positive, got {self.heads_per_stage}")
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {list(WORKLOADS)}, got {self.workload!r}")
+        if self.dp != 1 and self.workload != "step":
+            # one attention layer has no gradient to average: its replicas would not interact
+            raise ValueError(f"dp must be 1 for the {self.workload!r} workload (data parallelism "
+                             f"applies to the training step), got {self.dp}")
         cls = get_method(self.method)
         options = self.method_options()
         for name in options:
@@ -107,6 +117,11 @@ class Cell:
                          ring_degree=self.ring_degree, seq_len=self.seq_len, **options)
         check_kernel(self.kernel)
         return model
+
+    @property
+    def world(self) -> int:
+        """Ranks of the job: dp x nproc (what is launched, emulated and FSDP-sharded over)."""
+        return self.dp * self.nproc
 
     def method_options(self) -> dict:
         """The method's constructor options this cell sets (unset ones take the method default);
@@ -143,8 +158,9 @@ class Cell:
         c = "" if self.chunk_size is None else f"-c{format_size(self.chunk_size)}"
         rep = f"-r{self.extra['rep']}" if "rep" in self.extra else ""
         scope = "" if self.workload == "step" else f"-{self.workload}"
-        return (f"{self.method}{u}{r}{c}-{self.model}-{format_size(self.seq_len)}-p{self.nproc}-"
-                f"{self.stack}-{self.dtype}{scope}{rep}-{digest}")
+        dp = "" if self.dp == 1 else f"-D{self.dp}"
+        return (f"{self.method}{u}{r}{c}-{self.model}-{format_size(self.seq_len)}-p{self.nproc}"
+                f"{dp}-{self.stack}-{self.dtype}{scope}{rep}-{digest}")
 
 
 # Method-specific constructor options a cell can set; each applies to the methods whose
@@ -157,7 +173,7 @@ WORKLOADS = ("step", "attention")
 
 # Cell fields added after the first committed results, with their defaults: they enter a cell's
 # id only when they differ from these (see cell_id), so ids stay stable as fields are added.
-_LATER_FIELDS = {"ring_degree": 1, "chunk_size": None, "workload": "step"}
+_LATER_FIELDS = {"ring_degree": 1, "chunk_size": None, "workload": "step", "dp": 1}
 
 
 def takes_option(method_cls: type, name: str) -> bool:

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from experiments.config.cell import Cell
 from experiments.config.sizes import GiB, MiB
 
-# Headroom kept off the device budget: an "80 GB" H100 shows 81559 MiB (79.6 GiB) in nvidia-smi;
-# the CUDA context, cuBLAS workspaces and NCCL's buffers take about 1.5-2.5 GiB of it outside
-# the allocator's tensor bytes, and the rest absorbs fragmentation (small with
-# expandable_segments). 4 GiB leaves 76 GiB of tensors on an 80 GiB device.
-DEFAULT_RESERVE_GIB = 4.0
+# Device memory of the paper's GPU: an "80 GB" H100 SXM shows 81559 MiB = 79.65 GiB to CUDA
+# (nvidia-smi; experiments/emulation/profiles/h100-sxm.json, shared/reference/calibration-facts.md)
+H100_MEM_GIB = 79.65
+
+# Headroom kept off the device budget: what the caching allocator holds beyond the tensors it
+# hands out. Measured on an H100 (results/emulate_vs_allocator/rows.csv, torch 2.11,
+# expandable_segments:True): reserved minus allocated at the peak is 5.16-6.52 GiB for every
+# method but fpdt (eight rows: upipe, ulysses, zigzag-ring, usp at 32K-256K tokens), median
+# 6.30 GiB, and 9.98 GiB for fpdt, whose chunk buffers on a side stream fragment the cache.
+# The default is that median; a method with its own measurement gets its own
+# (``METHOD_RESERVE_GIB``); tests/test_reserve.py recomputes both from the CSV. Not included,
+# because not measured: the CUDA context and NCCL's buffers, which sit outside the allocator.
+DEFAULT_RESERVE_GIB = 6.3
+METHOD_RESERVE_GIB: dict[str, float] = {"fpdt": 10.0}
+RESERVE_SOURCE = "results/emulate_vs_allocator/rows.csv"
 
 DEVICES = ("cuda", "cpu")
 
@@ -20,14 +31,15 @@ DEVICES = ("cuda", "cpu")
 class Hardware:
     """The emulated cluster, per rank: device memory, host memory, headroom."""
 
-    gpu_mem_gib: float = 80.0
-    """device memory per GPU (H100: 80)"""
+    gpu_mem_gib: float = H100_MEM_GIB
+    """device memory per GPU visible to CUDA (H100 80 GB: 79.65 GiB)"""
     host_mem_gib: float = 2048.0
     """host RAM per node (DGX H100: 2 TB), shared by the node's ranks"""
     gpus_per_node: int = 8
     """ranks per node (the host budget of a rank is host_mem / ranks on its node)"""
-    reserve_gib: float = DEFAULT_RESERVE_GIB
-    """device memory outside tensor bytes: CUDA context, library workspaces, fragmentation"""
+    reserve_gib: float | None = None
+    """device memory kept off the tensors' budget (the allocator's cache beyond its tensors);
+    None: the measured default for the cell's method (``reserve_for``)"""
     device: str = "cuda"
     """kernel paths and allocator emulated: "cuda", or "cpu" (exactly a gloo run's tracking)"""
     profile: str | None = None
@@ -41,9 +53,8 @@ class Hardware:
         for name in ("gpu_mem_gib", "host_mem_gib", "gpus_per_node"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0 <= self.reserve_gib < self.gpu_mem_gib:
-            raise ValueError(f"reserve_gib must be >= 0 and below gpu_mem_gib "
-                             f"({self.gpu_mem_gib}), got {self.reserve_gib}")
+        self._check_reserve(self.reserve_gib if self.reserve_gib is not None
+                            else DEFAULT_RESERVE_GIB)
         if self.profile is not None and not (isinstance(self.profile, str) and self.profile):
             raise ValueError(f"profile must be a profile name or a .json path, got "
                              f"{self.profile!r}")
@@ -55,12 +66,31 @@ class Hardware:
             raise ValueError(f"gpus_per_node ({self.gpus_per_node}) must divide the world size "
                              f"({world}) when the world spans several nodes")
 
+    def reserve_for(self, method: str) -> float:
+        """The reserve in GiB for a cell of ``method``: ``reserve_gib`` if set, else the
+        method's measured one, else the measured default."""
+        if self.reserve_gib is not None:
+            return self.reserve_gib
+        reserve = METHOD_RESERVE_GIB.get(method, DEFAULT_RESERVE_GIB)
+        self._check_reserve(reserve, f" (the measured reserve of {method!r})")
+        return reserve
+
+    def _check_reserve(self, reserve: float, what: str = "") -> None:
+        if not 0 <= reserve < self.gpu_mem_gib:
+            raise ValueError(f"reserve_gib must be >= 0 and below gpu_mem_gib "
+                             f"({self.gpu_mem_gib}), got {reserve}{what}")
+
+    def columns(self, method: str) -> dict:
+        """The hardware as a row's ``hw_*`` columns, the reserve resolved for ``method``."""
+        return {f"hw_{k}": v for k, v in dataclasses.asdict(self).items()} | {
+            "hw_reserve_gib": self.reserve_for(method)}
+
     def device_budget(self, cell: Cell) -> int:
         """Bytes of tensors one rank may hold: the cell's ``budget_mib`` if set, else the GPU's
         memory minus the reserve."""
         if cell.budget_mib is not None:
             return int(cell.budget_mib * MiB)
-        return int((self.gpu_mem_gib - self.reserve_gib) * GiB)
+        return int((self.gpu_mem_gib - self.reserve_for(cell.method)) * GiB)
 
     def host_budget(self, world: int) -> int:
         """Host bytes per rank: the node's RAM over the ranks on the node."""

@@ -17,6 +17,11 @@ class StackConfig:
     """tiled MLP and RMSNorm (local sequence in ceil(L / dim) shards)"""
     chunked_loss: bool
     """linear + cross-entropy over token chunks, so full logits never exist"""
+    offload_all: bool = False
+    """with ``offload``: every block's checkpointed input, the first and last too"""
+    reentrant: bool = False
+    """checkpoint reentrantly (forward under no_grad, recomputed in backward) instead of
+    non-reentrantly; methods that need it ask for it themselves (``checkpoint_reentrant``)"""
 
 
 STACKS: dict[str, StackConfig] = {
@@ -28,13 +33,40 @@ STACKS: dict[str, StackConfig] = {
     # the paper's PyTorch-native baseline (DESIGN.md §6): checkpointing and the chunked loss,
     # without tiled MLP or offload
     "native": StackConfig(True, False, False, True),
+    # The paper's FPDT runs on Megatron-DeepSpeed (the authors' script: togethercomputer/
+    # Untied-Ulysses, FPDT/Megatron-DeepSpeed/examples_deepspeed/sequence_parallel/
+    # run_single_8B.sh). What of it changes memory, and how it maps here:
+    # * --checkpoint-activations --deepspeed-activation-checkpointing: every block through
+    #   deepspeed.checkpointing.checkpoint, which is reentrant (its CheckpointFunction runs the
+    #   forward under no_grad and recomputes in backward): reentrant=True.
+    # * --checkpoint-in-cpu: that checkpoint moves *every* checkpointed input to the CPU
+    #   (deepspeed/runtime/activation_checkpointing/checkpointing.py, CPU_CHECKPOINT): offload
+    #   with offload_all=True (ALST keeps the first and last block's on the device). Pinned
+    #   host memory up to 4M tokens, pageable above: the harness's rule for every stack
+    #   (harness/offload.py PIN_MAX_TOKENS), as the paper ran it.
+    # * FPDT's own chunked FFN (fpdt_layer.FPDT_FFN) computes a GELU MLP with bias only
+    #   (bias_gelu); the Llama runs use --swiglu, which Megatron's MLP runs unchunked:
+    #   tiled=False.
+    # * FPDT_LogitsLoss: logits and cross-entropy per sequence chunk: chunked_loss=True.
+    # * --zero-stage 3 --fp16: model states are 16 bytes per parameter / N either way (ZeRO,
+    #   Rajbhandari et al. 2020, sec. 3: fp16 params and grads 2+2, fp32 master params,
+    #   momentum, variance 4+4+4 = K=12, all partitioned at stage 3), which FSDP2 with bf16
+    #   compute over fp32 sharded params and Adam states also holds (4 params + 8 Adam states +
+    #   4 for the fp32 gradient shard, and the bf16 all-gathered unit while in use, as ZeRO-3's
+    #   gathered fp16 parameters): the same bytes, so FSDP2 stays.
+    "megatron-ds": StackConfig(True, True, False, True, offload_all=True, reentrant=True),
 }
 
 DTYPES = ("fp32", "bf16")
 
 
+# methods the paper runs on a stack of their own; every other one runs on the ALST stack
+_PAPER_STACKS = {"torch-cp": "native", "ds-fpdt": "megatron-ds"}
+
+
 def paper_stack(method: str) -> str:
     """The memory stack the paper runs ``method`` on (DESIGN.md §6): PyTorch's native CP
     (``torch-cp``) on its own ``native`` stack (checkpointing and the chunked loss, no tiling or
-    offload), every other method on the ALST stack."""
-    return "native" if method == "torch-cp" else "alst"
+    offload), DeepSpeed's FPDT (``ds-fpdt``) on Megatron-DeepSpeed's (``megatron-ds``), every
+    other method on the ALST stack."""
+    return _PAPER_STACKS.get(method, "alst")

@@ -22,7 +22,7 @@ from experiments.config.sizes import parse_size
 # Cell fields given in tokens: a declaration may write them as "128K" or "1M"
 SIZE_FIELDS = ("seq_len", "chunk_size")
 PLOTS = ("max_context", "memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses",
-         "memory_ladder", "heads_per_stage")
+         "memory_ladder", "heads_per_stage", "memory_wall")
 THROUGHPUT_PLOTS = ("throughput_vs_seq", "throughput_vs_ulysses")  # need step times
 SCALES = ("paper", "cpu", "emulated")
 

@@ -65,7 +65,7 @@ def emulation_unavailable(cell: Cell, hw: Hardware) -> str | None:
 
 def _row_metrics(cell: Cell, cfg: ModelConfig, hw: Hardware, m: Measurement) -> dict:
     b = m.breakdown
-    device_budget, host_budget = hw.device_budget(cell), hw.host_budget(cell.nproc)
+    device_budget, host_budget = hw.device_budget(cell), hw.host_budget(cell.world)
     over = []
     if m.peak_device_bytes > device_budget:
         over.append(f"device peak {m.peak_device_bytes / GiB:.2f} GiB > budget "
@@ -75,7 +75,7 @@ def _row_metrics(cell: Cell, cfg: ModelConfig, hw: Hardware, m: Measurement) -> 
                     f"{host_budget / GiB:.2f} GiB per rank")
     return {
         "status": Status.OOM if over else Status.OK, "error": "; ".join(over),
-        "mode": "emulated", "memory_source": "emulated", "world_size": cell.nproc,
+        "mode": "emulated", "memory_source": "emulated", "world_size": cell.world,
         "device": f"emulated {hw.device} ({hw.gpu_mem_gib:g} GiB)",
         "peak_device_bytes": m.peak_device_bytes, "tracked_peak_device_bytes": m.peak_device_bytes,
         "peak_host_bytes": m.peak_host_bytes, "host_pinned": cell.seq_len <= PIN_MAX_TOKENS,
@@ -86,12 +86,12 @@ def _row_metrics(cell: Cell, cfg: ModelConfig, hw: Hardware, m: Measurement) -> 
         "device_budget_bytes": device_budget, "host_budget_bytes": host_budget,
         "device_memory_bytes": device_budget,
         # this rank's FLOPs counted per op (recomputation included, attention dense, as torch's
-        # formulas count it) beside the shared model-FLOPs formula over all ranks
+        # formulas count it) beside the shared model-FLOPs formula over all ranks (dp sequences)
         "rank_flops_per_step": m.flops,
-        "model_tflops_per_step": step_flops(cfg, cell.seq_len) / 1e12,
+        "model_tflops_per_step": cell.dp * step_flops(cfg, cell.seq_len) / 1e12,
         "comm_bytes_per_step": None if m.comm_bytes is None else sum(m.comm_bytes.values()),
         "comm_bytes_by_op": m.comm_bytes,
-    } | {f"hw_{k}": v for k, v in dataclasses.asdict(hw).items()}
+    } | hw.columns(cell.method)
 
 
 def time_columns(cell: Cell, cfg: ModelConfig, profile: Profile | None, m: Measurement) -> dict:
@@ -102,11 +102,11 @@ def time_columns(cell: Cell, cfg: ModelConfig, profile: Profile | None, m: Measu
     pinned = cell.seq_len <= PIN_MAX_TOKENS
     t = step_time([(w, price(work, profile, pinned)) for w, work in m.work], profile)
     peak = profile.peak_flops(cell.dtype)
-    flops = step_flops(cfg, cell.seq_len)
+    flops = cell.dp * step_flops(cfg, cell.seq_len)  # every replica's sequence
     return {
         "hardware_profile": profile.name, "step_time_s": t.step_s,
-        "tokens_per_s_per_gpu": cell.seq_len / cell.nproc / t.step_s,
-        "mfu": None if peak is None else flops / t.step_s / (cell.nproc * peak),
+        "tokens_per_s_per_gpu": cell.dp * cell.seq_len / cell.world / t.step_s,
+        "mfu": None if peak is None else flops / t.step_s / (cell.world * peak),
         "time_compute_s": t.compute_s, "time_comm_exposed_s": t.comm_exposed_s,
         "time_offload_exposed_s": t.offload_exposed_s, "time_overhead_s": t.overhead_s,
         # seconds of each kind of work before overlap (matmul, attention, ..., copy_side)
@@ -121,7 +121,7 @@ def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
     bytes sent are None), for searches that need only the status."""
     try:
         cfg = cell.validate()
-        hw.validate(world=cell.nproc)
+        hw.validate(world=cell.world)
         profile = profile_for(hw)
     except ValueError as e:
         return unrun(cell, None, Status.INVALID, str(e), "emulated")

@@ -2,8 +2,9 @@
 
 The same model, method, memory stack and training step as a real run
 (``experiments.harness.train``), built under ``FakeTensorMode`` on the ``fake`` process group
-with a DeviceMesh of the emulated shape (1-D, or 2-D (ring, ulysses) for hybrids): nothing is
-computed, and the ``MemoryTracker`` sees every allocation and free. On an emulated CUDA device
+with the DeviceMeshes of the emulated shape (``train.make_meshes``: the dp x nproc world,
+each replica's CP group or (ring, ulysses) mesh, FSDP2 over all ranks): nothing is computed,
+and the ``MemoryTracker`` sees every allocation and free. On an emulated CUDA device
 (``Hardware.device == "cuda"``) the attention kernels take their CUDA path and allocate what the
 CUDA kernels allocate (``kernel_models``), and device allocations are counted in 512-byte blocks
 as the CUDA caching allocator's ``max_memory_allocated`` counts them
@@ -17,8 +18,9 @@ warm-up and memory steps is. Per step the FLOPs (``instruments.op_flops.CountedF
 rank), the bytes this rank sends (``instruments.collectives``) and the work per window of the
 step that the time model prices (``op_costs``) are counted from the same run.
 
-The rank played is the critical one (``critical_rank``): rank 0 for every method but contiguous
-ring attention, whose last rank computes every causal block.
+The rank played is the critical one (``critical_rank``) of dp replica 0 (every replica runs the
+same step on its own tokens): rank 0 for every method but contiguous ring attention, whose last
+rank computes every causal block. Its model states are sharded over the whole world.
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ def _init_optimizer_states(state) -> None:
 
 def critical_rank(cell: Cell) -> int:
     """The rank the emulator plays: the one with the most work per step (the step waits for
-    it), e.g. the last rank of a contiguous causal ring."""
+    it), e.g. the last rank of a contiguous causal ring; in dp replica 0, whose CP ranks are
+    the world's first ``nproc`` (dp is the outer mesh axis), so its CP rank is its rank."""
     return get_method(cell.method).critical_rank(cell.nproc, cell.ring_degree)
 
 
@@ -119,7 +122,7 @@ def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True,
     out)."""
     work = work and count
     device = torch.device("cpu")
-    with fake_world(cell.nproc, critical_rank(cell)):
+    with fake_world(cell.world, critical_rank(cell)):
         meshes = make_meshes(cell, device)  # outside fake mode: meshes read rank values
         with FakeTensorMode(), _kernels(hw):
             state = build(cell, cfg, meshes=meshes, device=device)

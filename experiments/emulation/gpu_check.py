@@ -61,7 +61,7 @@ def compare(cell: Cell) -> dict:
     """One row: the allocator's peaks (allocated, reserved), the tracker's in the same real run,
     and the emulator's, with their ratios."""
     _clean_allocator()
-    with fake_world(cell.nproc):
+    with fake_world(cell.world):
         real = measure_cell(cell, cell.validate())
     _clean_allocator()
     emu = emulate_cell(dataclasses.replace(cell), Hardware(device="cuda"), exact=True)

@@ -1,10 +1,11 @@
 """Launch one cell in its own process group and turn whatever happens into a row.
 
 ``run_cell(cell)`` validates the cell (``invalid`` rows never start a process), spawns
-``cell.nproc`` ranks (gloo on CPU; NCCL with one GPU per rank when CUDA is present), runs the
-cell's workload on each (``measure.measure_cell``, or ``attention_layer.measure_attention``)
-and returns rank 0's row. A fresh process group per cell means an OOM leaves no damaged
-allocator behind (STYLE.md §10). Outcomes (``experiments.config.Status``):
+``cell.world`` ranks (dp x nproc; gloo on CPU; NCCL with one GPU per rank when CUDA is
+present), runs the cell's workload on each (``measure.measure_cell``, or
+``attention_layer.measure_attention``) and returns rank 0's row. A fresh process group per
+cell means an OOM leaves no damaged allocator behind (STYLE.md §10). Outcomes
+(``experiments.config.Status``):
 
 - ``ok``, or ``oom`` over a CPU budget (decided by the ranks together);
 - ``oom``: a rank's CUDA allocator raised ``torch.OutOfMemoryError``. Nothing else is an OOM:
@@ -20,10 +21,11 @@ allocator behind (STYLE.md §10). Outcomes (``experiments.config.Status``):
   (``host_inputs_fit``); nothing is launched.
 
 Under torchrun (``WORLD_SIZE`` set, ``dist`` initialised by the caller) cells run in that one
-process group instead, one after another; a cell whose ``nproc`` differs from the world size is
-``skipped``. Multi-node runs go through torchrun (DESIGN.md §2). Every rank of a cell must run
-the same cell (length, options): the launcher gives all its ranks the same one; under torchrun
-the caller must (collectives between ranks that disagree fail inside the backend).
+process group instead, one after another; a cell whose ``world`` (dp x nproc) differs from the
+world size is ``skipped``. Multi-node runs go through torchrun (DESIGN.md §2). Every rank of a
+cell must run the same cell (length, options): the launcher gives all its ranks the same one;
+under torchrun the caller must (collectives between ranks that disagree fail inside the
+backend).
 """
 
 from __future__ import annotations
@@ -69,11 +71,13 @@ def free_port() -> int:
 
 
 def describe(cell: Cell, cfg: ModelConfig | None) -> dict:
-    """The row's identity and config columns (flat, CSV-friendly)."""
+    """The row's identity and config columns (flat, CSV-friendly); ``world_size`` is the job's
+    dp x nproc ranks."""
     d = cell.to_dict()
     extra = d.pop("extra")
     d["overrides"] = ";".join(f"{k}={v}" for k, v in cell.overrides)
     d["cell_id"] = cell.cell_id()
+    d["world_size"] = cell.world
     if cfg is not None:
         d |= {f"model_{k}": v for k, v in cfg.__dict__.items()}
     return d | extra
@@ -88,16 +92,17 @@ def unrun(cell: Cell, cfg: ModelConfig | None, status: str, error: str, mode: st
 def host_inputs_fit(cell: Cell, cfg: ModelConfig) -> str | None:
     """Why the cell's inputs cannot exist on this machine, or None.
 
-    Every rank draws the full sequence's tokens and labels (int64, ``S`` each: the same data on
-    every rank, sharded after) before anything else, so ``nproc`` ranks on this host need
-    16 B x S x nproc of host memory at least; beyond the host's physical memory the ranks would
-    only die allocating. The attention workload's inputs are the local (L, dim) activations.
+    Every rank draws its replica's full sequence's tokens and labels (int64, ``S`` each: the
+    same data on every rank of a replica, sharded after) before anything else, so the ranks on
+    this host need 16 B x S each of host memory at least; beyond the host's physical memory
+    the ranks would only die allocating. The attention workload's inputs are the local
+    (L, dim) activations.
     """
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not a POSIX host: nothing to check against
         return None
-    ranks_here = min(cell.nproc, int(os.environ.get("LOCAL_WORLD_SIZE", cell.nproc)))
+    ranks_here = min(cell.world, int(os.environ.get("LOCAL_WORLD_SIZE", cell.world)))
     if cell.workload == "attention":
         need = 2 * cell.seq_len * cfg.dim * 4 // cell.nproc * ranks_here
     else:
@@ -125,7 +130,7 @@ def _rank_main(rank: int, cell: Cell, cfg: ModelConfig, port: int, threads: int,
     else:  # DeepSpeed (tiled MLP, ds-ulysses) would probe for accelerators and warn
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=cell.nproc,
+                            world_size=cell.world,
                             timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
     try:
         row = WORKLOADS[cell.workload](cell, cfg, progress=progress)
@@ -179,7 +184,7 @@ def _spawn(cell: Cell, cfg: ModelConfig, timeout_s: float | None, threads: int,
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         pc = mp.start_processes(_rank_main, (cell, cfg, free_port(), threads, progress, results),
-                                nprocs=cell.nproc, join=False, start_method="spawn")
+                                nprocs=cell.world, join=False, start_method="spawn")
     except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
         raise
@@ -217,8 +222,9 @@ def disagreement(cell: Cell) -> str | None:
 
 def _in_process(cell: Cell, cfg: ModelConfig, progress: bool) -> dict:
     world = dist.get_world_size()
-    if world != cell.nproc:
-        return {"status": Status.SKIPPED, "error": f"nproc {cell.nproc} != torchrun world {world}"}
+    if world != cell.world:
+        return {"status": Status.SKIPPED,
+                "error": f"dp x nproc ({cell.dp} x {cell.nproc}) != torchrun world {world}"}
     differ = disagreement(cell)
     if differ is not None:
         return {"status": Status.INVALID, "error": differ}
@@ -257,7 +263,7 @@ def run_cell(cell: Cell, timeout_s: float | None = None, progress: bool = False)
     if too_big is not None:
         return unrun(cell, cfg, Status.INVALID, too_big, "measured")
     torchrun = dist.is_initialized()
-    threads = threads_per_rank(cell.nproc)
+    threads = threads_per_rank(cell.world)
     t0, load0 = time.monotonic(), os.getloadavg()[0]
     res = (_in_process(cell, cfg, progress) if torchrun
            else _spawn(cell, cfg, timeout_s, threads, progress))

@@ -90,12 +90,12 @@ def measure_cell(cell: Cell, cfg: ModelConfig, progress: bool = False) -> dict:
     more: list[torch.Tensor] = []
     times = timed(lambda: more.append(state.step()), iters, device, say,
                   first=cell.warmup + 1, total=cell.warmup + 1 + iters)
-    # one collective for every step's loss: the global mean token loss
+    # one collective for every step's loss: the mean token loss over every replica's sequence
     loss = torch.stack(losses + more).float().to(device)
     if dist.is_initialized():
         dist.all_reduce(loss)
     per_rank = gather({"times": times, **mem})
-    row = summarise(cell, cfg, per_rank, device, step_flops(cfg, cell.seq_len))
+    row = summarise(cell, cfg, per_rank, device, cell.dp * step_flops(cfg, cell.seq_len))
     row.update(status=status, error=error,
                losses=[float(v) / state.n_label_tokens for v in loss.cpu()])
     return row

@@ -8,9 +8,13 @@ wq``, ``feed_forward.w1``/``w2``/``w3``, ``norm``, ``output``). Random init; not
 The memory stack (``experiments.config.StackConfig``) is part of the model's forward because
 each level changes how the forward runs:
 
-- ``checkpoint``: ``torch.utils.checkpoint`` (non-reentrant) per block, inside the block's
-  forward so that FSDP2's all-gather hooks stay outside the recomputed region;
-- ``offload``: the checkpointed block input goes to host memory (``experiments.harness.offload``);
+- ``checkpoint``: ``torch.utils.checkpoint`` per block, inside the block's forward so that
+  FSDP2's all-gather hooks stay outside the recomputed region; non-reentrant, or reentrant
+  (forward under no_grad, recomputed with grad in backward) where the stack says so
+  (``reentrant``) or the attention method needs it (``checkpoint_reentrant``: activations kept
+  on autograd ``ctx`` attributes, which only a forward without autograd leaves unrecorded);
+- ``offload``: the checkpointed block input goes to host memory (``experiments.harness.offload``),
+  all blocks but the first and last (ALST), or all (``offload_all``: --checkpoint-in-cpu);
 - ``tiled``: MLP and RMSNorm through DeepSpeed's ``TiledMLP`` in ceil(L / dim) sequence shards
   (ALST); it recomputes each shard in backward and accumulates the input gradient in place;
 - ``chunked_loss``: ``experiments.harness.loss.chunked_linear_cross_entropy``.
@@ -108,15 +112,21 @@ class Block(nn.Module):
         h = x + self.attention(self._per_token(self.attention_norm, x))
         return h + self._per_token(self.feed_forward, self._per_token(self.ffn_norm, h))
 
+    @property
+    def reentrant(self) -> bool:
+        """Checkpoint this block reentrantly: the stack's choice or the attention's need."""
+        return self.stack.reentrant or getattr(self.attention, "checkpoint_reentrant", False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.stack.checkpoint:
             return self._forward(x)
-        # Non-reentrant checkpoint saves only the block input, through the saved-tensor hooks
-        # active *outside* it: that is where the offload hooks go.
+        # Either checkpoint saves only the block input (non-reentrant: its placeholder; reentrant:
+        # the Function's save_for_backward), through the saved-tensor hooks active *outside* it:
+        # that is where the offload hooks go.
         ctx = (offload_saved_inputs(self.host_context, self.pin_memory) if self.offload
                else contextlib.nullcontext())
         with ctx:
-            return checkpoint(self._forward, x, use_reentrant=False)
+            return checkpoint(self._forward, x, use_reentrant=self.reentrant)
 
 
 class Transformer(nn.Module):
@@ -143,7 +153,7 @@ class Transformer(nn.Module):
             Block(cfg, build_method(method, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                     causal=True, rope_theta=cfg.rope_theta, kernel=kernel,
                                     **where, **(method_options or {})),
-                  stack, offload=stack.offload and 0 < i < n - 1)  # ALST: not first and last
+                  stack, offload=stack.offload and (stack.offload_all or 0 < i < n - 1))
             for i in range(n)
         )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)

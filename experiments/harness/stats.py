@@ -82,7 +82,8 @@ def summarise(cell: Cell, cfg: ModelConfig, per_rank: list[dict], device: torch.
     """Cross-rank figures: the slowest rank per step, the fullest rank's memory.
 
     ``per_rank``: each rank's ``{"times": [s, ...], <memory key>: bytes, ...}``; ``flops``: the
-    model FLOPs of one step over all ranks (None: not a training step, no MFU).
+    model FLOPs of one step over all ranks, every dp replica's sequence (None: not a training
+    step, no MFU). Tokens/s per GPU: the dp sequences over the world's GPUs.
     """
     row = {"world_size": len(per_rank), "device": device_name(device),
            "memory_source": "allocator" if device.type == "cuda" else "tracked"}
@@ -101,11 +102,11 @@ def summarise(cell: Cell, cfg: ModelConfig, per_rank: list[dict], device: torch.
         row.update(time_median_s=med, time_p20_s=float(np.percentile(step_s, 20)),
                    time_p80_s=float(np.percentile(step_s, 80)),
                    times_s=[float(t) for t in step_s],
-                   tokens_per_s_per_gpu=cell.seq_len / cell.nproc / med)
+                   tokens_per_s_per_gpu=cell.dp * cell.seq_len / cell.world / med)
         if flops is not None:
             row["model_tflops_per_step"] = flops / 1e12
             if device.type == "cuda":
-                row["mfu"] = mfu(flops, med, cell.nproc, torch.cuda.get_device_name(device),
+                row["mfu"] = mfu(flops, med, cell.world, torch.cuda.get_device_name(device),
                                  cell.dtype)
     return row
 

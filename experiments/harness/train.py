@@ -1,14 +1,20 @@
 """The training step every method is measured on (DESIGN.md §6).
 
-FSDP2 (``fully_shard``) over the CP ranks, one unit per block plus the root; mixed precision as
+The job is ``dp`` replicas of ``nproc`` CP ranks (``Cell.world`` = dp x nproc ranks, a
+("dp", "cp") DeviceMesh with the CP ranks of a replica consecutive). Each replica trains its own
+sequence (``replica_tokens``), sharded over its CP group, which is the group the attention
+runs on; FSDP2 (``fully_shard``) shards parameters, gradients and optimizer states over all
+ranks (a 1-D "fsdp" mesh over the world), one unit per block plus the root; mixed precision as
 a ``MixedPrecisionPolicy`` (compute in the cell's dtype, gradient reductions in fp32); AdamW;
-batch 1; the loss is the mean over every token of the global sequence, with labels shifted on
-the full sequence before sharding so rank boundaries are handled as on one device.
+batch 1 per replica; the loss is the mean over every labelled token of the replicas'
+sequences, with labels shifted on each full sequence before sharding so rank boundaries are
+handled as on one device.
 
-Gradient scaling: each rank's loss is its *partial sum* divided by the global token count, so
-the true gradient is the sum of the ranks' gradients; FSDP2 is told to sum
-(``set_gradient_divide_factor(1.0)``, as a plain SUM collective) instead of averaging over
-what it takes for data-parallel ranks.
+Gradient scaling: each rank's loss is its *partial sum* divided by the step's label count
+(dp x (S - 1)), so the true gradient (the mean over the replicas' sequences of equal length,
+i.e. the average of their per-sequence mean gradients) is the sum of all ranks' gradients;
+FSDP2 is told to sum (``set_gradient_divide_factor(1.0)``, as a plain SUM collective) instead
+of averaging over the world, which would also divide the CP partial sums.
 """
 
 from __future__ import annotations
@@ -40,10 +46,10 @@ class TrainState:
 
     model: Transformer
     optimizer: torch.optim.Optimizer
-    tokens: torch.Tensor  # (1, L) int64, this rank's shard
-    labels: torch.Tensor  # (1, L) int64, next tokens of the full sequence, sharded alike
-    n_label_tokens: int  # tokens with a label in the whole sequence: S - 1
-    mesh: DeviceMesh | None
+    tokens: torch.Tensor  # (1, L) int64, this rank's shard of its replica's sequence
+    labels: torch.Tensor  # (1, L) int64, next tokens of that full sequence, sharded alike
+    n_label_tokens: int  # tokens with a label in the whole step: dp x (S - 1)
+    mesh: DeviceMesh | None  # FSDP2's 1-D "fsdp" mesh over every rank; None: one process
 
     def step(self) -> torch.Tensor:
         """One forward/backward/AdamW step; returns this rank's summed loss (detached)."""
@@ -54,46 +60,58 @@ class TrainState:
         return loss_sum.detach()
 
 
-def attention_mesh(cell: Cell, device: torch.device) -> DeviceMesh | None:
-    """Hybrids (``ring_degree`` > 1): the 2-D (ring, ulysses) mesh over all ranks, else None.
+@dataclass(frozen=True)
+class Meshes:
+    """One rank's meshes for a cell's job of dp x nproc ranks (``make_meshes``)."""
 
-    Ulysses is the inner axis, so its ranks are consecutive (one node: the all-to-all stays on
-    the fast links) and the ring crosses nodes, as the paper's 8 x 2 on 16 GPUs.
+    fsdp: DeviceMesh  # 1-D "fsdp": every rank of the job, what FSDP2 shards over
+    cp: DeviceMesh  # 1-D "cp": the CP ranks of this rank's dp replica, the attention's group
+    hybrid: DeviceMesh | None  # hybrids: the same CP ranks as a 2-D (ring, ulysses) mesh
+    dp_rank: int  # this rank's dp replica: its coordinate on the "dp" axis
+
+
+def attention_mesh(cell: Cell, device: torch.device) -> DeviceMesh | None:
+    """Hybrids (``ring_degree`` > 1): the 2-D (ring, ulysses) mesh of this rank's dp replica,
+    else None.
+
+    Sliced from a 3-D (dp, ring, ulysses) mesh over the world. Ulysses is the inner axis, so its
+    ranks are consecutive (one node: the all-to-all stays on the fast links) and the ring crosses
+    nodes, as the paper's 8 x 2 on 16 GPUs; dp is outermost, so a replica's ranks are together.
     """
     if cell.ring_degree == 1:
         return None
-    return init_device_mesh(device.type, (cell.ring_degree, cell.nproc // cell.ring_degree),
-                            mesh_dim_names=("ring", "ulysses"))
+    job = init_device_mesh(device.type, (cell.dp, cell.ring_degree,
+                                         cell.nproc // cell.ring_degree),
+                           mesh_dim_names=("dp", "ring", "ulysses"))
+    return job["ring", "ulysses"]
 
 
-def build_model(cell: Cell, cfg: ModelConfig, mesh: DeviceMesh | None,
-                device: torch.device, hybrid: DeviceMesh | None = None) -> Transformer:
-    """The model with FSDP2 applied over ``mesh`` (None: one process, plain module).
+def build_model(cell: Cell, cfg: ModelConfig, meshes: Meshes | None,
+                device: torch.device) -> Transformer:
+    """The model with FSDP2 applied over ``meshes.fsdp`` (None: one process, plain module).
 
-    The attention runs over the same 1-D "cp" mesh, or over a 2-D (ring, ulysses) mesh of the
-    same ranks for hybrids (``hybrid``, by default ``attention_mesh``); FSDP2 always shards over
-    all ranks.
+    The attention runs over this replica's CP group (``meshes.cp``), or over its 2-D
+    (ring, ulysses) mesh for hybrids; FSDP2 always shards over all dp x cp ranks.
 
-    On CPU the full model is built (seeded) and then sharded, so every CP degree starts from the
-    same weights as a single-device run (the equivalence test needs that). On CUDA it is built
+    On CPU the full model is built (seeded) and then sharded, so every degree starts from the
+    same weights as a single-device run (the equivalence tests need that). On CUDA it is built
     on the meta device, sharded, then materialised shard by shard: a 70B model never exists
     whole on one GPU; its init is random per shard.
     """
     stack = STACKS[cell.stack]
-    group = mesh.get_group("cp") if mesh is not None else None
-    if hybrid is None and mesh is not None:
-        hybrid = attention_mesh(cell, device)
+    group = meshes.cp.get_group("cp") if meshes is not None else None
+    hybrid = meshes.hybrid if meshes is not None else None
     torch.manual_seed(cell.seed)
-    meta = device.type == "cuda" and mesh is not None
+    meta = device.type == "cuda" and meshes is not None
     with torch.device("meta" if meta else device):
         model = Transformer(cfg, cell.method, stack, group=group, mesh=hybrid,
                             kernel=cell.kernel, method_options=cell.method_options())
-    if mesh is not None:
+    if meshes is not None:
         dtype = TORCH_DTYPES[cell.dtype]
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+            fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp)
+        fully_shard(model, mesh=meshes.fsdp, mp_policy=mp)
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)  # sum the ranks' partial gradients
@@ -108,38 +126,56 @@ def build_model(cell: Cell, cfg: ModelConfig, mesh: DeviceMesh | None,
     return model
 
 
-def make_meshes(cell: Cell, device: torch.device) -> tuple[DeviceMesh, DeviceMesh | None]:
-    """The 1-D "cp" mesh over the launched world and the hybrids' (ring, ulysses) mesh.
+def make_meshes(cell: Cell, device: torch.device) -> Meshes:
+    """This rank's meshes over the launched world of ``cell.world`` ranks: a ("dp", "cp") mesh
+    (dp outer: a replica's CP ranks are consecutive, inside a node where they fit), the 1-D
+    "fsdp" mesh over all ranks and the hybrids' (ring, ulysses) mesh.
 
     Made apart from ``build`` because a DeviceMesh cannot be created under FakeTensorMode (it
     reads rank values): the emulator makes them first, then builds the model fake.
     """
     world = dist.get_world_size()
-    if world != cell.nproc:
-        raise ValueError(f"nproc ({cell.nproc}) must equal the launched world size ({world})")
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))
-    return mesh, attention_mesh(cell, device)
+    if world != cell.world:
+        raise ValueError(f"dp x nproc ({cell.dp} x {cell.nproc}) must equal the launched world "
+                         f"size ({world})")
+    job = init_device_mesh(device.type, (cell.dp, cell.nproc), mesh_dim_names=("dp", "cp"))
+    # FSDP2 over a 1-D mesh shards fully over it (a 2-D one would be HSDP: replicate over dp)
+    fsdp = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+    return Meshes(fsdp=fsdp, cp=job["cp"], hybrid=attention_mesh(cell, device),
+                  dp_rank=job.get_local_rank("dp"))
+
+
+def replica_tokens(cell: Cell, vocab_size: int, dp_rank: int) -> torch.Tensor:
+    """The full (1, S) int64 sequence dp replica ``dp_rank`` trains on, the same on all of its
+    ranks (sharded after). Replica 0 draws what a dp = 1 run draws; replica r > 0 reseeds with
+    the r-th 32-bit draw of that stream (the CPU generator keeps 32 bits of a seed, so an
+    offset seed would repeat replica 0's tokens)."""
+    gen = torch.Generator().manual_seed(cell.seed + 1)
+    if dp_rank:
+        gen.manual_seed(int(torch.randint(2**32, (dp_rank,), generator=gen)[-1]))
+    return torch.randint(0, vocab_size, (1, cell.seq_len), generator=gen)
 
 
 def build(cell: Cell, cfg: ModelConfig, distributed: bool = True,
-          meshes: tuple[DeviceMesh, DeviceMesh | None] | None = None,
-          device: torch.device | None = None) -> TrainState:
-    """Everything a rank needs for ``cell``; under torch.distributed the world is the CP group
-    (``meshes``: from ``make_meshes``, made here when not given; ``device``: default
-    ``current_device()``, the emulator's is the CPU even where CUDA is present)."""
+          meshes: Meshes | None = None, device: torch.device | None = None) -> TrainState:
+    """Everything a rank needs for ``cell``; under torch.distributed the world is the cell's
+    dp x nproc ranks (``meshes``: from ``make_meshes``, made here when not given; ``device``:
+    default ``current_device()``, the emulator's is the CPU even where CUDA is present)."""
     device = device or current_device()
-    mesh = hybrid = None
-    if distributed:
-        mesh, hybrid = meshes if meshes is not None else make_meshes(cell, device)
-    elif cell.nproc != 1:
-        raise ValueError(f"nproc must be 1 without torch.distributed, got {cell.nproc}")
-    model = build_model(cell, cfg, mesh, device, hybrid)
+    if not distributed:
+        if cell.world != 1:
+            raise ValueError(f"dp x nproc must be 1 without torch.distributed, got "
+                             f"{cell.dp} x {cell.nproc}")
+        meshes = None
+    elif meshes is None:
+        meshes = make_meshes(cell, device)
+    model = build_model(cell, cfg, meshes, device)
     # AdamW as in Llama 3 pre-training (betas 0.9/0.95, weight decay 0.1); foreach on both
     # devices so CPU and GPU run the same update.
     optimizer = torch.optim.AdamW(model.parameters(), lr=cell.lr, betas=(0.9, 0.95),
                                   weight_decay=0.1, foreach=True)
-    gen = torch.Generator().manual_seed(cell.seed + 1)  # same tokens on every rank
-    full = torch.randint(0, cfg.vocab_size, (1, cell.seq_len), generator=gen)
+    full = replica_tokens(cell, cfg.vocab_size, meshes.dp_rank if meshes is not None else 0)
     tokens = model.shard(full).to(device)
     labels = model.shard(shifted_labels(full)).to(device)
-    return TrainState(model, optimizer, tokens, labels, cell.seq_len - 1, mesh)
+    return TrainState(model, optimizer, tokens, labels, cell.dp * (cell.seq_len - 1),
+                      None if meshes is None else meshes.fsdp)

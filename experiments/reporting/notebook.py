@@ -131,7 +131,10 @@ def provenance(sweep_dir: Path) -> dict:
         "torch": env.get("torch_version"),
         "ran on": env.get("gpu_name") or env.get("cpu_model"),
         "emulated hardware": hw and f"{hw['gpus_per_node']}x {hw['gpu_mem_gib']:g} GiB "
-                                    f"{hw['device']} per node, {hw['reserve_gib']:g} GiB reserve",
+                                    f"{hw['device']} per node, " + (
+                                        "the measured reserve per method"
+                                        if hw.get("reserve_gib") is None
+                                        else f"{hw['reserve_gib']:g} GiB reserve"),
     }
 
 

@@ -23,6 +23,7 @@ from matplotlib.ticker import FuncFormatter, MultipleLocator, NullLocator
 
 from experiments.config.sizes import GiB, MiB
 from experiments.config.status import Status
+from experiments.reporting.paper_tables import PAPER_LADDER_3M
 from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
 
 STACK_ORDER = ("none", "ac", "offload", "alst", "native")
@@ -47,6 +48,12 @@ def _given(v) -> bool:
     return v is not None and not pd.isna(v)
 
 
+# Methods whose registry name alone would mislead a reader of the paper's tables: our fpdt is a
+# stronger FPDT than the paper's (per-chunk output projection and RoPE tables, dK/dV accumulated
+# on host, the ALST stack; baselines/fpdt.py), the paper's is DeepSpeed's (ds-fpdt).
+METHOD_NAMES = {"fpdt": "fpdt (upipe's, ALST stack)", "ds-fpdt": "ds-fpdt (DeepSpeed's)"}
+
+
 def variant_label(method: str, heads_per_stage: float | None = None,
                   ring_degree: float | None = None, chunk_size: float | None = None,
                   nproc: float | None = None) -> str:
@@ -56,7 +63,7 @@ def variant_label(method: str, heads_per_stage: float | None = None,
     degrees, the paper's notation: ('usp', nan, 2, nan, 16) -> 'usp 8x2'; FPDT's chunk in
     tokens: ('fpdt', nan, 1, 1024) -> 'fpdt c=1K'.
     """
-    parts = [str(method)]
+    parts = [METHOD_NAMES.get(str(method), str(method))]
     if _given(ring_degree) and ring_degree > 1:
         ring = int(ring_degree)
         parts.append(f"{int(nproc) // ring}x{ring}" if _given(nproc) else f"ring={ring}")
@@ -459,10 +466,79 @@ def plot_heads_per_stage(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -
     return True
 
 
+def ladder_rung(method: str, stack: str, nproc: int) -> str:
+    """The paper's name for a rung of the memory wall (its figure of Llama3-8B at 3M): FSDP
+    only (no CP: one rank holds the whole sequence), + Ulysses, + activation checkpointing,
+    + offload, ALST (Ulysses on the full stack), UPipe; other cells as "method stack"."""
+    if nproc == 1 and stack == "none":
+        return "FSDP only"
+    if method == "ulysses":
+        return {"none": "+ Ulysses", "ac": "+ checkpointing", "offload": "+ offload",
+                "alst": "ALST"}.get(stack, f"ulysses {stack}")
+    return "UPipe" if (method, stack) == ("upipe", "alst") else f"{method} {stack}"
+
+
+def plot_memory_wall(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bool:
+    """The memory wall at one length: a bar per rung (``ladder_rung``), the device peak split
+    into model states / attention / other; a rung over the device budget (OOM) is drawn with
+    the GiB it would need, hatched and marked OOM; the budget line; and beside ALST and UPipe
+    the paper's own split (``paper_tables.PAPER_LADDER_3M``) when the length is 3M. Reads
+    rows.csv: method, stack, nproc, seq_len, status, peak_*_bytes, device_memory_bytes."""
+    df = rows[rows["status"].isin(Status.RESULTS) & rows["peak_device_bytes"].notna()]
+    if df.empty:
+        return False
+    df = df.groupby(["method", "stack", "nproc"], as_index=False).agg(
+        {"status": "first", "seq_len": "first", "peak_model_bytes": "median",
+         "peak_attention_bytes": "median", "peak_other_bytes": "median",
+         "peak_device_bytes": "median", "device_memory_bytes": "max", "mode": "first",
+         "device": "first"})
+    df["rung"] = [ladder_rung(*v) for v in zip(df["method"], df["stack"], df["nproc"],
+                                                strict=True)]
+    df = df.sort_values("peak_device_bytes", ascending=False, kind="stable")
+    scale, unit = GiB, "GiB"
+    parts = (("peak_model_bytes", "model states", "model_gib"),
+             ("peak_attention_bytes", "attention", "attention_gib"),
+             ("peak_other_bytes", "other", "other_gib"))
+    paper = {r["rung"]: r for r in PAPER_LADDER_3M} if df["seq_len"].iloc[0] == 3 * 2**20 else {}
+    paper_x = {"ALST": "alst", "UPipe": "upipe"}
+    x = np.arange(len(df))
+    with _figure(path, width=max(7.5, 1.3 * len(df) + 2)) as (fig, (ax,)):
+        bottom, pbottom = np.zeros(len(df)), np.zeros(len(df))
+        ours = [paper.get(paper_x.get(r)) for r in df["rung"]]
+        colors = sns.color_palette("muted", 3)
+        for (col, name, key), color in zip(parts, colors, strict=True):
+            h = df[col].fillna(0).to_numpy() / scale
+            oom = (df["status"] == Status.OOM).to_numpy()
+            ax.bar(x - 0.18, h, 0.34, bottom=bottom, color=color, label=f"emulated: {name}",
+                   hatch=["//" if o else "" for o in oom], edgecolor="0.3")
+            bottom += h
+            p = np.array([q[key] if q else 0.0 for q in ours])
+            if p.any():
+                ax.bar(x + 0.18, p, 0.34, bottom=pbottom, color=color, alpha=0.45,
+                       edgecolor="0.3", label=f"paper: {name}")
+                pbottom += p
+        for i, (status, total) in enumerate(zip(df["status"], bottom, strict=True)):
+            text = _number(total) + (" OOM" if status == Status.OOM else "")
+            ax.annotate(text, (i - 0.18, total), ha="center", va="bottom", fontsize=8,
+                        xytext=(0, 2), textcoords="offset points",
+                        color="firebrick" if status == Status.OOM else "0.1")
+            if pbottom[i]:
+                ax.annotate(_number(pbottom[i]), (i + 0.18, pbottom[i]), ha="center",
+                            va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+        _memory_line(ax, df, scale, unit)
+        ax.set_xticks(x, df["rung"])
+        ax.set(ylabel=_titled(f"peak device memory per rank ({unit})", df),
+               title=_titled(f"Memory wall at {format_tokens(df['seq_len'].iloc[0])} tokens "
+                             "(hatched: over the budget, the GiB it would need)", df))
+        ax.legend(fontsize=8, loc="upper right", ncol=2)
+    return True
+
+
 PLOTS = {"max_context": plot_max_context, "memory_vs_seq": plot_memory_vs_seq,
          "throughput_vs_seq": plot_throughput_vs_seq,
          "throughput_vs_ulysses": plot_throughput_vs_ulysses,
-         "memory_ladder": plot_memory_ladder, "heads_per_stage": plot_heads_per_stage}
+         "memory_ladder": plot_memory_ladder, "heads_per_stage": plot_heads_per_stage,
+         "memory_wall": plot_memory_wall}
 
 
 def draw_plots(sweep_dir: Path, plots: Iterable[str]) -> dict[str, Path]:

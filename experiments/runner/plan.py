@@ -35,7 +35,13 @@ from upipe.registry import available_methods, get_method
 LADDER: dict[str, tuple[str, ...]] = {
     "alst": (), "offload": ("alst",), "native": ("alst",), "ac": ("offload", "native"),
     "none": ("ac",),
+    # more offloaded than alst but its MLP untiled: neither bounds the other, emulated alone
+    "megatron-ds": (),
 }
+
+# by default the stacks a user chooses between; megatron-ds reproduces the paper's FPDT runs
+# (DeepSpeed's on Megatron-DeepSpeed) and is planned when asked for by name
+DEFAULT_STACKS = tuple(s for s in LADDER if s != "megatron-ds")
 
 
 @dataclass(frozen=True)
@@ -45,23 +51,34 @@ class PlanSpec:
     model: str
     """preset name (the model's shape; a config.json arrives as ``overrides`` of a preset)"""
     gpus: int
-    """GPUs in the job (the CP degree; FSDP shards over the same ranks)"""
+    """GPUs in the job: dp x the CP degree (FSDP2 shards over all of them)"""
     seq_len: int
-    """global tokens per step"""
+    """tokens of one sequence (each dp replica trains its own)"""
     overrides: tuple[tuple[str, str], ...] = ()
     dtype: str = "bf16"
     kernel: str = "auto"
     methods: tuple[str, ...] | None = None
     """None: every registered method"""
-    stacks: tuple[str, ...] = tuple(LADDER)
+    stacks: tuple[str, ...] = DEFAULT_STACKS
+    """the memory stacks to plan on"""
     label: str = ""
     """what the model is called in the rows (a config.json's path; default the preset)"""
     extra: dict = field(default_factory=dict, compare=False)
+    dp: int = 1
+    """data-parallel replicas, each training its own sequence of ``seq_len``; CP degree =
+    gpus / dp"""
+
+    @property
+    def cp(self) -> int:
+        """The CP degree of every configuration: the GPUs over the dp replicas."""
+        return self.gpus // self.dp
 
     def validate(self) -> None:
         resolve_model(self.model, self.overrides)
         if self.gpus < 1:
             raise ValueError(f"gpus must be >= 1, got {self.gpus}")
+        if self.dp < 1 or self.gpus % self.dp:
+            raise ValueError(f"dp must be >= 1 and divide gpus ({self.gpus}), got {self.dp}")
         unknown = [m for m in self.methods or () if m not in available_methods()]
         if unknown:
             raise ValueError(f"methods must be among {available_methods()}, got {unknown}")
@@ -70,11 +87,11 @@ class PlanSpec:
             raise ValueError(f"stacks must be among {list(LADDER)}, got {bad}")
 
 
-def _meshes(method: str, gpus: int) -> list[int]:
-    """Ring degrees a method can use on ``gpus`` ranks (1 for the non-hybrids)."""
+def _meshes(method: str, cp: int) -> list[int]:
+    """Ring degrees a method can use on a CP group of ``cp`` ranks (1 for the non-hybrids)."""
     if not get_method(method).supports_mesh:
         return [1]
-    return [r for r in range(1, gpus + 1) if gpus % r == 0]
+    return [r for r in range(1, cp + 1) if cp % r == 0]
 
 
 def _variants(spec: PlanSpec, method: str) -> list[Cell]:
@@ -82,14 +99,14 @@ def _variants(spec: PlanSpec, method: str) -> list[Cell]:
     their rule is the method's, not the cluster's)."""
     cfg = resolve_model(spec.model, spec.overrides)
     cells = []
-    for ring in _meshes(method, spec.gpus):
+    for ring in _meshes(method, spec.cp):
         us = [None]
         if takes_option(get_method(method), "heads_per_stage"):
-            uly = spec.gpus // ring
+            uly = spec.cp // ring
             us = list(range(uly, cfg.n_heads + 1, uly))
         for u in us:
             cell = Cell(method=method, model=spec.model, overrides=spec.overrides,
-                        seq_len=spec.seq_len, nproc=spec.gpus, ring_degree=ring,
+                        seq_len=spec.seq_len, nproc=spec.cp, dp=spec.dp, ring_degree=ring,
                         heads_per_stage=u, dtype=spec.dtype, kernel=spec.kernel, stack="alst",
                         extra={"plan_model": spec.label or spec.model})
             try:
@@ -110,8 +127,8 @@ def configurations(spec: PlanSpec) -> tuple[list[Cell], list[dict]]:
         if variants:
             cells += variants
             continue
-        cell = Cell(method=method, model=spec.model, overrides=spec.overrides,
-                    seq_len=spec.seq_len, nproc=spec.gpus, dtype=spec.dtype, kernel=spec.kernel,
+        cell = Cell(method=method, model=spec.model, overrides=spec.overrides, dp=spec.dp,
+                    seq_len=spec.seq_len, nproc=spec.cp, dtype=spec.dtype, kernel=spec.kernel,
                     stack="alst", extra={"plan_model": spec.label or spec.model})
         try:
             cell.validate()

@@ -62,7 +62,8 @@ def _label(cell: Cell) -> str:
     u = "" if cell.heads_per_stage is None else f":U={cell.heads_per_stage}"
     r = "" if cell.ring_degree == 1 else f":{cell.nproc // cell.ring_degree}x{cell.ring_degree}"
     c = "" if cell.chunk_size is None else f":c={format_size(cell.chunk_size)}"
-    return f"{cell.method}{u}{r}{c} {format_size(cell.seq_len)} {cell.stack}"
+    dp = "" if cell.dp == 1 else f":dp={cell.dp}"
+    return f"{cell.method}{u}{r}{c}{dp} {format_size(cell.seq_len)} {cell.stack}"
 
 
 def sweep_executor(sweep: Sweep, timeout_s: float | None = None, progress: bool = False):

@@ -3,9 +3,10 @@
 Tokens/s per GPU and peak memory per (method, length); the longest context each method trains
 (max-context search against the 80 GB device). Methods as the paper compares them (DESIGN.md
 §6): PyTorch's native ring CP with its own stack (checkpointing and the chunked loss, no tiling
-or offload), and zigzag Ring, Ulysses, FPDT (64K-token chunks) and UPipe on the ALST stack;
-DeepSpeed's Ulysses beside ours. The CPU counterpart keeps the shape of the experiment (the same
-methods, growing lengths, a per-rank budget) at CPU size.
+or offload), DeepSpeed's FPDT (64K-token chunks) on Megatron-DeepSpeed's stack, and zigzag
+Ring, Ulysses and UPipe on the ALST stack; DeepSpeed's Ulysses beside ours, and upipe's own
+FPDT (a stronger one than the paper's, on the ALST stack). The CPU counterpart keeps the shape
+of the experiment (the same methods, growing lengths, a per-rank budget) at CPU size.
 """
 
 from experiments.config import SearchSpec, Sweep
@@ -16,16 +17,17 @@ METHODS = [
     {"method": "ulysses"},
     {"method": "ds-ulysses"},
     {"method": "fpdt", "chunk_size": "64K"},
+    {"method": "ds-fpdt", "chunk_size": "64K", "stack": "megatron-ds"},
     {"method": "upipe"},
 ]
-# CPU: fpdt's chunks scaled with the lengths (1K of 2K-8K tokens: 2-8 chunks, 256 per rank);
-# torch-cp needs CUDA, so its cells are skipped rows (no launch) on a CPU machine.
+# CPU: the FPDTs' chunks scaled with the lengths (1K of 2K-8K tokens: 2-8 chunks, 256 per rank).
 CPU_METHODS = [
     {"method": "torch-cp", "stack": "native"},
     {"method": "zigzag-ring"},
     {"method": "ulysses"},
     {"method": "ds-ulysses"},
     {"method": "fpdt", "chunk_size": "1K"},
+    {"method": "ds-fpdt", "chunk_size": "1K", "stack": "megatron-ds"},
     {"method": "upipe"},
 ]
 PLOTS = ("max_context", "memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses")
@@ -53,11 +55,11 @@ SWEEPS = [
         # 48 MiB per rank puts the limits between 4K and 12K tokens, where a probe costs
         # under a minute on 2 cores; 1K-token granularity (4 ranks x 256).
         search=SearchSpec(start=4096, block=256, limit=12288),
-        # Searched: Ulysses and UPipe (the paper's comparison) and torch-cp (a skipped search
-        # here, no probes). The others are left out to keep ./run_all.sh under ~25 minutes:
-        # ds-ulysses' tracked memory equals ulysses' at every length measured (same max
-        # context, 6K, when searched).
-        search_methods=("torch-cp", "ulysses", "upipe"),
+        # Searched: Ulysses and UPipe (the paper's comparison). The others are left out to keep
+        # ./run_all.sh under ~25 minutes (their searches run in the emulated twin): ds-ulysses'
+        # tracked memory equals ulysses' at every length measured (same max context, 6K, when
+        # searched).
+        search_methods=("ulysses", "upipe"),
         search_base={"budget_mib": 48},
         plots=PLOTS,
         timeout_s=900,

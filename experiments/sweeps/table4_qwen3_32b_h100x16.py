@@ -13,12 +13,13 @@ METHODS = [
     {"method": "ulysses"},
     {"method": "ds-ulysses"},
     {"method": "fpdt", "chunk_size": "64K"},
+    {"method": "ds-fpdt", "chunk_size": "64K", "stack": "megatron-ds"},
     {"method": "usp", "ring_degree": 2},
     {"method": "upipe"},
     {"method": "upipe", "ring_degree": 2},
 ]
 CPU_METHODS = [
-    {"method": "torch-cp", "stack": "native"},  # CUDA only: skipped rows on CPU
+    {"method": "torch-cp", "stack": "native"},
     {"method": "ulysses"},
     {"method": "usp", "ring_degree": 2},
     {"method": "upipe"},

@@ -1,0 +1,118 @@
+"""DeepSpeed's FPDT (``ds-fpdt``) off CUDA: its stand-ins (baselines/ds_fpdt_portable.py), its
+host bytes, and its activation-checkpointing behaviour in the model.
+
+Correctness against the single-device reference is in tests/test_correctness.py (FPDT_CASES);
+emulated == measured memory in tests/test_emulate.py; training in tests/test_train.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import baselines.ds_fpdt  # noqa: F401  registers "ds-fpdt" in this process
+from baselines.ds_fpdt import DSFPDTAttention
+from experiments.config import Cell, Hardware
+from experiments.emulation.emulate import emulate_cell
+from experiments.instruments.memory import MemoryTracker
+from upipe import build_method
+
+
+def test_runs_on_cpu_and_asks_for_reentrant_checkpointing():
+    assert DSFPDTAttention.unavailable_reason("cpu") is None
+    assert DSFPDTAttention.checkpoint_reentrant
+    assert "CUDA" in DSFPDTAttention.unavailable_reason("cuda") or torch.cuda.is_available()
+
+
+def _fpdt_globals() -> dict:
+    from deepspeed.sequence import fpdt_layer
+
+    names = ("_flash_attn_forward", "_flash_attn_backward", "get_accelerator", "torch",
+             "_FPDTGPUAttentionImpl_", "_FPDTGPUOffloadingAttentionImpl_")
+    return {n: getattr(fpdt_layer, n) for n in names} | {
+        "has_version": hasattr(fpdt_layer, "flash_attn_version")}
+
+
+# B, L (local tokens), dim, H, Hkv, D, chunk (global tokens): 3 chunks on one gloo rank (C = 1,
+# so no KV head is replicated)
+B, L, DIM, H, HKV, D, CHUNK = 2, 24, 48, 8, 2, 16, 8
+
+
+def _host_bytes_and_scope() -> dict:
+    """One rank: forward and backward of ds-fpdt with offload, the tracker's host bytes after
+    forward, and fpdt_layer's globals before, after forward and after backward."""
+    before = _fpdt_globals()
+    m = build_method("ds-fpdt", DIM, H, HKV, D, group=dist.group.WORLD, chunk_size=CHUNK)
+    x = torch.randn(B, L, DIM, requires_grad=True)
+    with MemoryTracker() as mt:
+        m.host_context = mt.host
+        y = m(x)
+        host_after_forward = mt.current_host_bytes
+        after_forward = _fpdt_globals()
+        y.sum().backward()
+    return {"host": host_after_forward, "peak_host": mt.peak_host_bytes,
+            "same_after_forward": after_forward == before,
+            "same_after_backward": _fpdt_globals() == before,
+            "grads": all(p.grad is not None for p in m.parameters()) and x.grad is not None}
+
+
+def test_host_bytes_are_fpdts_chunks_and_the_patches_are_scoped(dist_pool):
+    """FPDT's offloading forward keeps every chunk's layer input, q, k, v (head layout), output
+    and fp32 LSE in host memory (fpdt_layer.py, ``_FPDTGPUOffloadingAttentionImpl_.forward``:
+    one ``SequenceChunk`` each): B*L*(dim + 2*H*D + 2*Hkv*D)*4 + B*L*H*4 bytes in fp32, to the
+    byte. Every fpdt_layer global is restored after the forward and after the backward."""
+    res = dist_pool(1).run(_host_bytes_and_scope)[0]
+    assert res["host"] == B * L * (DIM + 2 * H * D + 2 * HKV * D) * 4 + B * L * H * 4
+    assert res["same_after_forward"] and res["same_after_backward"] and res["grads"]
+
+
+# -- activation checkpointing: the leak ----------------------------------------------------------
+
+KEYS = ("tracked_peak_device_bytes", "peak_host_bytes")
+
+
+def _real_run(cell_dict: dict) -> dict:
+    from experiments.harness.measure import measure_cell
+
+    cell = Cell.from_dict(cell_dict)
+    row = measure_cell(cell, cell.validate())
+    return {k: row[k] for k in KEYS}
+
+
+def _cell(method: str, n_layers: int) -> Cell:
+    options = {"chunk_size": 1024} if method == "ds-fpdt" else {}
+    return Cell(method=method, model="tiny", seq_len=4096, nproc=4, stack="alst", dtype="fp32",
+                warmup=1, iters=0, overrides=(("n_layers", str(n_layers)),), **options)
+
+
+def _growth(dist_pool, method: str) -> dict[str, int]:
+    """Peak bytes at 8 layers less at 4, real (gloo, rank 0) and emulated (CPU device), which
+    must agree to the byte."""
+    out = {}
+    for n in (4, 8):
+        cell = _cell(method, n)
+        real = dist_pool(4).run(_real_run, cell.to_dict())[0]
+        emulated = emulate_cell(cell, Hardware(device="cpu"), exact=True, count=False)
+        assert emulated["status"] == "ok", emulated["error"]
+        assert {k: emulated[k] for k in KEYS} == real, (method, n)
+        out = {k: real[k] - out.get(k, 0) for k in KEYS}
+    return out
+
+
+@pytest.mark.slow  # 4 real 4-rank runs and 4 emulations: about a minute on 2 cores
+def test_checkpointed_peak_grows_by_at_most_one_layers_attention_state(dist_pool):
+    """Four more layers add their model states and checkpointed inputs, as for a method that
+    keeps nothing outside ``save_for_backward`` (ulysses, same stack and model); ds-fpdt may
+    exceed that by at most one layer's FPDT state (the layer being recomputed), device and host.
+
+    Non-reentrant checkpointing kept every layer's FPDT chunks (ctx attributes) alive until its
+    backward: 4 more layers added 4 layers' chunks (+14.9 MB host, +5.8 MB device over ulysses
+    here), over the bound (3.7 MB).
+    """
+    tiny_l, dim, h, hkv, d = 1024, 256, 16, 4, 16  # tiny: 4096 tokens on 4 ranks
+    # one layer's FPDT state per rank (fp32): input, q, k, v, output, fp32 LSE per token
+    one_layer = tiny_l * ((dim + 2 * h * d + 2 * hkv * d) * 4 + h * 4)
+    fpdt, ref = _growth(dist_pool, "ds-fpdt"), _growth(dist_pool, "ulysses")
+    for k in KEYS:
+        assert fpdt[k] - ref[k] <= one_layer, (k, fpdt[k], ref[k], one_layer)

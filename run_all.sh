@@ -79,6 +79,11 @@ done
 if [[ " ${sweeps[*]} " == *" time_validation_cpu "* ]]; then
     python -m experiments.cli validate-time --out "$OUT" --no-progress
 fi
+# The emulated Table 3/4 outcomes beside the paper's, when those sweeps ran.
+if [[ " ${sweeps[*]} " == *" table3_llama3_8b_h100x8-emulated "* || \
+      " ${sweeps[*]} " == *" table4_qwen3_32b_h100x16-emulated "* ]]; then
+    python -m experiments.reporting.paper_grid --results "$OUT"
+fi
 # The provenance index in $OUT/README.md, rewritten from the tables just written.
 python -m experiments.reporting.results_index --results "$OUT"
 

@@ -27,7 +27,7 @@ import pandas as pd
 from experiments import store
 from experiments.config.sizes import MiB
 from experiments.config.status import Status
-from experiments.reporting import plots
+from experiments.reporting import paper_grid, plots
 from experiments.reporting.paper_tables import (
     PAPER_THROUGHPUT,
     PAPER_UPIPE_VS_ULYSSES,
@@ -330,6 +330,21 @@ def vs_paper(emulated: pd.DataFrame, artefact: str) -> pd.DataFrame:
                     "ratio": None, "source": f"not transcribed: {len(UNREAD_CELLS)} cells of "
                                              "the paper's tables unread (paper_tables.py)"})
     return pd.DataFrame(out)
+
+
+def grid_vs_paper(results: Path, artefact: str) -> pd.DataFrame:
+    """The artefact's emulated grid outcomes beside the paper's
+    (``results/paper_grid/grid_vs_paper.csv``, ``experiments.reporting.paper_grid``):
+    disagreements first, then agreements, then cells without a known paper outcome; empty when
+    the table has not been written or the artefact is not Table 3 or 4."""
+    path = results / paper_grid.OUT_DIR / "grid_vs_paper.csv"
+    tables = [t for t, sweep in paper_grid.SWEEPS.items() if sweep == f"{artefact}-emulated"]
+    if not path.exists() or not tables:
+        return pd.DataFrame(columns=paper_grid.COLUMNS)
+    df = read_csv(path)
+    df = df[df["table"] == tables[0]]
+    return df.sort_values("agree", key=lambda c: c.map({"no": 0, "yes": 1}).fillna(2),
+                          kind="stable").reset_index(drop=True)
 
 
 def searches(maxctx: pd.DataFrame) -> pd.DataFrame:

@@ -466,6 +466,9 @@ def plot_heads_per_stage(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -
     return True
 
 
+RUNGS = ("FSDP only", "+ Ulysses", "+ checkpointing", "+ offload", "ALST", "UPipe")
+
+
 def ladder_rung(method: str, stack: str, nproc: int) -> str:
     """The paper's name for a rung of the memory wall (its figure of Llama3-8B at 3M): FSDP
     only (no CP: one rank holds the whole sequence), + Ulysses, + activation checkpointing,
@@ -494,8 +497,10 @@ def plot_memory_wall(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bo
          "device": "first"})
     df["rung"] = [ladder_rung(*v) for v in zip(df["method"], df["stack"], df["nproc"],
                                                 strict=True)]
-    df = df.sort_values("peak_device_bytes", ascending=False, kind="stable")
-    scale, unit = GiB, "GiB"
+    order = {r: i for i, r in enumerate(RUNGS)}
+    df = df.sort_values("rung", key=lambda c: c.map(lambda r: order.get(r, len(order))),
+                        kind="stable")
+    scale, unit = memory_unit(df["peak_device_bytes"])
     parts = (("peak_model_bytes", "model states", "model_gib"),
              ("peak_attention_bytes", "attention", "attention_gib"),
              ("peak_other_bytes", "other", "other_gib"))
@@ -504,32 +509,42 @@ def plot_memory_wall(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bo
     x = np.arange(len(df))
     with _figure(path, width=max(7.5, 1.3 * len(df) + 2)) as (fig, (ax,)):
         bottom, pbottom = np.zeros(len(df)), np.zeros(len(df))
-        ours = [paper.get(paper_x.get(r)) for r in df["rung"]]
+        papers = [paper.get(paper_x.get(r)) for r in df["rung"]]
+        ours_kind = "emulated" if _emulated(df) else "measured"
         colors = sns.color_palette("muted", 3)
         for (col, name, key), color in zip(parts, colors, strict=True):
             h = df[col].fillna(0).to_numpy() / scale
             oom = (df["status"] == Status.OOM).to_numpy()
-            ax.bar(x - 0.18, h, 0.34, bottom=bottom, color=color, label=f"emulated: {name}",
+            ax.bar(x - 0.18, h, 0.34, bottom=bottom, color=color, label=f"{ours_kind}: {name}",
                    hatch=["//" if o else "" for o in oom], edgecolor="0.3")
             bottom += h
-            p = np.array([q[key] if q else 0.0 for q in ours])
+            p = np.array([q[key] if q else 0.0 for q in papers])
             if p.any():
                 ax.bar(x + 0.18, p, 0.34, bottom=pbottom, color=color, alpha=0.45,
                        edgecolor="0.3", label=f"paper: {name}")
                 pbottom += p
+        # the axis ends a little above the budget and what fits: a rung far over it (FSDP only
+        # needs terabytes at 3M) is cut at the top, its total written there
+        budget = pd.to_numeric(df["device_memory_bytes"], errors="coerce").max() / scale
+        fits = bottom[(df["status"] == Status.OK).to_numpy()]
+        # no budget (a CPU run without one) and nothing over it: the tallest bar sets the top
+        heights = [v for v in (budget, *fits, *pbottom) if np.isfinite(v)] or list(bottom)
+        top = 1.35 * max(heights)
         for i, (status, total) in enumerate(zip(df["status"], bottom, strict=True)):
-            text = _number(total) + (" OOM" if status == Status.OOM else "")
-            ax.annotate(text, (i - 0.18, total), ha="center", va="bottom", fontsize=8,
-                        xytext=(0, 2), textcoords="offset points",
-                        color="firebrick" if status == Status.OOM else "0.1")
+            text = f"{_number(total)} {unit}" + (" OOM" if status == Status.OOM else "")
+            ax.annotate(text, (i - 0.18, min(total, top * 0.93)), ha="center", va="bottom",
+                        fontsize=8, xytext=(0, 2), textcoords="offset points",
+                        color="firebrick" if status == Status.OOM else "0.1",
+                        bbox={"facecolor": "white", "alpha": 0.85, "linewidth": 0})
             if pbottom[i]:
                 ax.annotate(_number(pbottom[i]), (i + 0.18, pbottom[i]), ha="center",
                             va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
         _memory_line(ax, df, scale, unit)
+        ax.set_ylim(0, top)
         ax.set_xticks(x, df["rung"])
         ax.set(ylabel=_titled(f"peak device memory per rank ({unit})", df),
                title=_titled(f"Memory wall at {format_tokens(df['seq_len'].iloc[0])} tokens "
-                             "(hatched: over the budget, the GiB it would need)", df))
+                             "(hatched: over the budget; bars cut at the top)", df))
         ax.legend(fontsize=8, loc="upper right", ncol=2)
     return True
 

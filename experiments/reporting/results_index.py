@@ -28,6 +28,7 @@ COMMAND = "python -m experiments.reporting.results_index"
 # how the folders that are not sweeps are regenerated today (their json may name an older path)
 GUARD_COMMAND = "python -m experiments.runner.max_context_guard --update"
 GPU_CHECK_COMMAND = "python -m experiments.emulation.gpu_check"
+PAPER_GRID_COMMAND = "python -m experiments.reporting.paper_grid"
 COLUMNS = ("sweep", "reproduces", "mode", "scale", "device", "date", "git rev", "versions",
            "rows (by status)", "plots", "regenerate")
 STATUSES = Status.ALL
@@ -148,6 +149,16 @@ def other_lines(results: Path) -> list[str]:
             both, "gpu", _provenance([], env, _distinct(r.get("device", "") for r in rows)),
             _tally("rows", "emulate_vs_allocator/rows.csv", rows), "",
             f"`{GPU_CHECK_COMMAND}` (needs a GPU)"))
+    if rows := _csv(results / "paper_grid" / "grid_vs_paper.csv"):
+        # derived from the emulated Table 3/4 rows, whose provenance is their sweeps'
+        agree = _counts((r.get("agree", "?") for r in rows), ("yes", "no", "—"))
+        lines.append(_line(
+            "paper_grid", "Tables 3 and 4: emulated fits / OOM beside the paper's",
+            [{"mode": "emulated"}], "emulated",
+            ["derived from the emulated Table 3/4 sweeps' rows", "—", "—", "—"],
+            f"[{len(rows)} cells](paper_grid/grid_vs_paper.csv) (agree: {agree}); "
+            "[the table](paper_grid/grid_vs_paper.md)", "",
+            f"`{PAPER_GRID_COMMAND}`"))
     return lines
 
 

@@ -358,8 +358,10 @@ def test_progress_on_stderr(capfd):
 
 @pytest.mark.slow
 def test_ctrl_c_prints_one_line_and_ends_the_ranks():
+    # enough timed steps that the run is still going when the signal comes (a 3-step run of
+    # this cell can end within the second the test waits)
     proc = subprocess.Popen([sys.executable, "-m", "experiments.cli", "run", "--method",
-                             "ulysses", "--seq-len", "256", *FLAGS], cwd=ROOT,
+                             "ulysses", "--seq-len", "256", "--iters", "1000", *FLAGS], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ranks = _wait_for(lambda: _ranks(proc.pid), what="the ranks")
     time.sleep(1.0)

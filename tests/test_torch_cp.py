@@ -12,11 +12,14 @@ the saved tensors are kept on ``ctx`` instead (the old pattern), so it can tell.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 import baselines.torch_cp as torch_cp
 from experiments.config import Cell, Hardware
 from experiments.emulation.emulate import emulate_cell
+from upipe.registry import get_method
 
 N_LAYERS = (4, 6)  # from 4 layers on, the peak sits in the same block (layers.1 backward)
 
@@ -73,21 +76,24 @@ def test_checkpointing_frees_attention_state_in_emulation():
     _check_growth(rows, _cell(N_LAYERS[0]))
 
 
-_RING = torch_cp._TorchRingSDPA
+def kept_on_ctx(ring: type) -> type:
+    """``ring`` (a ``_TorchRingSDPA``) with the old adapter's pattern: the backward's tensors
+    also on a ``ctx`` attribute."""
 
+    class KeptOnCtx(ring):
+        @staticmethod
+        def forward(ctx, q, k, v, group, causal, rotate_method):
+            out, lse = ring.forward(ctx, q, k, v, group, causal, rotate_method)
+            ctx.kept = (q, k, v, out, lse)
+            return out, lse
 
-class _KeptOnCtx(_RING):
-    """The old adapter's pattern: the backward's tensors on a ``ctx`` attribute."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, group, causal, rotate_method):
-        out, lse = _RING.forward(ctx, q, k, v, group, causal, rotate_method)
-        ctx.kept = (q, k, v, out, lse)
-        return out, lse
+    return KeptOnCtx
 
 
 def test_the_check_fails_with_state_kept_on_ctx(monkeypatch):
-    monkeypatch.setattr(torch_cp, "_TorchRingSDPA", _KeptOnCtx)
+    # the module the registry builds from (another test may have re-imported the package)
+    module = sys.modules[get_method("torch-cp").__module__]
+    monkeypatch.setattr(module, "_TorchRingSDPA", kept_on_ctx(module._TorchRingSDPA))
     rows = {n: emulate_cell(_cell(n), Hardware(device="cpu"), exact=True, count=False)
             for n in N_LAYERS}
     assert all(r["status"] == "ok" for r in rows.values()), rows

@@ -46,7 +46,11 @@ from experiments.emulation.work_fit import predict_work
 from upipe.registry import get_method
 
 N_SAMPLE = (4, 5)  # layers in the sample runs: first, two (three) middle blocks, last
-MAX_EXTENSIONS = 3  # lattice quanta the sample window may move while a phase is not collinear
+# lattice quanta the sample window may move while a phase is not collinear: DeepSpeed's FPDT
+# (ds-fpdt, Llama3-8B, 8 ranks, 64K chunks) settles its forward peak from 7 chunks on (measured:
+# the forward peak grows 336 MB from 6 to 7 chunks, then 470 MB per chunk), 4 quanta after the
+# window's start at 3 chunks
+MAX_EXTENSIONS = 4
 MIN_TILES = 2  # per rank: with one, the tiled MLP calls the MLP directly (another code path)
 # FPDT's steady state needs 3 chunks: with 2, the last chunk's prefetch is that of the first
 MIN_CHUNKS = 3

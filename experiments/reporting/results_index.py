@@ -40,6 +40,8 @@ ARTEFACTS = {"table3_llama3_8b_h100x8": "Table 3 (Llama3-8B, 8x H100)",
              "bench_attention": "one attention layer per method (no paper table)",
              "table4_qwen3_32b_h100x16": "Table 4 (Qwen3-32B, 16x H100)",
              "memory_ladder_llama3_8b_h100x8": "memory ladder (stack levels, Llama3-8B)",
+             "memory_wall_llama3_8b_h100x8": "the memory wall at 3M (the paper's figure, "
+                                              "Llama3-8B)",
              "ablation_heads_per_stage_llama3_8b_h100x8": "heads-per-stage U ablation (Llama3-8B)",
              "time_validation_cpu": "emulated time vs measured CPU steps (DESIGN.md §9; no "
                                     "paper table)"}

@@ -12,12 +12,16 @@ the saved tensors are kept on ``ctx`` instead (the old pattern), so it can tell.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import baselines.torch_cp as torch_cp
 from experiments.config import Cell, Hardware
 from experiments.emulation.emulate import emulate_cell
-from upipe.registry import get_method
 
 N_LAYERS = (4, 6)  # from 4 layers on, the peak sits in the same block (layers.1 backward)
 
@@ -88,16 +92,43 @@ def kept_on_ctx(ring: type) -> type:
     return KeptOnCtx
 
 
-def test_the_check_fails_with_state_kept_on_ctx(monkeypatch):
-    # the globals of the class the registry builds (a test that re-imports the package leaves
-    # sys.modules holding another copy of the module than the registered class's)
+# The negative control runs in a fresh interpreter: in the full suite (and only there: neither
+# the fast nor the slow tests alone reproduce it) the patched class did not take effect, through
+# some earlier test's state that was not found; a fresh process measures the pattern itself.
+_KEPT_SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_torch_cp import _cell, kept_on_ctx
+from experiments.config import Hardware
+from experiments.emulation.emulate import emulate_cell
+from upipe.registry import get_method
+if {kept!r}:
     names = get_method("torch-cp").forward.__globals__
-    monkeypatch.setitem(names, "_TorchRingSDPA", kept_on_ctx(names["_TorchRingSDPA"]))
-    rows = {n: emulate_cell(_cell(n), Hardware(device="cpu"), exact=True, count=False)
-            for n in N_LAYERS}
+    names["_TorchRingSDPA"] = kept_on_ctx(names["_TorchRingSDPA"])
+rows = {{}}
+for n in {layers!r}:
+    r = emulate_cell(_cell(n), Hardware(device="cpu"), exact=True, count=False)
+    rows[n] = {{k: r.get(k) for k in ("status", "error", "tracked_peak_device_bytes",
+                                      "peak_model_bytes")}}
+print(json.dumps(rows))
+"""
+
+
+def _emulated_in_a_fresh_process(kept: bool) -> dict[int, dict]:
+    """The emulated rows of ``N_LAYERS`` in a new interpreter; ``kept``: the old pattern."""
+    script = _KEPT_SCRIPT.format(tests=str(Path(__file__).parent), layers=N_LAYERS, kept=kept)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).parents[1], check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {int(n): r for n, r in json.loads(done.stdout.strip().splitlines()[-1]).items()}
     assert all(r["status"] == "ok" for r in rows.values()), rows
+    return rows
+
+
+def test_the_check_fails_with_state_kept_on_ctx():
+    _check_growth(_emulated_in_a_fresh_process(kept=False), _cell(N_LAYERS[0]))
     with pytest.raises(AssertionError, match="more checkpointed layers"):
-        _check_growth(rows, _cell(N_LAYERS[0]))
+        _check_growth(_emulated_in_a_fresh_process(kept=True), _cell(N_LAYERS[0]))
 
 
 def test_emulates_on_a_cuda_device_with_torchs_ring_collectives():

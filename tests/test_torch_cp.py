@@ -71,13 +71,6 @@ def test_checkpointing_frees_attention_state_on_a_real_run(dist_pool):
     _check_growth(rows, _cell(N_LAYERS[0]))
 
 
-def test_checkpointing_frees_attention_state_in_emulation():
-    rows = {n: emulate_cell(_cell(n), Hardware(device="cpu"), exact=True, count=False)
-            for n in N_LAYERS}
-    assert all(r["status"] == "ok" for r in rows.values()), rows
-    _check_growth(rows, _cell(N_LAYERS[0]))
-
-
 def kept_on_ctx(ring: type) -> type:
     """``ring`` (a ``_TorchRingSDPA``) with the old adapter's pattern: the backward's tensors
     also on a ``ctx`` attribute."""
@@ -125,7 +118,7 @@ def _emulated_in_a_fresh_process(kept: bool) -> dict[int, dict]:
     return rows
 
 
-def test_the_check_fails_with_state_kept_on_ctx():
+def test_checkpointing_frees_attention_state_in_emulation_and_the_check_can_tell():
     _check_growth(_emulated_in_a_fresh_process(kept=False), _cell(N_LAYERS[0]))
     with pytest.raises(AssertionError, match="more checkpointed layers"):
         _check_growth(_emulated_in_a_fresh_process(kept=True), _cell(N_LAYERS[0]))

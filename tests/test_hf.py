@@ -45,19 +45,24 @@ def _model(family: str):
     raise ValueError(family)
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(seq: int = SEQ, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    ids = torch.randint(0, vocab, (2, seq), generator=g)
     labels = ids.clone()
     labels[0, :5] = -100  # tokens without a loss: counted out of num_items_in_batch
     return ids, labels
 
 
-def _run(family: str, method: str, options: dict, mesh_shape: tuple | None = None) -> dict:
-    """On every rank: this rank's loss share and gradients, and the reference's (rank 0)."""
+def _run(family: str, method: str, options: dict, mesh_shape: tuple | None = None,
+         build=_model, batch=_batch) -> dict:
+    """On every rank: this rank's loss share and gradients, and the reference's (rank 0).
+
+    ``build(family)`` and ``batch()`` make the model and the full batch (tests/test_hf_stack.py
+    passes its own); ``options`` go to ``parallelize``.
+    """
     from upipe.integrations import hf
 
-    ref = _model(family)
+    ref = build(family)
     model = copy.deepcopy(ref)
     kw = dict(options)
     if mesh_shape is not None:
@@ -65,10 +70,10 @@ def _run(family: str, method: str, options: dict, mesh_shape: tuple | None = Non
 
         kw["mesh"] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("ring", "ulysses"))
     hf.parallelize(model, method, kernel="math", **kw)
-    ids, labels = _batch()
+    ids, labels = batch()
     out = model(**hf.shard_batch(model, ids, labels))
     out.loss.backward()
-    res = {"loss": out.loss.detach(),
+    res = {"loss": out.loss.detach(), "logits": out.logits is not None,
            "grads": {n: p.grad for n, p in model.named_parameters()}}
     if dist.get_rank() == 0:
         r = ref(input_ids=ids, labels=labels)

@@ -8,10 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from experiments.config import STACKS, resolve_model
-from experiments.harness.loss import IGNORE_INDEX, chunked_linear_cross_entropy, loss_chunk_tokens
 from experiments.harness.model import Transformer, shifted_labels
-from experiments.harness.offload import offload_saved_inputs
 from experiments.instruments.memory import MemoryTracker
+from upipe.stack import (
+    IGNORE_INDEX,
+    chunked_linear_cross_entropy,
+    loss_chunk_tokens,
+    offload_saved_inputs,
+)
 
 # Small, awkward shapes: 5 layers (3 offloaded), 6 heads over 2 KV heads, 300 tokens.
 CFG = resolve_model("tiny", (("n_layers", "5"), ("dim", "96"), ("n_heads", "6"),

@@ -43,7 +43,7 @@ STACKS: dict[str, StackConfig] = {
     #   (deepspeed/runtime/activation_checkpointing/checkpointing.py, CPU_CHECKPOINT): offload
     #   with offload_all=True (ALST keeps the first and last block's on the device). Pinned
     #   host memory up to 4M tokens, pageable above: the harness's rule for every stack
-    #   (harness/offload.py PIN_MAX_TOKENS), as the paper ran it.
+    #   (upipe/stack/offload.py PIN_MAX_TOKENS), as the paper ran it.
     # * FPDT's own chunked FFN (fpdt_layer.FPDT_FFN) computes a GELU MLP with bias only
     #   (bias_gelu); the Llama runs use --swiglu, which Megatron's MLP runs unchunked:
     #   tiled=False.

@@ -35,10 +35,10 @@ from experiments.emulation.profile import Profile, profile_for
 from experiments.emulation.time_model import price, step_time
 from experiments.harness.flops import step_flops
 from experiments.harness.launch import describe, unrun
-from experiments.harness.offload import PIN_MAX_TOKENS
 from experiments.provenance import provenance
 from upipe.kernels import kernel_unavailable_reason
 from upipe.registry import get_method
+from upipe.stack import pin_host_memory
 
 PAPER_NODE = Hardware()  # 8x H100 80 GB, the paper's node (config.Hardware's defaults)
 
@@ -78,7 +78,7 @@ def _row_metrics(cell: Cell, cfg: ModelConfig, hw: Hardware, m: Measurement) -> 
         "mode": "emulated", "memory_source": "emulated", "world_size": cell.world,
         "device": f"emulated {hw.device} ({hw.gpu_mem_gib:g} GiB)",
         "peak_device_bytes": m.peak_device_bytes, "tracked_peak_device_bytes": m.peak_device_bytes,
-        "peak_host_bytes": m.peak_host_bytes, "host_pinned": cell.seq_len <= PIN_MAX_TOKENS,
+        "peak_host_bytes": m.peak_host_bytes, "host_pinned": pin_host_memory(cell.seq_len),
         # where in the step the peak is: the phase labels at that moment, outermost first
         "peak_phase": " > ".join(max(m.phase_peaks, key=m.phase_peaks.get)),
         "peak_model_bytes": b.get("model", 0), "peak_attention_bytes": b.get("attention", 0),
@@ -99,7 +99,7 @@ def time_columns(cell: Cell, cfg: ModelConfig, profile: Profile | None, m: Measu
     profile or without counted work."""
     if profile is None or m.work is None:
         return {}
-    pinned = cell.seq_len <= PIN_MAX_TOKENS
+    pinned = pin_host_memory(cell.seq_len)
     t = step_time([(w, price(work, profile, pinned)) for w, work in m.work], profile)
     peak = profile.peak_flops(cell.dtype)
     flops = cell.dp * step_flops(cfg, cell.seq_len)  # every replica's sequence

@@ -26,7 +26,7 @@ The mechanism says how the code runs it, which decides its overlap (``time_model
   ring rotation, ``upipe/ring.py``), ``blocking`` (everything else: the Ulysses and UPipe
   all-to-alls, ``upipe/comm.py``, issued and waited on the compute stream);
 - copies: ``side`` (``upipe.host.HostStore.write`` / ``prefetch``, on its side stream), ``sync``
-  (the ALST stack's offloaded checkpoints, ``experiments/harness/offload.py``, and
+  (the ALST stack's offloaded checkpoints, ``upipe/stack/offload.py``, and
   ``HostStore.get`` without prefetch: on the compute stream).
 
 Ops that launch no kernel are skipped: views, allocations (``empty``), metadata queries. Ops on

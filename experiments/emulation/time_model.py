@@ -12,7 +12,7 @@ streams (CUDA); without them (a CPU) everything runs one after the other:
 
 - the compute stream runs a window's kernels, its ``blocking`` collectives (the Ulysses and
   UPipe all-to-alls, ``upipe/comm.py``: issued and waited on the compute stream) and its
-  ``sync`` copies (the ALST stack's offloaded checkpoints, ``experiments/harness/offload.py``:
+  ``sync`` copies (the ALST stack's offloaded checkpoints, ``upipe/stack/offload.py``:
   ``copy_`` / ``.to`` on the current stream);
 - ring P2P (``upipe/ring.py``: the next block's K/V are sent with ``batch_isend_irecv`` before
   the current block's attention, waited on after it) runs beside the window's attention kernels:
@@ -73,7 +73,8 @@ class StepTime:
 
 def price(work: Counter, profile: Profile, pinned: bool) -> WindowTime:
     """The seconds of a window's work (keys of ``op_costs``) on ``profile``; ``pinned``: host
-    buffers are pinned (the harness pins up to ``PIN_MAX_TOKENS``)."""
+    buffers are pinned (the harness pins up to ``PIN_MAX_TOKENS`` tokens:
+    ``upipe.stack.pin_host_memory``)."""
     t: Counter = Counter()
     for key, amount in work.items():
         kind = key[0]

@@ -13,11 +13,12 @@ each level changes how the forward runs:
   (forward under no_grad, recomputed with grad in backward) where the stack says so
   (``reentrant``) or the attention method needs it (``checkpoint_reentrant``: activations kept
   on autograd ``ctx`` attributes, which only a forward without autograd leaves unrecorded);
-- ``offload``: the checkpointed block input goes to host memory (``experiments.harness.offload``),
+- ``offload``: the checkpointed block input goes to host memory (``upipe.stack.offload``),
   all blocks but the first and last (ALST), or all (``offload_all``: --checkpoint-in-cpu);
 - ``tiled``: MLP and RMSNorm through DeepSpeed's ``TiledMLP`` in ceil(L / dim) sequence shards
-  (ALST); it recomputes each shard in backward and accumulates the input gradient in place;
-- ``chunked_loss``: ``experiments.harness.loss.chunked_linear_cross_entropy``.
+  (ALST, ``upipe.stack.tiled``); it recomputes each shard in backward and accumulates the input
+  gradient in place;
+- ``chunked_loss``: ``upipe.stack.loss.chunked_linear_cross_entropy``.
 
 Shapes: tokens and labels (B, L) int64 (this rank's shard); hidden states (B, L, dim).
 """
@@ -36,9 +37,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from experiments.config import ModelConfig, StackConfig
-from experiments.harness.loss import IGNORE_INDEX, chunked_linear_cross_entropy, loss_chunk_tokens
-from experiments.harness.offload import offload_saved_inputs
 from upipe.registry import build_method
+from upipe.stack import (
+    IGNORE_INDEX,
+    chunked_linear_cross_entropy,
+    loss_chunk_tokens,
+    offload_saved_inputs,
+    tiled,
+)
 
 
 class RMSNorm(nn.Module):
@@ -66,24 +72,6 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-def _call_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return module(x)
-
-
-def tiled(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` for a per-token module over ceil(L / dim) sequence shards (ALST).
-
-    DeepSpeed's ``TiledMLP`` is the library implementation and runs on CPU and under fake
-    tensors; any per-token module fits it, so RMSNorm uses it too. x (B, L, dim).
-    """
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP  # heavy import: lazy
-
-    shards = max(1, math.ceil(x.shape[1] / x.shape[-1]))
-    if shards == 1:
-        return module(x)
-    return TiledMLP.apply(_call_module, module, x, shards, list(module.parameters()))
 
 
 class Block(nn.Module):

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from experiments.config import STACKS, Cell, ModelConfig
 from experiments.harness.model import Transformer, shifted_labels
-from experiments.harness.offload import PIN_MAX_TOKENS
+from upipe.stack import pin_host_memory
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -122,7 +122,7 @@ def build_model(cell: Cell, cfg: ModelConfig, meshes: Meshes | None,
         model.to_empty(device=device)
         with torch.no_grad():
             model.reset_parameters()
-    model.set_offload(pin_memory=cell.seq_len <= PIN_MAX_TOKENS)
+    model.set_offload(pin_memory=pin_host_memory(cell.seq_len))
     return model
 
 

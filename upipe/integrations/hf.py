@@ -19,6 +19,10 @@ shifts the labels *before* sharding (a token's target may live on the next rank)
 gradients: sum them over the CP group (FSDP2 and DDP *average* over ranks, so scale the loss by
 the CP degree, or set FSDP2's gradient divide factor, when the CP ranks are also data ranks).
 
+``parallelize(..., stack="alst")`` also switches on the long-context memory stack
+(``upipe.integrations.hf_stack``): layer checkpointing, host offload of the checkpointed inputs,
+tiled MLPs and a chunked loss that never builds full logits (``out.logits`` is then None).
+
 Limits, each a ValueError at :func:`parallelize` or at the call (before any collective): causal
 self-attention without sliding windows, attention dropout, soft-capping or a non-default
 attention scale; no padding ``attention_mask`` (pack sequences instead) and no KV cache (training
@@ -33,9 +37,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from upipe.integrations.hf_stack import apply_stack, check_stack
 from upipe.module import ContextParallelAttention
 from upipe.registry import build_method
 from upipe.rope import default_inv_freq
+from upipe.stack import MemoryStack
 
 _NEEDS = "upipe.integrations.hf needs Hugging Face transformers >= 4.56: pip install 'upipe[hf]'"
 try:
@@ -159,7 +165,8 @@ def _check_layer(attn: nn.Module, cfg, head_dim: int) -> None:
 
 def parallelize(
     model: nn.Module, method: str = "upipe", *, group: ProcessGroup | None = None,
-    mesh: DeviceMesh | None = None, kernel: str = "auto", **options,
+    mesh: DeviceMesh | None = None, kernel: str = "auto",
+    stack: str | MemoryStack | None = None, **options,
 ) -> nn.Module:
     """Make ``model`` (a ``transformers`` causal LM) context-parallel in place; returns it.
 
@@ -170,12 +177,17 @@ def parallelize(
         group / mesh: the CP process group (default: the default group), or a 2-D
             (``ring``, ``ulysses``) mesh for the hybrids (``usp``, ``upipe``).
         kernel: attention kernel (``auto`` = SDPA, ``math``, ``flash-attn``).
+        stack: the long-context memory stack (``upipe.integrations.hf_stack``): None (attention
+            only), a level (``"ac"``, ``"offload"``, ``"alst"``) or a ``upipe.stack.MemoryStack``;
+            checkpointing needs ``model.train()``; with ``chunked_loss``, ``logits`` is None
+            whenever ``labels`` are given.
         **options: the method's own options, e.g. ``heads_per_stage`` for UPipe.
 
     Every check (head counts against the CP degree, unsupported features) runs before any
     collective. Sets ``use_cache=False`` and the attention implementation ``upipe_cp`` (no mask
     is built).
     """
+    stack = check_stack(model, stack)
     cfg = _text_config(model)
     n_heads, dim = cfg.num_attention_heads, cfg.hidden_size
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
@@ -209,6 +221,7 @@ def parallelize(
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     # layout, rank and CP degree for shard_batch; not a submodule (its parameters are the layer's)
     object.__setattr__(model, "upipe_cp_method", methods[0])
+    apply_stack(model, stack, methods[0].cp, methods[0].checkpoint_reentrant)
     return model
 
 

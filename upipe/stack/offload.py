@@ -9,7 +9,8 @@ no-op (``tensor.cpu()`` returns the tensor itself), so the CPU reproduction and 
 emulation would show no offload; and host bytes must be attributed to host memory, which the
 ``host_context`` hook (the harness passes its tracker's ``host()``) does. On CUDA this is what
 ``save_on_cpu`` does; the caller pins host memory up to 4M tokens and uses pageable memory
-above (DESIGN.md §6, after ALST: pinning that much host memory stalls the host allocator).
+above (DESIGN.md §6, after ALST: pinning that much host memory stalls the host allocator):
+``pin_host_memory(seq_len)`` is that rule, for the harness and the Hugging Face stack alike.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ from collections.abc import Callable
 import torch
 
 PIN_MAX_TOKENS = 4 * 2**20
+
+
+def pin_host_memory(seq_len: int) -> bool:
+    """Whether offloaded activations go to pinned host memory: up to ``PIN_MAX_TOKENS`` tokens of
+    the *global* sequence (all CP ranks' shards together), pageable above."""
+    return seq_len <= PIN_MAX_TOKENS
 
 
 def offload_saved_inputs(

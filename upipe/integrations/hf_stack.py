@@ -1,0 +1,202 @@
+"""The long-context memory stack for a Hugging Face causal LM: ``parallelize(..., stack=...)``.
+
+The same building blocks as the benchmark harness (``upipe.stack``; DESIGN.md §6, "the ALST
+stack"), put into a ``transformers`` model in place, each level optional (``MemoryStack``):
+
+- ``checkpoint``: every decoder layer (a ``GradientCheckpointingLayer``) through non-reentrant
+  ``torch.utils.checkpoint``, by transformers' own mechanism: the layer's
+  ``gradient_checkpointing`` flag and ``_gradient_checkpointing_func``. Transformers checkpoints
+  only in training mode with autograd on, so call ``model.train()`` (a ``from_pretrained`` model
+  starts in eval mode); do not call ``gradient_checkpointing_enable`` afterwards (it would replace
+  the offloading functions). The layer's forward is checkpointed inside its ``__call__``, so
+  FSDP2's hooks stay outside the recomputed region.
+- ``offload``: the checkpointed input of every decoder layer but the first and last goes to host
+  memory (``offload_saved_inputs`` entered around that layer's checkpoint call); pinned only on
+  CUDA and only up to ``PIN_MAX_TOKENS`` tokens of the global sequence (``pin_host_memory``,
+  the harness's rule). ``set_offload`` routes those bytes to a memory tracker's host account.
+- ``tiled``: each decoder layer's ``mlp`` runs over ceil(L / hidden) sequence shards
+  (``upipe.stack.tiled``, DeepSpeed's ``TiledMLP``); dense, per-token MLPs only.
+- ``chunked_loss``: with ``labels``, the model's forward runs the base decoder and
+  ``chunked_linear_cross_entropy`` over its own ``lm_head.weight`` (the embedding when tied), so
+  (L, vocab) logits never exist; it returns ``CausalLMOutputWithPast(loss=..., logits=None)``.
+  Without ``labels`` the model's own forward runs (logits returned). The loss is Hugging Face's
+  ``ForCausalLMLoss``: ``shift_labels`` when given (``hf.shard_batch`` gives them), else
+  ``labels`` shifted by one; the sum over ``num_items_in_batch`` when given, else the mean over
+  non-ignored targets. With FSDP2 keep ``lm_head`` in the root unit (its weight is read without
+  calling the module, so a unit of its own would not be unsharded).
+
+Parameters, their names and the state dict are unchanged; the wrappers are per instance (the
+instance's ``forward`` / ``mlp.forward``), so other instances of the class are untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import can_return_tuple
+
+from upipe.stack import (
+    IGNORE_INDEX,
+    MemoryStack,
+    chunked_linear_cross_entropy,
+    loss_chunk_tokens,
+    memory_stack,
+    offload_saved_inputs,
+    pin_host_memory,
+    tiled,
+)
+
+# config fields that change the logits after lm_head (the chunked loss would skip them)
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(getattr(m, "self_attn", None), nn.Module)]
+
+
+def _text_config(model: nn.Module):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def check_stack(model: nn.Module, stack: str | MemoryStack | None) -> MemoryStack | None:
+    """The ``MemoryStack`` for ``stack`` (None, a level name or one), after checking that
+    ``model`` supports each of its levels; a ValueError names the level and the rule."""
+    if stack is None:
+        return None
+    stack = memory_stack(stack)
+    layers = _decoder_layers(model)
+    if stack.checkpoint:
+        for layer in layers:
+            if not isinstance(layer, GradientCheckpointingLayer):
+                raise ValueError(f"MemoryStack.checkpoint needs transformers' "
+                                 f"GradientCheckpointingLayer decoder layers; "
+                                 f"{type(layer).__name__} is not one")
+    if stack.tiled:
+        for layer in layers:
+            if not isinstance(getattr(layer, "mlp", None), nn.Module):
+                raise ValueError(f"MemoryStack.tiled needs an mlp module in every decoder layer; "
+                                 f"{type(layer).__name__} has none")
+    if stack.chunked_loss:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if not isinstance(head, nn.Linear) or head.bias is not None:
+            raise ValueError("MemoryStack.chunked_loss needs a causal LM whose output head "
+                             "(lm_head) is a bias-free nn.Linear")
+        if not isinstance(getattr(model, getattr(model, "base_model_prefix", ""), None),
+                          nn.Module):
+            raise ValueError("MemoryStack.chunked_loss needs the base decoder at "
+                             "model.<base_model_prefix>")
+        cfg = _text_config(model)
+        for name in _LOGIT_TRANSFORMS:
+            if getattr(cfg, name, None) not in (None, 1, 1.0):
+                raise ValueError(f"MemoryStack.chunked_loss: {name} ({getattr(cfg, name)}) is "
+                                 "not supported (the loss reads lm_head's raw logits)")
+    return stack
+
+
+class _OffloadedCheckpoint:
+    """A decoder layer's checkpoint function whose saved input (the layer's hidden states) is
+    offloaded to host memory. Called by transformers as ``fn(layer_forward, hidden_states)``."""
+
+    def __init__(self, cp: int, reentrant: bool):
+        self.cp, self.reentrant = cp, reentrant
+        # set_offload: where host bytes are accounted, and a fixed pinning choice (None: the rule)
+        self.host_context: Callable[[], contextlib.AbstractContextManager] = (
+            contextlib.nullcontext
+        )
+        self.pin_memory: bool | None = None
+
+    def __call__(self, function, *args, **kwargs):
+        pin = self.pin_memory
+        if pin is None:  # (B, L_local, hidden): the global sequence is L_local x the CP degree
+            pin = pin_host_memory(args[0].shape[1] * self.cp)
+        with offload_saved_inputs(self.host_context, pin):
+            return checkpoint(function, *args, use_reentrant=self.reentrant, **kwargs)
+
+
+def _checkpoint(reentrant: bool) -> Callable:
+    def plain(function, *args, **kwargs):
+        return checkpoint(function, *args, use_reentrant=reentrant, **kwargs)
+
+    return plain
+
+
+def _tiled_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An MLP instance's forward: its class's forward over ceil(L / hidden) shards."""
+    return tiled(self, x, call=type(self).forward)
+
+
+@can_return_tuple
+def _chunked_loss_forward(self: nn.Module, input_ids: torch.Tensor | None = None, **kwargs):
+    """A causal LM instance's forward with the chunked loss (no logits) when labels are given."""
+    if kwargs.get("labels") is None:  # no loss asked for: the model's own forward, with logits
+        return type(self).forward(self, input_ids, **kwargs)
+    labels = kwargs.pop("labels")
+    shift_labels = kwargs.pop("shift_labels", None)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
+    if kwargs.pop("logits_to_keep", 0) != 0:
+        raise ValueError("logits_to_keep must be 0 with MemoryStack.chunked_loss and labels")
+    out = getattr(self, self.base_model_prefix)(input_ids=input_ids, **kwargs)
+    h = out.last_hidden_state  # (B, L, hidden), after the final norm
+    if shift_labels is None:  # as transformers' ForCausalLMLoss: token t predicts t + 1
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shift_labels.reshape(-1).to(h.device)
+    if ignore_index != IGNORE_INDEX:
+        targets = torch.where(targets == ignore_index, IGNORE_INDEX, targets)
+    cfg = _text_config(self)
+    total = chunked_linear_cross_entropy(h.reshape(-1, h.shape[-1]),
+                                         self.get_output_embeddings().weight, targets,
+                                         loss_chunk_tokens(cfg.hidden_size, cfg.vocab_size))
+    count = (targets != IGNORE_INDEX).sum() if num_items is None else num_items
+    loss = total / (count.to(total.device) if torch.is_tensor(count) else count)
+    return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=out.hidden_states,
+                                  attentions=out.attentions)
+
+
+def apply_stack(model: nn.Module, stack: MemoryStack | None, cp: int,
+                reentrant: bool = False) -> None:
+    """Switch on ``stack``'s levels in ``model`` (checked by ``check_stack``) in place.
+
+    ``cp``: the CP degree (the pinning rule counts global tokens); ``reentrant``: the attention
+    method needs reentrant checkpointing (``checkpoint_reentrant``).
+    """
+    if stack is None:
+        return
+    layers = _decoder_layers(model)
+    if stack.checkpoint:
+        for i, layer in enumerate(layers):
+            offload = stack.offload and 0 < i < len(layers) - 1  # ALST: not the first and last
+            layer._gradient_checkpointing_func = (_OffloadedCheckpoint(cp, reentrant) if offload
+                                                  else _checkpoint(reentrant))
+            layer.gradient_checkpointing = True
+    if stack.tiled:
+        for layer in layers:
+            layer.mlp.forward = types.MethodType(_tiled_mlp_forward, layer.mlp)
+    if stack.chunked_loss:
+        model.forward = types.MethodType(_chunked_loss_forward, model)
+    object.__setattr__(model, "upipe_memory_stack", stack)
+
+
+def set_offload(model: nn.Module, *,
+                host_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+                pin_memory: bool | None = None) -> None:
+    """Where the offloaded layer inputs are accounted (e.g. a ``MemoryTracker``'s ``host``) and
+    whether they are pinned (default: ``pin_host_memory`` of the global sequence length)."""
+    for layer in _decoder_layers(model):
+        fn = getattr(layer, "_gradient_checkpointing_func", None)
+        if isinstance(fn, _OffloadedCheckpoint):
+            if host_context is not None:
+                fn.host_context = host_context
+            fn.pin_memory = pin_memory
+
+
+__all__ = ["apply_stack", "check_stack", "set_offload"]

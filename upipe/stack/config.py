@@ -1,0 +1,47 @@
+"""What a memory-stack level switches on, for models outside the harness (DESIGN.md §6)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class MemoryStack:
+    """The ALST memory stack's levels, each optional (DESIGN.md §6, "the ALST stack")."""
+
+    checkpoint: bool
+    """activation checkpointing of every decoder layer (torch.utils.checkpoint, non-reentrant)"""
+    offload: bool
+    """checkpointed layer inputs to host memory, all layers but the first and last"""
+    tiled: bool
+    """each layer's MLP over ceil(L / dim) sequence shards (DeepSpeed's TiledMLP)"""
+    chunked_loss: bool
+    """linear + cross-entropy over token chunks, so full-vocabulary logits never exist"""
+
+    def __post_init__(self):
+        for f in fields(self):
+            if not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"MemoryStack.{f.name} must be a bool, got "
+                                 f"{getattr(self, f.name)!r}")
+        if self.offload and not self.checkpoint:
+            raise ValueError("MemoryStack.offload needs checkpoint=True: it offloads the "
+                             "checkpointed layer inputs, which exist only under checkpointing")
+
+
+#: the harness's ladder (experiments.config.STACKS) for these four fields: each adds to the last
+LEVELS: dict[str, MemoryStack] = {
+    "none": MemoryStack(checkpoint=False, offload=False, tiled=False, chunked_loss=False),
+    "ac": MemoryStack(checkpoint=True, offload=False, tiled=False, chunked_loss=False),
+    "offload": MemoryStack(checkpoint=True, offload=True, tiled=False, chunked_loss=False),
+    "alst": MemoryStack(checkpoint=True, offload=True, tiled=True, chunked_loss=True),
+}
+
+
+def memory_stack(stack: str | MemoryStack) -> MemoryStack:
+    """A level name (``LEVELS``) or a ``MemoryStack`` -> the ``MemoryStack``."""
+    if isinstance(stack, MemoryStack):
+        return stack
+    if stack not in LEVELS:
+        raise ValueError(f"stack {stack!r} is not a memory-stack level: choose one of "
+                         f"{sorted(LEVELS)} or pass a MemoryStack")
+    return LEVELS[stack]

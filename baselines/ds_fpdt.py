@@ -95,6 +95,9 @@ class DSFPDTAttention(ContextParallelAttention):
     checkpoint_reentrant: ClassVar[bool] = True
     # FPDT takes one fused bias-free qkv weight and theta's RoPE tables (see forward).
     projection_features = frozenset()
+    documents_unsupported = (
+        "DeepSpeed's FPDT_Attention takes no document boundaries (dense flash-attn per chunk, "
+        "RoPE at global positions); use 'fpdt'")
 
     def __init__(self, *args, chunk_size: int = DEFAULT_CHUNK_SIZE, offload: bool = True,
                  **kwargs):
@@ -166,13 +169,14 @@ class DSFPDTAttention(ContextParallelAttention):
                       for w in (wk, wv))
         return torch.cat([self.wq.weight, wk, wv], dim=0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
         reason = self.unavailable_reason(x.device.type)
         if reason is not None:  # before any collective, so no peer waits on this rank
             raise RuntimeError(reason)
         if kernel_device_type(x) == "cuda":  # flash-attn's rule (also its emulated model's)
             check_half_precision("ds-fpdt", x)
         self.check_input(x)
+        self.documents(cu_seqlens, x)  # refused with packed documents (documents_unsupported)
         s = x.shape[1] * self.cp
         check_whole_chunks(s, self.chunk_size)
         pos = torch.arange(s, device=x.device)

@@ -62,19 +62,25 @@ def _attach_deepspeed_comm() -> None:
 
 
 class _LocalAttention(nn.Module):
-    """DeepSpeed's ``local_attention``: (B, S, H/C, D) head-sharded full-sequence q, k, v."""
+    """DeepSpeed's ``local_attention``: (B, S, H/C, D) head-sharded full-sequence q, k, v.
+
+    ``blocks``: the packed documents' blocks over the full sequence for the current call (set
+    around it by :class:`DSUlyssesAttention`: DeepSpeed passes only q, k, v through).
+    """
 
     def __init__(self, causal: bool, kernel: str):
         super().__init__()
         self.causal, self.kernel = causal, kernel
+        self.blocks = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attention(q, k, v, causal=self.causal, kernel=self.kernel)
+        return attention(q, k, v, causal=self.causal, kernel=self.kernel, blocks=self.blocks)
 
 
 @register_method("ds-ulysses")
 class DSUlyssesAttention(ContextParallelAttention):
-    """DeepSpeed Ulysses behind the common interface; forward(x_local (B, L, dim)) -> (B, L, dim).
+    """DeepSpeed Ulysses behind the common interface; forward(x_local (B, L, dim),
+    cu_seqlens=None) -> (B, L, dim).
 
     ``group`` (default: the world) becomes DeepSpeed's ``sequence_process_group``. Head rules are
     the base class's (ValueError before any collective); DeepSpeed itself would need
@@ -95,15 +101,22 @@ class DSUlyssesAttention(ContextParallelAttention):
                 self.local_attn, group, scatter_idx=SCATTER_IDX, gather_idx=GATHER_IDX
             )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
         self.check_input(x)
-        # RoPE before the all-to-all, at this rank's global positions, rather than DeepSpeed's
-        # post-all-to-all rotary_pos_emb, whose tables are laid out sequence-first.
-        q, k, v = self.project_qkv(x)
+        docs = self.documents(cu_seqlens, x)
+        # RoPE before the all-to-all, at this rank's global positions (within their document
+        # when packed), rather than DeepSpeed's post-all-to-all rotary_pos_emb, whose tables are
+        # laid out sequence-first.
+        q, k, v = self.project_qkv(x, docs)
         # DeepSpeed splits KV heads over ranks and asserts Hkv >= C: replicate below that.
         k, v = replicate_kv_heads(k, self.cp), replicate_kv_heads(v, self.cp)
-        if self.dist_attn is None:
-            o = self.local_attn(q, k, v)
-        else:
-            o = self.dist_attn(q, k, v, BATCH_DIM)
+        # after DeepSpeed's all-to-all a rank holds the whole sequence: the global documents
+        self.local_attn.blocks = None if docs is None else docs.full_blocks()
+        try:
+            if self.dist_attn is None:
+                o = self.local_attn(q, k, v)
+            else:
+                o = self.dist_attn(q, k, v, BATCH_DIM)
+        finally:
+            self.local_attn.blocks = None
         return self.wo(o.flatten(2))

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from upipe.comm import group_size, head_to_seq, seq_to_head
+from upipe.documents import DocBlocks, Documents
 from upipe.host import HostStore
 from upipe.kernels import attention_backward, attention_forward
 from upipe.layout import SeqLayout
@@ -61,6 +62,9 @@ class ChunkPlan:
     """One rank's chunks and the static facts the autograd function needs.
 
     segments: per chunk, (global position of this rank's first token, local token count).
+    chunks: per chunk, its global (start, length): what a rank holds after the all-to-all.
+    docs: packed documents, or None: a (query chunk, K/V chunk) pair then attends in one block
+        per document both hold, and a pair sharing none is skipped (never fetched from host).
     """
 
     segments: tuple[tuple[int, int], ...]
@@ -70,6 +74,8 @@ class ChunkPlan:
     rope_theta: float
     causal: bool
     kernel: str
+    chunks: tuple[tuple[int, int], ...] = ()
+    docs: Documents | None = None
 
     @property
     def n_chunks(self) -> int:
@@ -80,14 +86,25 @@ class ChunkPlan:
         return sum(n for _, n in self.segments[:i]), self.segments[i][1]
 
     def visible(self, i: int) -> list[int]:
-        """K/V chunks query chunk i attends to; the diagonal first (its LSE is finite)."""
+        """K/V chunks query chunk i attends to; the diagonal first (its LSE is finite: every
+        query sees itself, in its own document too)."""
         others = range(i) if self.causal else (j for j in range(self.n_chunks) if j != i)
-        return [i, *others]
+        return [i, *(j for j in others if self.blocks(i, j) != ())]
+
+    def blocks(self, i: int, j: int) -> DocBlocks | None:
+        """The document blocks of query chunk i over K/V chunk j (``()``: no shared document),
+        or None without packed documents."""
+        if self.docs is None:
+            return None
+        return self.docs.blocks([self.chunks[i]], [self.chunks[j]])
 
     def rope(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (n_i, D) of local chunk i: per chunk, so no (L, D) table is alive."""
         start, n = self.segments[i]
-        pos = torch.arange(start, start + n, device=x.device)
+        if self.docs is None:
+            pos = torch.arange(start, start + n, device=x.device)
+        else:
+            pos = self.docs.positions([(start, n)], device=x.device)
         return rope_tables(pos, self.head_dim, self.rope_theta, x.dtype)
 
 
@@ -135,7 +152,8 @@ def _attend(q, ks, vs, plan: ChunkPlan, i: int, store: HostStore, diag=None):
     """
     out = lse = None
     for j, k, v in _kv_chunks(plan, store, ks, vs, i, diag):
-        o, o_lse = attention_forward(q, k, v, causal=plan.causal and j == i, kernel=plan.kernel)
+        o, o_lse = attention_forward(q, k, v, causal=plan.causal and j == i, kernel=plan.kernel,
+                                     blocks=plan.blocks(i, j))
         del k, v
         if out is None:  # the diagonal: every query sees at least itself, so lse is finite
             out, lse = o.to(_acc_dtype(o.dtype)), o_lse
@@ -248,7 +266,8 @@ class _Backward:
         for j, k, v in _kv_chunks(plan, store, self.ks, self.vs, i):
             # the merged (final) out/lse make each block's gradients exact on their own
             dq_j, dk_j, dv_j = attention_backward(
-                do, q, k, v, out, lse, causal=plan.causal and j == i, kernel=plan.kernel
+                do, q, k, v, out, lse, causal=plan.causal and j == i, kernel=plan.kernel,
+                blocks=plan.blocks(i, j),
             )
             del k, v
             dq.add_(dq_j)
@@ -287,7 +306,8 @@ class _Backward:
 
 @register_method("fpdt")
 class FPDTAttention(ContextParallelAttention):
-    """FPDT attention module; forward(x_local (B, L, dim)) -> (B, L, dim), chunked layout.
+    """FPDT attention module; forward(x_local (B, L, dim), cu_seqlens=None) -> (B, L, dim),
+    chunked layout; packed documents are kept apart per chunk pair (``ChunkPlan.blocks``).
 
     Extra options:
         chunk_size: global tokens per chunk (a multiple of the CP degree; need not divide the
@@ -325,20 +345,23 @@ class FPDTAttention(ContextParallelAttention):
     def layout_for(cls, *, hybrid, ulysses_degree, chunk_size=DEFAULT_CHUNK, **_) -> SeqLayout:
         return SeqLayout("chunked", chunk_size=chunk_size)
 
-    def chunk_plan(self, seq_local: int) -> ChunkPlan:
+    def chunk_plan(self, seq_local: int, docs: Documents | None = None) -> ChunkPlan:
         """This rank's chunks for a local length (validated by ``check_input``)."""
-        segs = self.seq_layout.segments(seq_local * self.cp, self.rank, self.cp)
+        s = seq_local * self.cp
+        segs = self.seq_layout.segments(s, self.rank, self.cp)
+        chunks = tuple((start, n * self.cp) for start, n in self.seq_layout.segments(s, 0, self.cp))
         return ChunkPlan(tuple(segs), self.n_heads, self.n_kv_heads, self.head_dim,
-                         self.rope_theta, self.causal, self.kernel)
+                         self.rope_theta, self.causal, self.kernel, chunks, docs)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
         self.check_input(x)
+        docs = self.documents(cu_seqlens, x)
         weights = (self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight)
         # Q and the outputs are kept only for a backward (K/V are needed by later chunks anyway)
         save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights))
         store = HostStore(x.device, self.offload, self.host_context, self.pin_memory)
         return _FPDTFunction.apply(
-            x, *weights, self.chunk_plan(x.shape[1]), self.group, store, save
+            x, *weights, self.chunk_plan(x.shape[1], docs), self.group, store, save
         )
 
     def extra_repr(self) -> str:

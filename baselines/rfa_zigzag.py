@@ -93,6 +93,10 @@ class RFAZigzagAttention(ZigzagRingAttention):
     zigzag. ``group`` is passed through (ring-flash-attn 0.1.8 maps group ranks to global ones).
     """
 
+    documents_unsupported = (
+        "ring-flash-attn's varlen zigzag (zigzag_ring_flash_attn_varlen_func) zigzags every "
+        "document separately, a layout other than this method's; use 'zigzag-ring'")
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if not self.causal:
@@ -109,12 +113,13 @@ class RFAZigzagAttention(ZigzagRingAttention):
     def unavailable_reason(cls, device_type: str) -> str | None:
         return requirements_reason("rfa-zigzag", device_type, _PACKAGES, FLASH_EXTRA)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
         reason = self.unavailable_reason(x.device.type)
         if reason is not None:  # before any collective, so no peer waits on this rank
             raise RuntimeError(reason)
         check_half_precision("rfa-zigzag", x)
         self.check_input(x)
+        self.documents(cu_seqlens, x)  # refused with packed documents (documents_unsupported)
         q, k, v = self.project_qkv(x)  # (B, L, H, D), (B, L, Hkv, D) x 2; RoPE at zigzag positions
         o = self._zigzag(q, k, v, causal=True, group=self.group)
         return self.wo(o.flatten(2))

@@ -22,7 +22,7 @@ from upipe.ring import ring_attention
 
 @register_method("ring")
 class RingAttention(ContextParallelAttention):
-    """Ring attention module; forward(x_local (B, L, dim)) -> (B, L, dim)."""
+    """Ring attention module; forward(x_local (B, L, dim), cu_seqlens=None) -> (B, L, dim)."""
 
     layout = "contiguous"
 
@@ -38,9 +38,11 @@ class RingAttention(ContextParallelAttention):
         # contiguous + causal: rank r computes r + 1 blocks, the last rank all of them
         return cp - 1 if cls.layout == "contiguous" else 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
         self.check_input(x)
-        q, k, v = self.project_qkv(x)
+        docs = self.documents(cu_seqlens, x)
+        q, k, v = self.project_qkv(x, docs)
         o = ring_attention(q, k, v, group=self.group, zigzag=self.layout == "zigzag",
-                           causal=self.causal, kernel=self.kernel)
+                           causal=self.causal, kernel=self.kernel,
+                           docs=self.ring_documents(docs))
         return self.wo(o.flatten(2))

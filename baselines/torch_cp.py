@@ -186,6 +186,11 @@ class TorchCPAttention(ZigzagRingAttention):
     and the emulator's fake tensors.
     """
 
+    documents_unsupported = (
+        "torch's SDPA ring (_templated_ring_attention, the paper's PyTorch CP) takes no mask; "
+        "PyTorch keeps documents apart only in its flex_attention CP, with block masks; use "
+        "'zigzag-ring' (the same layout) for packed sequences")
+
     def __init__(self, *args, rotate_method: str = DEFAULT_ROTATE_METHOD, **kwargs):
         if rotate_method not in ROTATE_METHODS:
             raise ValueError(
@@ -205,8 +210,9 @@ class TorchCPAttention(ZigzagRingAttention):
             return f"method 'torch-cp' needs torch's experimental context_parallel module ({e})"
         return None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
         self.check_input(x)
+        self.documents(cu_seqlens, x)  # refused with packed documents (documents_unsupported)
         q, k, v = self.project_qkv(x)  # (B, L, H, D), (B, L, Hkv, D) x 2; RoPE at zigzag positions
         g = self.n_heads // self.n_kv_heads
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k.repeat_interleave(g, 2),

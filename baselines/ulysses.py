@@ -13,6 +13,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from upipe.comm import group_size, head_to_seq_autograd, seq_to_head_autograd
+from upipe.documents import RingDocuments
 from upipe.kernels import attention
 from upipe.module import ContextParallelAttention, check_ulysses_heads, replicate_kv_heads
 from upipe.registry import register_method
@@ -29,6 +30,7 @@ def ulysses_attention(
     scale: float | None = None,
     kernel: str = "auto",
     ring_group: ProcessGroup | None = None,
+    docs: RingDocuments | None = None,
 ) -> torch.Tensor:
     """Ulysses core on projected, rotated, sequence-sharded tensors (differentiable).
 
@@ -45,19 +47,22 @@ def ulysses_attention(
     k, v = replicate_kv_heads(k, cp), replicate_kv_heads(v, cp)
     qh, kh, vh = (seq_to_head_autograd(t, group) for t in (q, k, v))
     if ring_group is None:
-        oh = attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel)
+        oh = attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel,
+                       blocks=None if docs is None else docs.docs.full_blocks())
     else:
         oh = ring_attention(qh, kh, vh, group=ring_group, zigzag=True, causal=causal,
-                            scale=scale, kernel=kernel)
+                            scale=scale, kernel=kernel, docs=docs)
     return head_to_seq_autograd(oh, group)
 
 
 @register_method("ulysses")
 class UlyssesAttention(ContextParallelAttention):
-    """Ulysses attention module; forward(x_local (B, L, dim)) -> (B, L, dim)."""
+    """Ulysses attention module; forward(x_local (B, L, dim), cu_seqlens=None) -> (B, L, dim)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
         self.check_input(x)
-        q, k, v = self.project_qkv(x)
-        o = ulysses_attention(q, k, v, group=self.group, causal=self.causal, kernel=self.kernel)
+        docs = self.documents(cu_seqlens, x)
+        q, k, v = self.project_qkv(x, docs)
+        o = ulysses_attention(q, k, v, group=self.group, causal=self.causal, kernel=self.kernel,
+                              ring_group=self.ring_group, docs=self.ring_documents(docs))
         return self.wo(o.flatten(2))

@@ -15,9 +15,7 @@ when fewer than C_u). Without a mesh (a plain ``group``) it is Ulysses.
 
 from __future__ import annotations
 
-import torch
-
-from baselines.ulysses import UlyssesAttention, ulysses_attention
+from baselines.ulysses import UlyssesAttention
 from upipe.registry import register_method
 
 
@@ -25,14 +23,9 @@ from upipe.registry import register_method
 class USPAttention(UlyssesAttention):
     """USP attention; construct with ``mesh=`` (axes ``ring``, ``ulysses``).
 
-    forward(x_local (B, L, dim)) -> (B, L, dim), x_local in the hybrid layout (use ``shard``).
+    forward(x_local (B, L, dim), cu_seqlens=None) -> (B, L, dim), x_local in the hybrid layout
+    (use ``shard``). The forward is Ulysses' (``UlyssesAttention.forward`` passes the ring axis
+    and, with packed documents, the ring's view of them).
     """
 
     supports_mesh = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.check_input(x)
-        q, k, v = self.project_qkv(x)
-        o = ulysses_attention(q, k, v, group=self.group, causal=self.causal, kernel=self.kernel,
-                              ring_group=self.ring_group)
-        return self.wo(o.flatten(2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,8 @@ class Case:
     head_dim: int = 16
     batch: int = 2
     options: dict = field(default_factory=dict)
+    docs: tuple[int, ...] | None = None
+    """packed documents' cu_seqlens (global); the reference then runs document by document"""
 
     @property
     def dim(self) -> int:
@@ -32,7 +35,7 @@ class Case:
 
     def __hash__(self):
         return hash((self.method, self.n_heads, self.n_kv_heads, self.seq, self.causal,
-                     self.dtype, repr(sorted(self.options.items()))))
+                     self.dtype, repr(sorted(self.options.items())), self.docs))
 
 
 _MESHES: dict = {}
@@ -49,14 +52,25 @@ def cp_mesh(ring: int, ulysses: int):
     return _MESHES[ring, ulysses]
 
 
-def _reference_grads(ref, x, dy):
+def _reference_grads(ref, x, dy, docs=None):
+    """The reference's output and gradients; with ``docs`` (cu_seqlens) it runs on each
+    document alone (positions from 0), outputs concatenated: what packing must reproduce."""
     x = x.detach().requires_grad_(True)
-    y = ref(x)
+    if docs is None:
+        y = ref(x)
+    else:
+        y = torch.cat([ref(x[:, a:b]) for a, b in itertools.pairwise(docs) if b > a], dim=1)
     y.backward(dy)
     return y.detach(), x.grad, {n: p.grad for n, p in ref.named_parameters()}
 
 
-def compare_with_reference(case: Case) -> dict[str, float]:
+def compare_unpacked_with_packed_reference(case: Case) -> dict[str, float]:
+    """The negative control of the packed tests: the per-document truth of ``case.docs``
+    against the method run *without* them (attention crossing documents)."""
+    return compare_with_reference(case, pass_docs=False)
+
+
+def compare_with_reference(case: Case, pass_docs: bool = True) -> dict[str, float]:
     """Run ``case`` on this rank; return {quantity: max abs error, ``ref_*``: reference error}.
 
     Recipe (STYLE.md item 7): same seed everywhere, full inputs and output gradient on every
@@ -70,12 +84,12 @@ def compare_with_reference(case: Case) -> dict[str, float]:
                          causal=case.causal).double()
     x = torch.randn(case.batch, case.seq, case.dim, dtype=torch.float64)
     dy = torch.randn_like(x)
-    y64, dx64, dw64 = _reference_grads(ref, x, dy)
+    y64, dx64, dw64 = _reference_grads(ref, x, dy, case.docs)
 
     ref_lp = LlamaAttention(case.dim, case.n_heads, case.n_kv_heads, case.head_dim,
                             causal=case.causal).to(dtype)
     ref_lp.load_state_dict(ref.state_dict())
-    y_lp, dx_lp, dw_lp = _reference_grads(ref_lp, x.to(dtype), dy.to(dtype))
+    y_lp, dx_lp, dw_lp = _reference_grads(ref_lp, x.to(dtype), dy.to(dtype), case.docs)
 
     options = dict(case.options)
     group = dist.group.WORLD
@@ -85,7 +99,8 @@ def compare_with_reference(case: Case) -> dict[str, float]:
                      group=group, causal=case.causal, **options).to(dtype)
     m.load_state_dict(ref.state_dict())
     x_loc = m.shard(x.to(dtype)).detach().requires_grad_(True)
-    y_loc = m(x_loc)
+    packed = case.docs is not None and pass_docs
+    y_loc = m(x_loc, cu_seqlens=list(case.docs)) if packed else m(x_loc)
     y_loc.backward(m.shard(dy.to(dtype)))
     # fp32 reduction, as FSDP reduce-scatters gradients (bf16 partial sums would add rounding)
     dw = {n: p.grad.float() for n, p in m.named_parameters()}
@@ -103,3 +118,40 @@ def compare_with_reference(case: Case) -> dict[str, float]:
         out["ref_" + n] = err(dw_lp[n], dw64[n])
         out["scale_" + n] = dw64[n].abs().max().item()
     return out
+
+
+def packed_refusal(method: str, options: dict) -> str:
+    """The error ``method`` raises on this rank for packed documents ("" if none)."""
+    m = build_method(method, 32, 4, 2, 8, group=dist.group.WORLD, **options)
+    try:
+        m(torch.randn(1, 16, 32), cu_seqlens=[0, 3, 16 * dist.get_world_size()])
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def fake_packed_step(method: str, seq_local: int, options: dict, docs, kernel: str = "auto"):
+    """One fake-tensor forward+backward of Llama3-8B attention at paper-like scale on this rank
+    (rank 0 of the fake world), on the emulator's CUDA kernel path: (peak device bytes,
+    collective counts). ``docs``: cu_seqlens (Python ints) or None."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from experiments.emulation.kernel_models import cuda_kernels
+    from experiments.instruments.collectives import CollectiveCounter
+    from experiments.instruments.memory import MemoryTracker
+
+    options, group = dict(options), dist.group.WORLD
+    if "mesh" in options:
+        options["mesh"], group = cp_mesh(*options["mesh"]), None
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # fake parameters cannot be cast by Module.to()
+    try:
+        with FakeTensorMode():
+            m = build_method(method, 4096, 32, 8, 128, group=group, kernel=kernel, **options)
+            x = torch.randn(1, seq_local, 4096, dtype=torch.bfloat16, requires_grad=True)
+            with cuda_kernels(), MemoryTracker() as mt, CollectiveCounter() as cc:
+                y = m(x, cu_seqlens=docs)
+                y.sum().backward()
+    finally:
+        torch.set_default_dtype(default)
+    return mt.peak_device_bytes, dict(cc.counts)

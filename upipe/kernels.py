@@ -26,6 +26,13 @@ whose library is absent here (flash-attn, fa3) is replaced by a model of what it
 
 ``kernel_unavailable_reason`` says why a kernel cannot run on a device type here (CUDA-only
 kernels on CPU, an absent library), as a method's ``unavailable_reason`` does for the method.
+
+Packed documents (``blocks``, ``upipe.documents``): attention splits into one dense block per
+document shared by the query and key sets, each run by the same kernel on slices of q, k, v
+(views along the sequence), written into one output and LSE; rows in no block get output 0 and
+LSE -inf (no visible key: the LSE merge then ignores them). No (S, S) mask is built. flash-attn
+runs the aligned case (each document's queries over its own keys, covering every row) as one
+call of its varlen kernel instead.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ import math
 from collections.abc import Callable
 
 import torch
+
+from upipe.documents import DocBlocks
 
 KERNELS = ("auto", "sdpa", "math", "flash-attn", "fa3")
 
@@ -164,22 +173,30 @@ def attention_forward(
     causal: bool,
     scale: float | None = None,
     kernel: str = "auto",
+    blocks: DocBlocks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every query over every key (full-sequence, S_q == S_k when causal).
 
     Args:
         q: (B, S_q, Hq, D); k, v: (B, S_k, Hkv, D) with Hq % Hkv == 0.
-        causal: mask key j > query i (top-left aligned).
+        causal: mask key j > query i (top-left aligned; within each block when ``blocks``).
         scale: softmax scale, default 1/sqrt(D).
         kernel: a name from :data:`KERNELS`.
+        blocks: packed documents: only these (q_start, q_end, k_start, k_end) blocks attend
+            (``upipe.documents.Documents.blocks``); None: every query over every key.
 
     Returns:
         out (B, S_q, Hq, D) in q's dtype, lse (B, Hq, S_q) fp32 (natural log of the softmax
-        denominator of the scaled scores).
+        denominator of the scaled scores; -inf, with out 0, for rows outside every block).
     """
     kernel = check_kernel(kernel)
     forward, _ = _resolve(kernel, q)
-    return forward(q, k, v, causal, _default_scale(q, scale))
+    scale = _default_scale(q, scale)
+    if blocks is None or _whole(blocks, q, k):
+        return forward(q, k, v, causal, scale)
+    if _varlen_ok(kernel, blocks, q, k):
+        return _flash_attn_varlen_forward(q, k, v, blocks, causal, scale)
+    return _blockwise_forward(q, k, v, blocks, causal, scale, kernel)
 
 
 def attention_backward(
@@ -193,15 +210,104 @@ def attention_backward(
     causal: bool,
     scale: float | None = None,
     kernel: str = "auto",
+    blocks: DocBlocks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`attention_forward` from its saved ``out`` and ``lse``.
 
-    Shapes as in :func:`attention_forward`; ``dout`` like ``out``. Returns (dq, dk, dv) with the
-    shapes of (q, k, v): for GQA, dk/dv are already summed over each KV head's query heads.
+    Shapes as in :func:`attention_forward`; ``dout`` like ``out``; ``blocks`` as given to it
+    (``out``/``lse`` may be the final ones of a merge over several key sets). Returns
+    (dq, dk, dv) with the shapes of (q, k, v): for GQA, dk/dv are already summed over each KV
+    head's query heads; 0 outside every block.
     """
     kernel = check_kernel(kernel)
     _, backward = _resolve(kernel, q)
-    return backward(dout, q, k, v, out, lse, causal, _default_scale(q, scale))
+    scale = _default_scale(q, scale)
+    lse = _kernel_lse(lse, q)
+    if blocks is None or _whole(blocks, q, k):
+        return backward(dout, q, k, v, out, lse, causal, scale)
+    if _varlen_ok(kernel, blocks, q, k):
+        return _flash_attn_varlen_backward(dout, q, k, v, out, lse, blocks, causal, scale)
+    return _blockwise_backward(dout, q, k, v, out, lse, blocks, causal, scale, kernel)
+
+
+# ---------------------------------------------------------------------------------------------
+# packed documents: one dense kernel call per document block
+
+
+def _kernel_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The LSE as the backward kernel reads it. The CUDA kernels (FlashAttention's and
+    PyTorch's) index it as a contiguous (B, H, S) array, so a slice (a zigzag half, a document's
+    rows) is copied first, as ring-flash-attn does before its backward calls; the CPU op takes
+    strides. A no-op for a contiguous LSE."""
+    return lse.contiguous() if kernel_device_type(q) == "cuda" else lse
+
+
+def _whole(blocks: DocBlocks, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """One block covering every query and key: the dense call, bit for bit."""
+    return blocks == ((0, q.shape[1], 0, k.shape[1]),)
+
+
+def _covers_rows(blocks: DocBlocks, n: int) -> bool:
+    """Whether the blocks' query ranges tile [0, n) (then no row needs a default)."""
+    return sum(qb - qa for qa, qb, _, _ in blocks) == n
+
+
+def attention_blocks_forward(q, k, v, *, causal: bool, scale: float | None = None,
+                             kernel: str = "auto", blocks: DocBlocks):
+    """Yield ``((q_start, q_end), out_b, lse_b)`` per document block: the dense kernel on the
+    block's slices (out_b (B, n, Hq, D), lse_b (B, Hq, n)). For callers that fold each block
+    into buffers of their own (a ring's running output, FPDT's merge), so no block-sized
+    temporary is needed beside them. Written by hand: the CPU and CUDA SDPA ops have no varlen
+    form, and this must also run under fake tensors."""
+    forward, _ = _resolve(check_kernel(kernel), q)
+    scale = _default_scale(q, scale)
+    for qa, qb, ka, kb in blocks:
+        o, l_ = forward(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], causal, scale)
+        yield (qa, qb), o, l_
+
+
+def attention_blocks_backward(dout, q, k, v, out, lse, *, causal: bool,
+                              scale: float | None = None, kernel: str = "auto",
+                              blocks: DocBlocks):
+    """Yield ``(q_start, q_end, k_start, k_end), dq_b, dk_b, dv_b`` per document block, from
+    the final ``out``/``lse`` (FlashAttention-2's backward needs only those). Documents are
+    disjoint, so the blocks' query ranges are, and their key ranges too."""
+    _, backward = _resolve(check_kernel(kernel), q)
+    scale = _default_scale(q, scale)
+    for qa, qb, ka, kb in blocks:
+        grads = backward(dout[:, qa:qb], q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], out[:, qa:qb],
+                         _kernel_lse(lse[:, :, qa:qb], q), causal, scale)
+        yield (qa, qb, ka, kb), *grads
+
+
+def _blockwise_forward(q, k, v, blocks, causal, scale, kernel):
+    """Every document block into one (out, lse)."""
+    b, sq, h, _ = q.shape
+    shape = (b, sq, h, v.shape[3])
+    if _covers_rows(blocks, sq):
+        out = q.new_empty(shape)
+        lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    else:  # rows without a visible key: output 0, LSE -inf (the merge's identity)
+        out = q.new_zeros(shape)
+        lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    for (qa, qb), o, l_ in attention_blocks_forward(q, k, v, causal=causal, scale=scale,
+                                                    kernel=kernel, blocks=blocks):
+        out[:, qa:qb] = o
+        lse[:, :, qa:qb] = l_
+        del o, l_
+    return out, lse
+
+
+def _blockwise_backward(dout, q, k, v, out, lse, blocks, causal, scale, kernel):
+    """Every document block's gradients into (dq, dk, dv) like (q, k, v), 0 outside them."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for (qa, qb, ka, kb), dq_b, dk_b, dv_b in attention_blocks_backward(
+            dout, q, k, v, out, lse, causal=causal, scale=scale, kernel=kernel, blocks=blocks):
+        dq[:, qa:qb] = dq_b
+        dk[:, ka:kb] = dk_b
+        dv[:, ka:kb] = dv_b
+        del dq_b, dk_b, dv_b
+    return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,6 +475,63 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
+def _varlen_ok(kernel: str, blocks: DocBlocks, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """flash-attn's varlen kernel runs ``blocks`` in one call when they are aligned (each
+    document's queries over its own keys, the ranges tiling both sequences) and the real
+    library is in use (the emulator's replacement is modelled block by block)."""
+    device_type, overrides, _ = _DISPATCH.get()
+    if kernel != "flash-attn" or "flash-attn" in overrides or q.shape[1] != k.shape[1]:
+        return False
+    if (device_type or q.device.type) != "cuda":
+        return False
+    edges = [0]
+    for qa, qb, ka, kb in blocks:
+        if (qa, qb) != (ka, kb) or qa != edges[-1]:
+            return False
+        edges.append(qb)
+    return edges[-1] == q.shape[1]
+
+
+def _varlen_meta(blocks: DocBlocks, b: int, s: int, device) -> tuple[torch.Tensor, int]:
+    """flash-attn's (cu_seqlens int32 (B*n+1,), max_seqlen) for the batch flattened to B*S
+    tokens: every sequence of the batch holds the same documents."""
+    edges = [qb for _, qb, _, _ in blocks]
+    cu = [0] + [i * s + e for i in range(b) for e in edges]
+    return torch.tensor(cu, dtype=torch.int32, device=device), max(
+        qb - qa for qa, qb, _, _ in blocks)
+
+
+def _flash_attn_varlen_forward(q, k, v, blocks, causal, scale):
+    """Aligned document blocks in one flash-attn varlen call; (B*S, H, D) packed tokens.
+    Its LSE is (H, B*S) (flash-attn >= 2.4's unpadded layout), returned as (B, H, S)."""
+    fa = _require_flash_attn()
+    b, s, h, _ = q.shape
+    cu, max_len = _varlen_meta(blocks, b, s, q.device)
+    out, lse, *_ = fa._flash_attn_varlen_forward(
+        q.reshape(b * s, h, -1), k.reshape(b * s, k.shape[2], -1),
+        v.reshape(b * s, v.shape[2], -1), cu, cu, max_len, max_len, dropout_p=0.0,
+        softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
+        softcap=0.0, alibi_slopes=None, return_softmax=False,
+    )
+    return out.view(b, s, h, -1), lse.view(h, b, s).transpose(0, 1)
+
+
+def _flash_attn_varlen_backward(dout, q, k, v, out, lse, blocks, causal, scale):
+    fa = _require_flash_attn()
+    b, s, h, _ = q.shape
+    cu, max_len = _varlen_meta(blocks, b, s, q.device)
+    flat = lambda x: x.reshape(b * s, x.shape[2], -1)  # noqa: E731
+    dq, dk, dv = torch.empty_like(flat(q)), torch.empty_like(flat(k)), torch.empty_like(flat(v))
+    fa._flash_attn_varlen_backward(
+        flat(dout), flat(q), flat(k), flat(v), flat(out),
+        lse.transpose(0, 1).reshape(h, b * s), dq, dk, dv, cu, cu, max_len, max_len,
+        dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1,
+        window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
+        rng_state=None,
+    )
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
 # ---------------------------------------------------------------------------------------------
 # FlashAttention-3 (Hopper, CUDA only)
 
@@ -426,19 +589,18 @@ class _Attention(torch.autograd.Function):
     """Autograd over the dispatch: saves q, k, v, out and lse, as every fused kernel does."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, kernel):
-        out, lse = attention_forward(q, k, v, causal=causal, scale=scale, kernel=kernel)
+    def forward(ctx, q, k, v, causal, scale, kernel, blocks):
+        out, lse = attention_forward(q, k, v, causal=causal, scale=scale, kernel=kernel,
+                                     blocks=blocks)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.kernel = causal, scale, kernel
+        ctx.kw = dict(causal=causal, scale=scale, kernel=kernel, blocks=blocks)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(
-            dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale, kernel=ctx.kernel
-        )
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, **ctx.kw)
+        return dq, dk, dv, None, None, None, None
 
 
 def attention(
@@ -449,6 +611,8 @@ def attention(
     causal: bool,
     scale: float | None = None,
     kernel: str = "auto",
+    blocks: DocBlocks | None = None,
 ) -> torch.Tensor:
-    """Differentiable attention, (B, S, Hq, D) x (B, S, Hkv, D) -> (B, S, Hq, D)."""
-    return _Attention.apply(q, k, v, causal, scale, check_kernel(kernel))
+    """Differentiable attention, (B, S, Hq, D) x (B, S, Hkv, D) -> (B, S, Hq, D); ``blocks``:
+    packed documents, as in :func:`attention_forward`."""
+    return _Attention.apply(q, k, v, causal, scale, check_kernel(kernel), blocks)

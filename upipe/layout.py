@@ -106,7 +106,7 @@ class SeqLayout:
             c = seq_len // (2 * w_out)  # zigzag chunk
             pair = [(outer * c, c), ((2 * w_out - 1 - outer) * c, c)]
             n = 2 * c // self.inner  # this rank's contiguous piece of the pair
-            return _slice_segments(pair, i * n, n)
+            return slice_segments(pair, i * n, n)
         out = []  # chunked
         for start in range(0, seq_len, self.chunk_size):
             n = min(self.chunk_size, seq_len - start) // world
@@ -146,7 +146,7 @@ class SeqLayout:
         return full
 
 
-def _slice_segments(segs: list[tuple[int, int]], start: int, n: int) -> list[tuple[int, int]]:
+def slice_segments(segs: list[tuple[int, int]], start: int, n: int) -> list[tuple[int, int]]:
     """Tokens [start, start+n) of the concatenation of ``segs``, as segments."""
     out, offset = [], 0
     for s, length in segs:

@@ -3,7 +3,9 @@
 ``ContextParallelAttention`` owns what is common: the constructor signature and its validation,
 the reference parameter names (``wq``, ``wk``, ``wv``, ``wo``; bias-free), the CP group, the
 sequence layout with its shard/unshard helpers, and RoPE tables for this rank's global positions.
-Subclasses implement ``forward(x_local) -> y_local`` with x_local (batch, seq_local, dim).
+Subclasses implement ``forward(x_local, cu_seqlens=None) -> y_local`` with x_local (batch,
+seq_local, dim) and ``cu_seqlens`` the packed documents' global cumulative lengths
+(``upipe.documents``); :meth:`ContextParallelAttention.documents` validates them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from upipe.comm import group_rank, group_size
+from upipe.documents import Documents, RingDocuments, documents
 from upipe.kernels import check_kernel
 from upipe.layout import SeqLayout, unshard_sequence
 from upipe.norm import norm_params
@@ -106,6 +109,9 @@ class ContextParallelAttention(nn.Module):
     #: checkpointing such a layer must do it reentrantly (forward under no_grad) for the
     #: activations not to live until backward (DeepSpeed's FPDT, baselines/ds_fpdt.py).
     checkpoint_reentrant: ClassVar[bool] = False
+    #: why this method cannot keep attention inside packed documents (``cu_seqlens``), or None
+    #: when it can; :meth:`documents` raises it, before any collective.
+    documents_unsupported: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -286,15 +292,40 @@ class ContextParallelAttention(nn.Module):
             raise ValueError("x_local must hold at least one token (seq_local > 0)")
         self.seq_layout.check_local(x.shape[1], self.cp)
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def documents(self, cu_seqlens, x: torch.Tensor) -> Documents | None:
+        """The packed documents of ``forward(x, cu_seqlens)``, validated before any collective.
+
+        None when there is nothing to mask (no ``cu_seqlens``, or one document: the unpacked
+        path, bit for bit). ValueError naming the rule otherwise (``upipe.documents.documents``)
+        or when this method cannot keep attention inside documents (``documents_unsupported``).
+        """
+        docs = documents(cu_seqlens, x.shape[1] * self.cp)
+        if docs is not None and self.documents_unsupported:
+            raise ValueError(f"method {self.registry_name!r} does not support cu_seqlens "
+                             f"(packed documents): {self.documents_unsupported}")
+        return docs
+
+    def ring_documents(self, docs: Documents | None) -> RingDocuments | None:
+        """What a ring over this method's CP ranks needs to know of ``docs``: the global tokens
+        each ring rank holds (a hybrid's ring axis: its whole zigzag pair, after the all-to-all
+        over the ulysses axis)."""
+        if docs is None:
+            return None
+        if self.ring_group is not None:
+            return RingDocuments(docs, SeqLayout("zigzag"), self.ring_degree)
+        return RingDocuments(docs, self.seq_layout, self.cp)
+
+    def project_qkv(
+        self, x: torch.Tensor, docs: Documents | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """All heads' projections of x (B, L, dim), the way every all-heads method starts.
 
-        Returns q (B, L, H, D) and k (B, L, Hkv, D) rotated at this rank's global positions,
-        and v (B, L, Hkv, D).
+        Returns q (B, L, H, D) and k (B, L, Hkv, D) rotated at this rank's global positions
+        (positions within their document when ``docs``), and v (B, L, Hkv, D).
         """
         b, l, _ = x.shape
         d = self.head_dim
-        cos, sin = self.rope(l, x)
+        cos, sin = self.rope(l, x, docs)
         q = self.wq(x).view(b, l, self.n_heads, d)
         k = self.wk(x).view(b, l, self.n_kv_heads, d)
         if self.q_norm is not None:
@@ -303,9 +334,15 @@ class ContextParallelAttention(nn.Module):
             k = self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), self.wv(x).view(b, l, -1, d)
 
-    def rope(self, seq_local: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin tables (seq_local, head_dim) for this rank's global token positions."""
-        pos = self.seq_layout.positions(seq_local, self.rank, self.cp, device=x.device)
+    def rope(self, seq_local: int, x: torch.Tensor,
+             docs: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables (seq_local, head_dim) for this rank's global token positions, or their
+        positions within their document when ``docs``."""
+        if docs is None:
+            pos = self.seq_layout.positions(seq_local, self.rank, self.cp, device=x.device)
+        else:
+            segs = self.seq_layout.segments(seq_local * self.cp, self.rank, self.cp)
+            pos = docs.positions(segs, device=x.device)
         return rope_tables(pos, self.head_dim, self.rope_theta, x.dtype,
                            self.rope_inv_freq, self.rope_scaling)
 

@@ -23,6 +23,12 @@ Causal masking depends on the sequence layout (``upipe.layout``):
   a later rank is seen whole but only by the second query chunk. Every step is half a block of
   work on every rank: balanced.
 
+Packed documents (``docs``, ``upipe.documents.RingDocuments``): each (query part, K/V block part)
+pair is restricted to the documents both contain, one dense kernel block per document, merged
+with the same LSE merge; a pair sharing no document is skipped (its K/V still travel on, so the
+P2P pattern and count are unchanged). Step 0 (a rank's own tokens over themselves) covers every
+query, so the running (out, lse) still starts from it.
+
 Pure PyTorch and torch.distributed (no flash-attn), so it runs on CPU/gloo and under
 FakeTensorMode with the fake process group; the kernel is ``upipe.kernels``' dispatch.
 """
@@ -34,7 +40,14 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from upipe.comm import group_rank, group_size
-from upipe.kernels import attention_backward, attention_forward, check_kernel
+from upipe.documents import DocBlocks, RingDocuments
+from upipe.kernels import (
+    attention_backward,
+    attention_blocks_backward,
+    attention_blocks_forward,
+    attention_forward,
+    check_kernel,
+)
 from upipe.merge import merge_attention
 
 ALL, FIRST, SECOND = slice(None), "first", "second"
@@ -92,6 +105,28 @@ def block_plan(step: int, rank: int, world: int, *, zigzag: bool, causal: bool):
     return (ALL, ALL, False) if src_earlier else None
 
 
+def _part_span(part, n: int) -> tuple[int, int] | None:
+    """(local start, length) of a zigzag half of n local tokens, None for all of them."""
+    if part is ALL:
+        return None
+    half = n // 2
+    return (0, half) if part == FIRST else (half, n - half)
+
+
+def step_blocks(step: int, rank: int, world: int, n_local: int, *, zigzag: bool, causal: bool,
+                docs: RingDocuments | None):
+    """:func:`block_plan` with packed documents: (query part, kv part, causal, blocks), blocks
+    None without documents; None when the step is masked or its parts share no document."""
+    plan = block_plan(step, rank, world, zigzag=zigzag, causal=causal)
+    if plan is None or docs is None:
+        return None if plan is None else (*plan, None)
+    qp, kvp, blk_causal = plan
+    src = (rank - step) % world
+    blocks: DocBlocks = docs.docs.blocks(docs.tokens(rank, _part_span(qp, n_local)),
+                                         docs.tokens(src, _part_span(kvp, n_local)))
+    return (qp, kvp, blk_causal, blocks) if blocks else None
+
+
 def _check_ring_input(q: torch.Tensor, zigzag: bool) -> None:
     if zigzag and q.shape[1] % 2:
         raise ValueError(
@@ -102,12 +137,14 @@ def _check_ring_input(q: torch.Tensor, zigzag: bool) -> None:
 def ring_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup | None, *,
     zigzag: bool, causal: bool, scale: float | None = None, kernel: str = "auto",
+    docs: RingDocuments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention forward on this rank's blocks (no autograd).
 
     Args:
         q: (B, L, H, D); k, v: (B, L, Hkv, D) -- this rank's tokens in the group's layout
             (contiguous, or zigzag when ``zigzag``); GQA via Hkv < H, K/V travel unexpanded.
+        docs: packed documents and the global tokens of each ring rank, or None.
     Returns:
         out (B, L, H, D) in q's dtype; lse (B, H, L) fp32.
     """
@@ -118,17 +155,25 @@ def ring_attention_forward(
     for step in range(comm.world):
         if step + 1 < comm.world:
             nxt = comm.start([k, v])
-        plan = block_plan(step, comm.rank, comm.world, zigzag=zigzag, causal=causal)
+        plan = step_blocks(step, comm.rank, comm.world, q.shape[1], zigzag=zigzag,
+                           causal=causal, docs=docs)
         if plan is not None:
-            qp, kvp, blk_causal = plan
-            o_b, lse_b = attention_forward(
-                _part(q, qp), _part(k, kvp), _part(v, kvp), causal=blk_causal, **kw
-            )
+            qp, kvp, blk_causal, blocks = plan
+            qs, ks, vs = _part(q, qp), _part(k, kvp), _part(v, kvp)
             if out is None:  # step 0 covers every query: start from it (no -inf arithmetic)
-                out, lse = o_b.float(), lse_b
-            else:
+                o_b, lse = attention_forward(qs, ks, vs, causal=blk_causal, blocks=blocks, **kw)
+                out = o_b.float()
+                del o_b
+            elif blocks is None:
+                o_b, lse_b = attention_forward(qs, ks, vs, causal=blk_causal, **kw)
                 merge_attention(_part(out, qp), _part(lse, qp, dim=2), o_b, lse_b)
-            del o_b, lse_b
+                del o_b, lse_b
+            else:  # each document's rows merged in place: no block-sized temporary
+                out_p, lse_p = _part(out, qp), _part(lse, qp, dim=2)
+                for (qa, qb), o_b, lse_b in attention_blocks_forward(
+                        qs, ks, vs, causal=blk_causal, blocks=blocks, **kw):
+                    merge_attention(out_p[:, qa:qb], lse_p[:, :, qa:qb], o_b, lse_b)
+                    del o_b, lse_b
         if step + 1 < comm.world:
             comm.wait()
             k, v = nxt
@@ -139,6 +184,7 @@ def ring_attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, group: ProcessGroup | None, *,
     zigzag: bool, causal: bool, scale: float | None = None, kernel: str = "auto",
+    docs: RingDocuments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`ring_attention_forward` from its merged ``out`` and ``lse``.
 
@@ -152,22 +198,31 @@ def ring_attention_backward(
     for step in range(kv_comm.world):
         if step + 1 < kv_comm.world:
             nxt = kv_comm.start([k, v])
-        plan = block_plan(step, kv_comm.rank, kv_comm.world, zigzag=zigzag, causal=causal)
+        plan = step_blocks(step, kv_comm.rank, kv_comm.world, q.shape[1], zigzag=zigzag,
+                           causal=causal, docs=docs)
         if dkv is None:  # step 0: this rank's own block starts its accumulators
             dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
         else:  # the accumulators of the block just received, from the previous rank
             d_comm.wait()
             dkv = recv_d
         if plan is not None:
-            qp, kvp, blk_causal = plan
-            dq_b, dk_b, dv_b = attention_backward(
-                _part(dout, qp), _part(q, qp), _part(k, kvp), _part(v, kvp), _part(out, qp),
-                _part(lse, qp, dim=2), causal=blk_causal, **kw,
-            )
-            _part(dq, qp).add_(dq_b)
-            _part(dkv[0], kvp).add_(dk_b)
-            _part(dkv[1], kvp).add_(dv_b)
-            del dq_b, dk_b, dv_b
+            qp, kvp, blk_causal, blocks = plan
+            parts = (_part(dout, qp), _part(q, qp), _part(k, kvp), _part(v, kvp), _part(out, qp),
+                     _part(lse, qp, dim=2))
+            targets = (_part(dq, qp), _part(dkv[0], kvp), _part(dkv[1], kvp))
+            if blocks is None:
+                dq_b, dk_b, dv_b = attention_backward(*parts, causal=blk_causal, **kw)
+                targets[0].add_(dq_b)
+                targets[1].add_(dk_b)
+                targets[2].add_(dv_b)
+                del dq_b, dk_b, dv_b
+            else:  # each document's gradients added in place: no block-sized temporary
+                for (qa, qb, ka, kb), dq_b, dk_b, dv_b in attention_blocks_backward(
+                        *parts, causal=blk_causal, blocks=blocks, **kw):
+                    targets[0][:, qa:qb].add_(dq_b)
+                    targets[1][:, ka:kb].add_(dk_b)
+                    targets[2][:, ka:kb].add_(dv_b)
+                    del dq_b, dk_b, dv_b
         if kv_comm.world > 1:  # pass them on; after the last step they reach their owner
             recv_d = d_comm.start(dkv)
         if step + 1 < kv_comm.world:
@@ -183,8 +238,8 @@ class _RingAttention(torch.autograd.Function):
     """Autograd over the ring: saves q, k, v, out and lse, as a fused kernel would."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, zigzag, causal, scale, kernel):
-        kw = dict(zigzag=zigzag, causal=causal, scale=scale, kernel=kernel)
+    def forward(ctx, q, k, v, group, zigzag, causal, scale, kernel, docs):
+        kw = dict(zigzag=zigzag, causal=causal, scale=scale, kernel=kernel, docs=docs)
         out, lse = ring_attention_forward(q, k, v, group, **kw)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.kw = group, kw
@@ -194,18 +249,21 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, ctx.group, **ctx.kw)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: ProcessGroup | None = None,
     zigzag: bool = False, causal: bool = True, scale: float | None = None, kernel: str = "auto",
+    docs: RingDocuments | None = None,
 ) -> torch.Tensor:
     """Differentiable ring attention, (B, L, H, D) x (B, L, Hkv, D) -> (B, L, H, D).
 
-    Inputs are this rank's tokens in the layout ``zigzag`` names (see the module docstring).
+    Inputs are this rank's tokens in the layout ``zigzag`` names (see the module docstring);
+    ``docs``: packed documents (attention stays inside each), or None.
     """
-    return _RingAttention.apply(q, k, v, group, zigzag, causal, scale, check_kernel(kernel))
+    return _RingAttention.apply(q, k, v, group, zigzag, causal, scale, check_kernel(kernel),
+                                docs)
 
 
 class SequenceAttention:
@@ -214,21 +272,25 @@ class SequenceAttention:
     Without ``ring_group`` it is the local kernel; with one (USP and UPipe on a 2-D mesh), the
     "full" sequence is only the ring rank's zigzag pair and the step is zigzag ring attention
     over the ring group. ``forward`` -> (out, lse); ``backward`` from the saved out and lse.
+    ``docs``: packed documents (``RingDocuments``: with a ring, the ring axis's tokens; without,
+    only its ``docs`` is read: the full sequence holds every document).
     """
 
     def __init__(self, *, causal: bool, scale: float | None = None, kernel: str = "auto",
-                 ring_group: ProcessGroup | None = None):
+                 ring_group: ProcessGroup | None = None, docs: RingDocuments | None = None):
         self.kw = dict(causal=causal, scale=scale, kernel=check_kernel(kernel))
-        self.ring_group = ring_group
+        self.ring_group, self.docs = ring_group, docs
+        self.blocks = None if docs is None else docs.docs.full_blocks()
 
     def forward(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ring_group is None:
-            return attention_forward(q, k, v, **self.kw)
-        return ring_attention_forward(q, k, v, self.ring_group, zigzag=True, **self.kw)
+            return attention_forward(q, k, v, blocks=self.blocks, **self.kw)
+        return ring_attention_forward(q, k, v, self.ring_group, zigzag=True, docs=self.docs,
+                                      **self.kw)
 
     def backward(self, dout, q, k, v, out, lse) -> tuple[torch.Tensor, ...]:
         if self.ring_group is None:
-            return attention_backward(dout, q, k, v, out, lse, **self.kw)
+            return attention_backward(dout, q, k, v, out, lse, blocks=self.blocks, **self.kw)
         return ring_attention_backward(
-            dout, q, k, v, out, lse, self.ring_group, zigzag=True, **self.kw
+            dout, q, k, v, out, lse, self.ring_group, zigzag=True, docs=self.docs, **self.kw
         )

@@ -25,6 +25,8 @@ import torch
 from torch.distributed import ProcessGroup
 
 from upipe.comm import group_size, head_to_seq, seq_to_head
+from upipe.documents import RingDocuments, documents
+from upipe.layout import SeqLayout
 from upipe.module import ContextParallelAttention, check_ulysses_heads
 from upipe.norm import norm_params, rms_norm, rms_norm_backward
 from upipe.registry import register_method
@@ -230,6 +232,7 @@ def upipe_attention(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
+    cu_seqlens=None,
 ) -> torch.Tensor:
     """UPipe attention for callers that keep their own projection weights.
 
@@ -247,6 +250,10 @@ def upipe_attention(
         bq, bk, bv: optional projection biases (n*D,) (Qwen2).
         q_norm, k_norm: optional (D,) weights of per-head RMSNorms applied before RoPE, with
             epsilon ``norm_eps`` (Qwen3; ``upipe.norm.rms_norm``).
+        cu_seqlens: packed documents' global cumulative lengths ``[0, l0, ..., S]`` (the same
+            on every rank; ``upipe.documents``): attention stays inside each document. RoPE is
+            the caller's: pass ``cos``/``sin`` at each token's position *within its document*
+            (``Documents.positions`` of this rank's layout segments).
 
     Returns:
         (B, L, dim_out) when ``wo`` is given, else the (B, L, n_heads, D) attention output before
@@ -256,9 +263,14 @@ def upipe_attention(
     check_ulysses_heads(n_heads, n_kv_heads, cp)
     u = cp if heads_per_stage is None else heads_per_stage  # 0 is refused, not the default
     plan = make_stage_plan(n_heads, n_kv_heads, cp, u)
+    ring = 1 if ring_group is None else group_size(ring_group)
+    docs = documents(cu_seqlens, x.shape[1] * cp * ring)
+    ring_docs = None if docs is None else RingDocuments(
+        docs, SeqLayout("zigzag") if ring_group is not None else SeqLayout(), ring)
     return _UPipeFunction.apply(
         x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, cos, sin, plan, group,
-        SequenceAttention(causal=causal, scale=scale, kernel=kernel, ring_group=ring_group),
+        SequenceAttention(causal=causal, scale=scale, kernel=kernel, ring_group=ring_group,
+                          docs=ring_docs),
         norm_eps,
     )
 
@@ -268,7 +280,8 @@ class UPipeAttention(ContextParallelAttention):
     """UPipe attention module, a drop-in for the reference Llama attention under CP.
 
     Extra option: ``heads_per_stage`` (U), default the CP degree; it must be a multiple of the CP
-    degree and divide ``n_heads``. forward(x_local (B, L, dim)) -> (B, L, dim).
+    degree and divide ``n_heads``. forward(x_local (B, L, dim), cu_seqlens=None) -> (B, L, dim);
+    with packed documents every stage's attention stays inside them.
 
     With ``mesh`` (2-D, axes ``ring`` x ``ulysses``; the paper's multi-node 8 x 2) the stages'
     all-to-alls run over the ulysses axis, U is a multiple of its size, and each stage's attention
@@ -296,9 +309,10 @@ class UPipeAttention(ContextParallelAttention):
         check_heads_per_stage(n_heads, ulysses_degree,
                               ulysses_degree if heads_per_stage is None else heads_per_stage)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
         self.check_input(x)
-        cos, sin = self.rope(x.shape[1], x)
+        docs = self.documents(cu_seqlens, x)
+        cos, sin = self.rope(x.shape[1], x, docs)
         d = self.head_dim
         norms = [None if n is None else norm_params(n, d, name)
                  for name, n in (("q_norm", self.q_norm), ("k_norm", self.k_norm))]
@@ -307,7 +321,8 @@ class UPipeAttention(ContextParallelAttention):
             x, self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight,
             self.wq.bias, self.wk.bias, self.wv.bias, *(None if n is None else n[0] for n in norms),
             cos, sin, self.plan, self.group,
-            SequenceAttention(causal=self.causal, kernel=self.kernel, ring_group=self.ring_group),
+            SequenceAttention(causal=self.causal, kernel=self.kernel, ring_group=self.ring_group,
+                              docs=self.ring_documents(docs)),
             eps,
         )
         return y if self.wo.bias is None else y + self.wo.bias

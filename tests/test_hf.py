@@ -138,7 +138,9 @@ def _bad_inputs() -> list:
     ids, _ = _batch()
     msgs.append(_error(hf.shard_batch, model, ids[:, :SEQ - 1]))  # not divisible by CP
     batch = hf.shard_batch(model, ids)
-    msgs.append(_error(model, **batch, attention_mask=torch.ones_like(batch["input_ids"])))
+    padding = torch.ones_like(batch["input_ids"])
+    padding[:, -1] = 0  # a padding mask (an all-ones one is accepted: tests/test_hf_packed.py)
+    msgs.append(_error(model, **batch, attention_mask=padding))
     msgs.append(_error(model, **batch, use_cache=True))
     msgs.append(_error(hf.parallelize, model, "ulysses"))  # twice
     dist.barrier()  # every rank got here: nothing hung

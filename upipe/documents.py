@@ -168,3 +168,33 @@ class RingDocuments:
         ``[part[0], part[0] + part[1])`` (a zigzag half)."""
         segs = self.layout.segments(self.docs.seq_len, rank, self.world)
         return segs if part is None else slice_segments(segs, *part)
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> list[int]:
+    """cu_seqlens of packed documents marked by ``position_ids`` that restart at 0 in each
+    document (transformers' ``DataCollatorWithFlattening`` convention).
+
+    Args:
+        position_ids: (S,) or (B, S) integers; every row must mark the same documents (one
+            ``cu_seqlens`` serves the whole batch) and count up by 1 inside each document.
+    Returns ``[0, l0, l0+l1, ..., S]``. Reads the values (a host sync on a device tensor): call
+    it on the full batch before sharding, not inside a step. ValueError naming the rule.
+    """
+    pos = position_ids if position_ids.dim() == 2 else position_ids.unsqueeze(0)
+    if pos.dim() != 2 or pos.dtype.is_floating_point or pos.is_complex():
+        raise ValueError(f"position_ids must be (batch, seq) integers, got {pos.dtype} of shape "
+                         f"{tuple(position_ids.shape)}")
+    pos = pos.cpu()
+    if not torch.equal(pos, pos[:1].expand_as(pos)):
+        raise ValueError("position_ids must mark the same documents in every row of the batch: "
+                         "pack the batch into one sequence (batch 1)")
+    row = pos[0]
+    starts = (row == 0).nonzero().flatten().tolist()
+    if not starts or starts[0] != 0:
+        raise ValueError("position_ids must start at 0 (documents restart at 0)")
+    step_ok = (row[1:] == row[:-1] + 1) | (row[1:] == 0)
+    if not bool(step_ok.all()):
+        bad = int((~step_ok).nonzero()[0]) + 1
+        raise ValueError(f"position_ids must count up by 1 inside a document and restart at 0, "
+                         f"got {int(row[bad - 1])} then {int(row[bad])} at index {bad}")
+    return [*starts, row.shape[0]]

@@ -15,6 +15,14 @@ shifts the labels *before* sharding (a token's target may live on the next rank)
     out = model(**shard_batch(model, input_ids))                  # labels default to input_ids
     out.loss.backward()   # this rank's token-loss sum / the batch's token count
 
+Packed documents (transformers' ``DataCollatorWithFlattening`` convention: ``position_ids`` that
+restart at 0 in each document) go through ``shard_batch(model, input_ids, labels,
+position_ids=...)``: it returns the documents' global ``cu_seq_lens_q``/``cu_seq_lens_k`` (the
+flash-attention kwargs transformers passes down to every attention module), with which attention
+never crosses a document and RoPE restarts in each, and labels with no target across a document
+boundary. ``position_ids`` given to the model directly are honoured when they are the tokens' own
+positions (those ``cu_seq_lens`` imply, or the global ones), and refused otherwise.
+
 ``out.loss`` summed over the CP ranks is the full sequence's mean token loss, and so are the
 gradients: sum them over the CP group (FSDP2 and DDP *average* over ranks, so scale the loss by
 the CP degree, or set FSDP2's gradient divide factor, when the CP ranks are also data ranks).
@@ -25,8 +33,9 @@ tiled MLPs and a chunked loss that never builds full logits (``out.logits`` is t
 
 Limits, each a ValueError at :func:`parallelize` or at the call (before any collective): causal
 self-attention without sliding windows, attention dropout, soft-capping or a non-default
-attention scale; no padding ``attention_mask`` (pack sequences instead) and no KV cache (training
-only); RoPE types whose frequencies depend on the length ("dynamic", "longrope") are refused.
+attention scale; no padding ``attention_mask`` (pack the documents instead; an all-ones mask, a
+tokenizer's default, is accepted) and no KV cache (training only); RoPE types whose frequencies
+depend on the length ("dynamic", "longrope") are refused.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from upipe.documents import cu_seqlens_from_position_ids, documents
 from upipe.integrations.hf_stack import apply_stack, check_stack
 from upipe.module import ContextParallelAttention
 from upipe.registry import build_method
@@ -65,11 +75,14 @@ def _never_called(module, *args, **kwargs):
 
 
 def _no_mask(*, attention_mask=None, **_) -> None:
-    """Mask builder for the converted model: the CP method masks causally by global position,
-    so no (L, L) mask is ever built; a padding mask cannot be honoured and is refused."""
-    if attention_mask is not None:
-        raise ValueError("attention_mask (padding) is not supported under context parallelism: "
-                         "pack the sequences to full length, or drop the mask")
+    """Mask builder for the converted model: the CP method masks causally by global position
+    (and by document with ``cu_seq_lens``), so no (L, L) mask is ever built. An all-ones mask
+    (no padding: what tokenizers return by default) is accepted; a padding mask cannot be
+    honoured and is refused."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("attention_mask with padding is not supported under context "
+                         "parallelism: pack the documents into full-length sequences and pass "
+                         "their position_ids to hf.shard_batch (documents are then kept apart)")
     return None
 
 
@@ -96,7 +109,8 @@ class CPSelfAttention(nn.Module):
         object.__setattr__(self, "method", method)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
-                past_key_values=None, cache=None, **kwargs) -> tuple[torch.Tensor, None]:
+                past_key_values=None, cache=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
+                **kwargs) -> tuple[torch.Tensor, None]:
         # the decoder layers pass the KV cache as ``past_key_values`` in older transformers and
         # as ``cache`` in newer ones (5.24 does; it deprecates ``past_key_values`` until 5.40)
         if past_key_values is not None or cache is not None:
@@ -104,10 +118,61 @@ class CPSelfAttention(nn.Module):
                              "parallelism: call the model with use_cache=False (training only)")
         if attention_mask is not None:
             raise ValueError("attention_mask is not supported under context parallelism")
-        return self.method(hidden_states), None
+        # position_embeddings / position_ids: the method rotates at each token's own position
+        # (global, or within its document); the model's hook checked any position_ids given
+        cu_seqlens = _cu_seqlens(cu_seq_lens_q, cu_seq_lens_k)
+        return self.method(hidden_states, cu_seqlens=cu_seqlens), None
 
     def extra_repr(self) -> str:
         return f"method={self.method.registry_name!r}, {self.method.extra_repr()}"
+
+
+def _cu_seqlens(cu_q, cu_k):
+    """The documents' cu_seqlens from transformers' flash-attention kwargs (self-attention:
+    both the same), as given (ints or a CPU tensor), or None."""
+    if cu_k is None or cu_q is None:
+        return cu_q if cu_k is None else cu_k
+    as_list = lambda c: c.tolist() if isinstance(c, torch.Tensor) else list(c)  # noqa: E731
+    if as_list(cu_q) != as_list(cu_k):
+        raise ValueError("cu_seq_lens_q and cu_seq_lens_k must be equal (self-attention over "
+                         "the same packed documents)")
+    return cu_q
+
+
+def _check_batch(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of a converted model: the packed documents and ``position_ids`` of a
+    call, checked once per step before any collective (layers get the cu_seq_lens as ints).
+
+    ``cu_seq_lens_q``/``_k`` (global, flash-attn's convention, from :func:`shard_batch` or a
+    flattening collator with batch 1) become a tuple of ints (one host read of a device
+    tensor). ``position_ids`` must be the positions the method rotates at: within each document
+    with cu_seq_lens, else the tokens' global positions; other values would need documents the
+    method was not given, so they are refused rather than ignored.
+    """
+    m = model.upipe_cp_method
+    x = kwargs.get("input_ids", args[0] if args else None)
+    if x is None:
+        x = kwargs.get("inputs_embeds")
+    if x is None:
+        return args, kwargs
+    cu = _cu_seqlens(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+    if isinstance(cu, torch.Tensor):
+        cu = cu.tolist()
+    docs = documents(cu, x.shape[1] * m.cp)
+    if cu is not None:
+        kwargs = dict(kwargs, cu_seq_lens_q=tuple(cu), cu_seq_lens_k=tuple(cu))
+    pos = kwargs.get("position_ids")
+    if pos is not None:
+        local = x.shape[1]
+        want = (m.seq_layout.positions(local, m.rank, m.cp) if docs is None else
+                docs.positions(m.seq_layout.segments(local * m.cp, m.rank, m.cp)))
+        if tuple(pos.shape[-1:]) != (local,) or not torch.equal(
+                pos.reshape(-1, local), want.to(pos.device).expand(pos.numel() // local, -1)):
+            raise ValueError("position_ids must be this rank's tokens' own positions (global, or "
+                             "within their document given cu_seq_lens_q/_k): packed documents "
+                             "go through hf.shard_batch(model, input_ids, labels, "
+                             "position_ids=<the full batch's>)")
+    return args, kwargs
 
 
 def _text_config(model: nn.Module):
@@ -221,14 +286,15 @@ def parallelize(
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     # layout, rank and CP degree for shard_batch; not a submodule (its parameters are the layer's)
     object.__setattr__(model, "upipe_cp_method", methods[0])
+    model.register_forward_pre_hook(_check_batch, with_kwargs=True)
     apply_stack(model, stack, methods[0].cp, methods[0].checkpoint_reentrant)
     return model
 
 
 def shard_batch(
     model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-    ignore_index: int = -100,
-) -> dict[str, torch.Tensor]:
+    position_ids: torch.Tensor | None = None, ignore_index: int = -100,
+) -> dict:
     """This rank's keyword arguments for ``model(**batch)`` from a full batch (same on every rank).
 
     Args:
@@ -236,11 +302,16 @@ def shard_batch(
             the CP degree, by 2x it for zigzag).
         labels: (B, S) unshifted targets as Hugging Face takes them (default ``input_ids``);
             ``ignore_index`` marks tokens without a loss.
+        position_ids: (S,) or (B, S) positions restarting at 0 in each packed document
+            (``DataCollatorWithFlattening``'s); every row must mark the same documents. None:
+            one unpacked sequence per row.
 
     Returns ``input_ids`` (B, S/C) in the method's layout; ``labels`` and ``shift_labels``
     (B, S/C): the globally shifted targets of the same tokens (the loss then skips its own
-    shift); ``num_items_in_batch``: the whole batch's count of target tokens (a tensor, no
-    host sync), so each rank's loss is its sum over that count.
+    shift), with no target across a document boundary (a document's last token has none);
+    ``num_items_in_batch``: the whole batch's count of target tokens (a tensor, no host sync),
+    so each rank's loss is its sum over that count; with several documents, ``cu_seq_lens_q``
+    and ``cu_seq_lens_k``: their global cumulative lengths (a tuple of ints).
     """
     m = getattr(model, "upipe_cp_method", None)
     if m is None:
@@ -251,12 +322,23 @@ def shard_batch(
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape "
                          f"{tuple(input_ids.shape)}")
-    m.seq_layout.check(input_ids.shape[1], m.cp)
+    s = input_ids.shape[1]
+    m.seq_layout.check(s, m.cp)
+    cu = None
+    if position_ids is not None:
+        if position_ids.shape[-1] != s:
+            raise ValueError(f"position_ids must have {s} positions per row (input_ids'), got "
+                             f"shape {tuple(position_ids.shape)}")
+        cu = cu_seqlens_from_position_ids(position_ids)
     shifted = F.pad(labels[:, 1:], (0, 1), value=ignore_index)  # token t predicts t + 1
+    if cu is not None and len(cu) > 2:
+        shifted[:, [end - 1 for end in cu[1:-1]]] = ignore_index  # next token: another document
     local = m.shard(shifted, dim=1).contiguous()  # the loss views it flat
-    return {"input_ids": m.shard(input_ids, dim=1).contiguous(), "labels": local,
-            "shift_labels": local,
-            "num_items_in_batch": (shifted != ignore_index).sum()}
+    batch = {"input_ids": m.shard(input_ids, dim=1).contiguous(), "labels": local,
+             "shift_labels": local, "num_items_in_batch": (shifted != ignore_index).sum()}
+    if cu is not None and len(cu) > 2:
+        batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = tuple(cu)
+    return batch
 
 
 __all__ = ["ATTN_IMPLEMENTATION", "CPSelfAttention", "parallelize", "shard_batch"]

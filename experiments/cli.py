@@ -148,13 +148,13 @@ def _print_row(a, row: dict, keys: list[str]) -> None:
         print(f"{k:24s} {json.dumps(v) if isinstance(v, dict) else v}{unit}", file=a.stdout)
 
 
-RUN_KEYS = ["status", "method", "seq_len", "nproc", "dp", "stack", "workload", "time_median_s",
-            "tokens_per_s_per_gpu", "peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
-            "peak_attention_bytes", "peak_other_bytes", "error"]
-EMULATE_KEYS = ["status", "method", "model", "seq_len", "nproc", "dp", "ring_degree", "stack",
-                "dtype", "emulation", "peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
-                "peak_attention_bytes", "peak_other_bytes", "peak_phase", "device_budget_bytes",
-                "host_budget_bytes", "host_pinned", "model_tflops_per_step",
+RUN_KEYS = ["status", "method", "seq_len", "doc_len", "nproc", "dp", "stack", "workload",
+            "time_median_s", "tokens_per_s_per_gpu", "peak_device_bytes", "peak_host_bytes",
+            "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes", "error"]
+EMULATE_KEYS = ["status", "method", "model", "seq_len", "doc_len", "nproc", "dp", "ring_degree",
+                "stack", "dtype", "emulation", "peak_device_bytes", "peak_host_bytes",
+                "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes", "peak_phase",
+                "device_budget_bytes", "host_budget_bytes", "host_pinned", "model_tflops_per_step",
                 "comm_bytes_per_step", "comm_bytes_by_op", "hardware_profile", "step_time_s",
                 "tokens_per_s_per_gpu", "mfu", "time_compute_s", "time_comm_exposed_s",
                 "time_offload_exposed_s", "time_overhead_s", "emulation_s", "error"]

@@ -111,6 +111,11 @@ def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
                         "Ulysses degree = nproc / ring degree (default 1)")
     p.add_argument("--chunk-size", type=size, default=None,
                    help="fpdt, ds-fpdt: global tokens per chunk (64K; default: the method's)")
+    p.add_argument("--doc-len", type=size, default=None,
+                   help="packed documents: tokens per document (4K); the sequence is cut into "
+                        "seq-len // doc-len documents, the last one holding the remainder, and "
+                        "attention, RoPE positions and labels stay inside each (default: one "
+                        "unpacked sequence; torch-cp, rfa-zigzag and ds-fpdt refuse it)")
     dtype_default = dtype or "fp32; with --emulate bf16, the paper's"
     p.add_argument("--dtype", default=dtype,
                    help=f"one of {', '.join(DTYPES)} (default {dtype_default})")
@@ -253,7 +258,7 @@ def cell_from_args(a: argparse.Namespace, *, emulated: bool = False) -> Cell:
     nproc, ring_degree = world_from_args(a, default_world)
     cell = Cell(method=a.method, model=a.model, seq_len=a.seq_len, nproc=nproc,
                 stack=a.stack or paper_stack(a.method), heads_per_stage=a.heads_per_stage,
-                ring_degree=ring_degree, chunk_size=a.chunk_size,
+                ring_degree=ring_degree, chunk_size=a.chunk_size, doc_len=a.doc_len,
                 dtype=a.dtype or ("bf16" if emulated else "fp32"),
                 kernel=a.kernel, overrides=parse_overrides(a.override),
                 budget_mib=a.budget_mib, warmup=getattr(a, "warmup", 1),

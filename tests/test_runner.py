@@ -183,8 +183,9 @@ def test_cli_list_and_dry_run(capsys):
     assert cat["methods"]["torch-cp"]["available"]  # torch's ring runs on CPU too
     code = main(["sweep", "--dry-run", "table3_llama3_8b_h100x8", "table3_llama3_8b_h100x8-cpu"])
     out = capsys.readouterr().out
-    # 7 methods x 8 lengths, each searched; the CPU one: 7 x 3 and two searches
+    # 7 methods x 8 lengths, each searched; the CPU one: 7 x 3, one packed UPipe cell and two
+    # searches
     assert "56 cells, 7 max-context searches" in out, out
-    assert "21 cells, 2 max-context searches" in out
+    assert "22 cells, 2 max-context searches" in out
     if {"torch-cp", "fpdt"} <= set(cat["methods"]):  # else INVALID until they are registered
         assert code == 0 and "INVALID" not in out, out

@@ -66,6 +66,10 @@ class Cell:
     input (the model preset gives its heads and width; stack and budget do not apply)"""
     dp: int = 1
     """data-parallel degree: CP groups, each training its own sequence (FSDP2 over all ranks)"""
+    doc_len: int | None = None
+    """tokens per packed document: the sequence is cut into seq_len // doc_len documents, the
+    last one holding the remainder; attention stays inside each document, RoPE positions
+    restart and no label crosses a boundary. None: one unpacked sequence"""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """free-form labels carried into the row (e.g. the sweep's ``rep``); not part of the id"""
 
@@ -107,6 +111,7 @@ class Cell:
             raise ValueError(f"dp must be 1 for the {self.workload!r} workload (data parallelism "
                              f"applies to the training step), got {self.dp}")
         cls = get_method(self.method)
+        self._check_documents(cls)
         options = self.method_options()
         for name in options:
             if not takes_option(cls, name):
@@ -117,6 +122,19 @@ class Cell:
                          ring_degree=self.ring_degree, seq_len=self.seq_len, **options)
         check_kernel(self.kernel)
         return model
+
+    def _check_documents(self, cls: type) -> None:
+        """doc_len: 1 <= doc_len <= seq_len (doc_len == seq_len is one document, which runs
+        the unpacked path), and a method that masks documents."""
+        if self.doc_len is None:
+            return
+        if not 1 <= self.doc_len <= self.seq_len:
+            raise ValueError(f"doc_len must be between 1 and seq_len ({self.seq_len}) tokens, "
+                             f"got {self.doc_len}")
+        refused = getattr(cls, "documents_unsupported", None)
+        if refused:
+            raise ValueError(f"doc_len (packed documents) is not supported by {self.method!r}: "
+                             f"{refused}")
 
     @property
     def world(self) -> int:
@@ -159,8 +177,9 @@ class Cell:
         rep = f"-r{self.extra['rep']}" if "rep" in self.extra else ""
         scope = "" if self.workload == "step" else f"-{self.workload}"
         dp = "" if self.dp == 1 else f"-D{self.dp}"
-        return (f"{self.method}{u}{r}{c}-{self.model}-{format_size(self.seq_len)}-p{self.nproc}"
-                f"{dp}-{self.stack}-{self.dtype}{scope}{rep}-{digest}")
+        docs = "" if self.doc_len is None else f"-d{format_size(self.doc_len)}"
+        return (f"{self.method}{u}{r}{c}-{self.model}-{format_size(self.seq_len)}{docs}"
+                f"-p{self.nproc}{dp}-{self.stack}-{self.dtype}{scope}{rep}-{digest}")
 
 
 # Method-specific constructor options a cell can set; each applies to the methods whose
@@ -173,7 +192,8 @@ WORKLOADS = ("step", "attention")
 
 # Cell fields added after the first committed results, with their defaults: they enter a cell's
 # id only when they differ from these (see cell_id), so ids stay stable as fields are added.
-_LATER_FIELDS = {"ring_degree": 1, "chunk_size": None, "workload": "step", "dp": 1}
+_LATER_FIELDS = {"ring_degree": 1, "chunk_size": None, "workload": "step", "dp": 1,
+                 "doc_len": None}
 
 
 def takes_option(method_cls: type, name: str) -> bool:

@@ -20,7 +20,7 @@ from experiments.config.search import SearchSpec
 from experiments.config.sizes import parse_size
 
 # Cell fields given in tokens: a declaration may write them as "128K" or "1M"
-SIZE_FIELDS = ("seq_len", "chunk_size")
+SIZE_FIELDS = ("seq_len", "chunk_size", "doc_len")
 PLOTS = ("max_context", "memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses",
          "memory_ladder", "heads_per_stage", "memory_wall")
 THROUGHPUT_PLOTS = ("throughput_vs_seq", "throughput_vs_ulysses")  # need step times
@@ -43,6 +43,9 @@ class Sweep:
     axes: dict = field(default_factory=dict)
     """Cell field -> values, expanded as a product; a dict value sets several fields at once
     (e.g. ``{"method": "upipe", "heads_per_stage": 16}``)"""
+    extra_cells: tuple[dict, ...] = ()
+    """cells outside the product, each Cell fields over ``base`` (e.g. one packed-documents
+    row beside the grid); run after the grid's cells, never searched"""
     search: SearchSpec | None = None
     """also search the maximum context of every expanded cell but its seq_len"""
     search_axes: tuple[str, ...] = ("variant",)
@@ -90,15 +93,16 @@ class Sweep:
                     fields_.update(val)
                 else:
                     fields_[name] = val
-            out.append({k: parse_size(v) if k in SIZE_FIELDS and isinstance(v, str) else v
-                        for k, v in fields_.items()})
+            out.append(_sizes(fields_))
         return out
 
     def cells(self) -> list[Cell]:
-        """Every run cell (x repeats), short sequences first so results arrive early."""
-        cells = [Cell(**f, extra={"rep": r} if self.repeats > 1 else {})
-                 for f in self._products(self.axes) for r in range(self.repeats)]
-        return sorted(cells, key=lambda c: c.seq_len)
+        """Every run cell (x repeats): the grid's, short sequences first so results arrive
+        early, then ``extra_cells``."""
+        rep = [{"rep": r} if self.repeats > 1 else {} for r in range(self.repeats)]
+        grid = [Cell(**f, extra=e) for f in self._products(self.axes) for e in rep]
+        extra = [Cell(**_sizes(self.base | f), extra=e) for f in self.extra_cells for e in rep]
+        return sorted(grid, key=lambda c: c.seq_len) + extra
 
     def search_cells(self) -> list[Cell]:
         """One base cell per max-context search (its seq_len is replaced while searching)."""
@@ -134,3 +138,9 @@ class Sweep:
     def with_overrides(self, **base) -> Sweep:
         """The sweep with base fields replaced (``nproc`` from the launcher, for instance)."""
         return dataclasses.replace(self, base=dict(self.base) | base)
+
+
+def _sizes(fields_: dict) -> dict:
+    """Cell fields with the token counts of ``SIZE_FIELDS`` parsed ("128K" -> 131072)."""
+    return {k: parse_size(v) if k in SIZE_FIELDS and isinstance(v, str) else v
+            for k, v in fields_.items()}

@@ -35,6 +35,7 @@ from experiments.emulation.profile import Profile, profile_for
 from experiments.emulation.time_model import price, step_time
 from experiments.harness.flops import step_flops
 from experiments.harness.launch import describe, unrun
+from experiments.harness.train import packed_cu_seqlens
 from experiments.provenance import provenance
 from upipe.kernels import kernel_unavailable_reason
 from upipe.registry import get_method
@@ -88,7 +89,8 @@ def _row_metrics(cell: Cell, cfg: ModelConfig, hw: Hardware, m: Measurement) -> 
         # this rank's FLOPs counted per op (recomputation included, attention dense, as torch's
         # formulas count it) beside the shared model-FLOPs formula over all ranks (dp sequences)
         "rank_flops_per_step": m.flops,
-        "model_tflops_per_step": cell.dp * step_flops(cfg, cell.seq_len) / 1e12,
+        "model_tflops_per_step": cell.dp * step_flops(
+            cfg, cell.seq_len, packed_cu_seqlens(cell.seq_len, cell.doc_len)) / 1e12,
         "comm_bytes_per_step": None if m.comm_bytes is None else sum(m.comm_bytes.values()),
         "comm_bytes_by_op": m.comm_bytes,
     } | hw.columns(cell.method)
@@ -102,7 +104,8 @@ def time_columns(cell: Cell, cfg: ModelConfig, profile: Profile | None, m: Measu
     pinned = pin_host_memory(cell.seq_len)
     t = step_time([(w, price(work, profile, pinned)) for w, work in m.work], profile)
     peak = profile.peak_flops(cell.dtype)
-    flops = cell.dp * step_flops(cfg, cell.seq_len)  # every replica's sequence
+    # every replica's sequence
+    flops = cell.dp * step_flops(cfg, cell.seq_len, packed_cu_seqlens(cell.seq_len, cell.doc_len))
     return {
         "hardware_profile": profile.name, "step_time_s": t.step_s,
         "tokens_per_s_per_gpu": cell.dp * cell.seq_len / cell.world / t.step_s,

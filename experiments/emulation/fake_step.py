@@ -146,7 +146,7 @@ def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True,
                 with tracker:
                     tracker.track(model, state.tokens, state.labels, states, category="model")
                     with tracker.phase("forward"):
-                        loss_sum = model(state.tokens, state.labels)
+                        loss_sum = state.loss_sum()
                     with tracker.phase("backward"):
                         (loss_sum / state.n_label_tokens).backward()
                     with tracker.phase("optimizer"), tracker.category("model"):

@@ -25,10 +25,11 @@ of the same phase takes over. The fit therefore works phase by phase:
   window from the 4-layer samples (``work_fit``).
 
 Lattice: Q = lcm(P x dim (the tiled MLP's shards of dim tokens), 2 x P x 128 (zigzag halves
-and the flash kernels' 128-row blocks), the method's chunk size). Off the lattice (e.g.
-Qwen3-32B's dim 5120 over 16 ranks at multiples of 64K tokens) the MLP's shards are a little
-shorter than dim: the lines are still evaluated at S, exact for the phases whose tensors scale
-with S (attention, loss, checkpoints), approximate by part of one shard's scratch in the MLP's.
+and the flash kernels' 128-row blocks), the method's chunk size, a packed cell's doc_len). Off
+the lattice (e.g. Qwen3-32B's dim 5120 over 16 ranks at multiples of 64K tokens) the MLP's
+shards are a little shorter than dim: the lines are still evaluated at S, exact for the phases
+whose tensors scale with S (attention, loss, checkpoints), approximate by part of one shard's
+scratch in the MLP's (and, packed, by the last document's remainder).
 tests/test_emulate.py checks predictions against exact emulations of the target.
 """
 
@@ -74,10 +75,16 @@ def _first_quantum(cell: Cell, q: int, dim: int) -> int:
 
 
 def lattice(cell: Cell, dim: int) -> int:
-    """The global-token quantum Q on which every allocation of the step is affine in S."""
+    """The global-token quantum Q on which every allocation of the step is affine in S.
+
+    A packed cell's documents (``doc_len``) divide Q: at every sample length they are all
+    ``doc_len`` long, so each document's attention block is the same and their count is linear
+    in S (off the lattice the last one holds the remainder).
+    """
     q = math.lcm(cell.nproc * dim, 2 * cell.nproc * 128)
     chunk = sequence_chunk(cell)
-    return math.lcm(q, chunk) if chunk else q
+    q = math.lcm(q, chunk) if chunk else q
+    return math.lcm(q, cell.doc_len) if cell.doc_len else q
 
 
 def _role(i: int, n: int) -> str:

@@ -2,7 +2,8 @@
 
 A cell with ``workload="attention"`` runs here instead of a training step: the cell's method
 (any registered one, with its options and, for hybrids, its (ring, ulysses) mesh) is built for
-the model preset's heads and width, and runs forward and backward on random input, batch 1.
+the model preset's heads and width, and runs forward and backward on random input, batch 1
+(packed into the cell's documents when ``doc_len`` is set).
 Everything else is the main harness's (``measure``): the same launcher, warm-up and tracked
 memory steps, then ``iters`` timed steps after a barrier each, the slowest rank per step
 (``stats.summarise``), and the same row columns, so its rows compare with sweep rows.
@@ -33,7 +34,12 @@ from experiments.harness.stats import (
     summarise,
     timed,
 )
-from experiments.harness.train import TORCH_DTYPES, attention_mesh, current_device
+from experiments.harness.train import (
+    TORCH_DTYPES,
+    attention_mesh,
+    current_device,
+    packed_cu_seqlens,
+)
 from experiments.instruments.memory import MemoryTracker
 from upipe.registry import build_method
 
@@ -52,16 +58,18 @@ def build_attention(cell: Cell, cfg: ModelConfig, device: torch.device) -> nn.Mo
     return module.to(TORCH_DTYPES[cell.dtype])
 
 
-def _step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> None:
+def _step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor,
+          cu_seqlens: list[int] | None) -> None:
     module.zero_grad(set_to_none=True)
     x.grad = None
-    module(x).backward(dy)
+    module(x, cu_seqlens=cu_seqlens).backward(dy)
 
 
 def memory_steps(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, steps: int,
                  device: torch.device, progress: Progress | None = None,
-                 total: int = 0) -> dict:
-    """``steps`` steps under the tracker; this rank's memory figures."""
+                 total: int = 0, cu_seqlens: list[int] | None = None) -> dict:
+    """``steps`` steps under the tracker; this rank's memory figures (``cu_seqlens``: packed
+    documents' global bounds)."""
     reset_device_peaks(device)
     backend = dist.get_backend() if dist.is_initialized() else None
     tracker = MemoryTracker(settle_comm=backend == "gloo")
@@ -72,7 +80,7 @@ def memory_steps(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, steps: in
         tracker.track(x, dy, category="other")
         for i in range(steps):
             with tracker.category("attention"):
-                _step(module, x, dy)
+                _step(module, x, dy, cu_seqlens)
             if progress is not None:
                 progress(f"step {i + 1}/{total} (warm-up and memory, tracked)")
     return memory_figures(tracker, device)
@@ -91,10 +99,11 @@ def measure_attention(cell: Cell, cfg: ModelConfig, progress: bool = False) -> d
     dy = torch.randn(shape, generator=gen, dtype=dtype).to(device)
     set_device_budget(cell, device)
     total = cell.warmup + 1 + cell.iters
-    mem = memory_steps(module, x, dy, cell.warmup + 1, device, say, total)
+    cu_seqlens = packed_cu_seqlens(cell.seq_len, cell.doc_len)
+    mem = memory_steps(module, x, dy, cell.warmup + 1, device, say, total, cu_seqlens)
     status, error = budget_status(cell, mem, device)
     iters = cell.iters if status == Status.OK else 0
-    times = timed(lambda: _step(module, x, dy), iters, device, say, first=cell.warmup + 1,
-                  total=cell.warmup + 1 + iters)
+    times = timed(lambda: _step(module, x, dy, cu_seqlens), iters, device, say,
+                  first=cell.warmup + 1, total=cell.warmup + 1 + iters)
     row = summarise(cell, cfg, gather({"times": times, **mem}), device, flops=None)
     return row | {"status": status, "error": error}

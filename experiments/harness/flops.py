@@ -2,12 +2,16 @@
 
 Per training step of S tokens: ``6 * N * S + 6 * n_layers * H * d_h * S**2``, where N counts the
 matrix-multiply parameters (every linear layer and the output head; not the embedding lookup).
+With packed documents of lengths l_i, attention runs within each: ``S**2`` becomes the sum of
+``l_i**2``.
 That is PaLM's formula (Chowdhery et al. 2022, appendix B: 6N + 12·L·H·Q·T per token) with the
 attention term halved for causal masking; backward = 2x forward. Activation-checkpoint
 recomputation is not counted (MFU, not hardware FLOPs utilisation).
 """
 
 from __future__ import annotations
+
+import itertools
 
 from experiments.config import ModelConfig
 
@@ -22,10 +26,13 @@ def matmul_params(cfg: ModelConfig) -> int:
     return cfg.n_layers * (attn + 3 * cfg.dim * cfg.ffn_dim) + cfg.vocab_size * cfg.dim
 
 
-def step_flops(cfg: ModelConfig, seq_len: int) -> float:
-    """Model FLOPs of one forward+backward over ``seq_len`` tokens (all ranks together)."""
+def step_flops(cfg: ModelConfig, seq_len: int, cu_seqlens: list[int] | None = None) -> float:
+    """Model FLOPs of one forward+backward over ``seq_len`` tokens (all ranks together), of
+    packed documents when ``cu_seqlens`` (global bounds) is given."""
     dense = 6 * matmul_params(cfg) * seq_len
-    attention = 6 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len**2
+    bounds = cu_seqlens or [0, seq_len]
+    squares = sum((b - a) ** 2 for a, b in itertools.pairwise(bounds))
+    attention = 6 * cfg.n_layers * cfg.n_heads * cfg.head_dim * squares
     return float(dense + attention)
 
 

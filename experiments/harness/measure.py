@@ -61,7 +61,7 @@ def memory_steps(state: TrainState, steps: int, device: torch.device,
         with tracker:
             tracker.track(model, state.tokens, state.labels, category="model")
             for i in range(steps):
-                loss_sum = model(state.tokens, state.labels)
+                loss_sum = state.loss_sum()
                 (loss_sum / state.n_label_tokens).backward()
                 with tracker.category("model"):  # AdamW's states
                     opt.step()
@@ -95,7 +95,8 @@ def measure_cell(cell: Cell, cfg: ModelConfig, progress: bool = False) -> dict:
     if dist.is_initialized():
         dist.all_reduce(loss)
     per_rank = gather({"times": times, **mem})
-    row = summarise(cell, cfg, per_rank, device, cell.dp * step_flops(cfg, cell.seq_len))
+    flops = cell.dp * step_flops(cfg, cell.seq_len, state.cu_seqlens)
+    row = summarise(cell, cfg, per_rank, device, flops)
     row.update(status=status, error=error,
                losses=[float(v) / state.n_label_tokens for v in loss.cpu()])
     return row

@@ -75,7 +75,8 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """One decoder layer; ``forward(x (B, L, dim)) -> (B, L, dim)``."""
+    """One decoder layer; ``forward(x (B, L, dim), cu_seqlens=None) -> (B, L, dim)``
+    (``cu_seqlens``: the packed documents' global bounds, passed to the attention)."""
 
     def __init__(self, cfg: ModelConfig, attention: nn.Module, stack: StackConfig,
                  offload: bool = False):
@@ -96,8 +97,8 @@ class Block(nn.Module):
     def _per_token(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return tiled(module, x) if self.stack.tiled else module(x)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self._per_token(self.attention_norm, x))
+    def _forward(self, x: torch.Tensor, cu_seqlens: list[int] | None) -> torch.Tensor:
+        h = x + self.attention(self._per_token(self.attention_norm, x), cu_seqlens=cu_seqlens)
         return h + self._per_token(self.feed_forward, self._per_token(self.ffn_norm, h))
 
     @property
@@ -105,20 +106,22 @@ class Block(nn.Module):
         """Checkpoint this block reentrantly: the stack's choice or the attention's need."""
         return self.stack.reentrant or getattr(self.attention, "checkpoint_reentrant", False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: list[int] | None = None) -> torch.Tensor:
         if not self.stack.checkpoint:
-            return self._forward(x)
+            return self._forward(x, cu_seqlens)
         # Either checkpoint saves only the block input (non-reentrant: its placeholder; reentrant:
         # the Function's save_for_backward), through the saved-tensor hooks active *outside* it:
-        # that is where the offload hooks go.
+        # that is where the offload hooks go. ``cu_seqlens`` (host ints) is a non-tensor
+        # argument: both checkpoints keep it as is and pass it again to the recomputation.
         ctx = (offload_saved_inputs(self.host_context, self.pin_memory) if self.offload
                else contextlib.nullcontext())
         with ctx:
-            return checkpoint(self._forward, x, use_reentrant=self.reentrant)
+            return checkpoint(self._forward, x, cu_seqlens, use_reentrant=self.reentrant)
 
 
 class Transformer(nn.Module):
-    """The decoder; ``forward(tokens, labels) -> summed token loss`` (fp32 scalar).
+    """The decoder; ``forward(tokens, labels, cu_seqlens=None) -> summed token loss`` (fp32
+    scalar); ``cu_seqlens``: packed documents' global bounds (host ints), to every attention.
 
     Args:
         cfg: model shape.
@@ -182,10 +185,11 @@ class Transformer(nn.Module):
             if pin_memory is not None and hasattr(m, "pin_memory"):
                 m.pin_memory = pin_memory
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor,
+                cu_seqlens: list[int] | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h, cu_seqlens)
         h = tiled(self.norm, h) if self.stack.tiled else self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         if self.stack.chunked_loss:
@@ -196,12 +200,17 @@ class Transformer(nn.Module):
                                reduction="sum")
 
 
-def shifted_labels(tokens: torch.Tensor) -> torch.Tensor:
-    """Next-token labels for a full (B, S) sequence; the last position is ignored.
+def shifted_labels(tokens: torch.Tensor, cu_seqlens: list[int] | None = None) -> torch.Tensor:
+    """Next-token labels for a full (B, S) sequence; the last position is ignored, and with
+    packed documents (``cu_seqlens``, global bounds) the last position of every document: its
+    next token starts another document.
 
     Shift the *full* sequence, then shard tokens and labels with the same layout: a rank's last
     label is then the next rank's first token, exactly as on one device.
     """
     labels = torch.full_like(tokens, IGNORE_INDEX)
     labels[:, :-1] = tokens[:, 1:]
+    for end in cu_seqlens or ():
+        if end > 0:  # an empty first document ends at 0: no last token
+            labels[:, end - 1] = IGNORE_INDEX
     return labels

@@ -8,13 +8,15 @@ ranks (a 1-D "fsdp" mesh over the world), one unit per block plus the root; mixe
 a ``MixedPrecisionPolicy`` (compute in the cell's dtype, gradient reductions in fp32); AdamW;
 batch 1 per replica; the loss is the mean over every labelled token of the replicas'
 sequences, with labels shifted on each full sequence before sharding so rank boundaries are
-handled as on one device.
+handled as on one device. A packed cell (``Cell.doc_len``) cuts each sequence into documents
+(``packed_cu_seqlens``): the attention stays inside them and no label crosses a boundary.
 
 Gradient scaling: each rank's loss is its *partial sum* divided by the step's label count
-(dp x (S - 1)), so the true gradient (the mean over the replicas' sequences of equal length,
-i.e. the average of their per-sequence mean gradients) is the sum of all ranks' gradients;
-FSDP2 is told to sum (``set_gradient_divide_factor(1.0)``, as a plain SUM collective) instead
-of averaging over the world, which would also divide the CP partial sums.
+(dp x (S - D), D documents per sequence, 1 unpacked), so the true gradient (the mean over the
+replicas' sequences of equal length, i.e. the average of their per-sequence mean gradients) is
+the sum of all ranks' gradients; FSDP2 is told to sum (``set_gradient_divide_factor(1.0)``, as
+a plain SUM collective) instead of averaging over the world, which would also divide the CP
+partial sums.
 """
 
 from __future__ import annotations
@@ -48,12 +50,17 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     tokens: torch.Tensor  # (1, L) int64, this rank's shard of its replica's sequence
     labels: torch.Tensor  # (1, L) int64, next tokens of that full sequence, sharded alike
-    n_label_tokens: int  # tokens with a label in the whole step: dp x (S - 1)
+    n_label_tokens: int  # tokens with a label in the whole step: dp x (S - documents)
     mesh: DeviceMesh | None  # FSDP2's 1-D "fsdp" mesh over every rank; None: one process
+    cu_seqlens: list[int] | None = None  # packed documents' global bounds; None: unpacked
+
+    def loss_sum(self) -> torch.Tensor:
+        """The forward: this rank's summed token loss (fp32 scalar)."""
+        return self.model(self.tokens, self.labels, self.cu_seqlens)
 
     def step(self) -> torch.Tensor:
         """One forward/backward/AdamW step; returns this rank's summed loss (detached)."""
-        loss_sum = self.model(self.tokens, self.labels)
+        loss_sum = self.loss_sum()
         (loss_sum / self.n_label_tokens).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -156,6 +163,18 @@ def replica_tokens(cell: Cell, vocab_size: int, dp_rank: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (1, cell.seq_len), generator=gen)
 
 
+def packed_cu_seqlens(seq_len: int, doc_len: int | None) -> list[int] | None:
+    """The global cumulative document lengths of a packed cell: ``seq_len // doc_len``
+    documents of ``doc_len`` tokens, the last one holding the remainder, e.g. (10, 4) ->
+    [0, 4, 10]. None (unpacked) for ``doc_len`` None."""
+    if doc_len is None:
+        return None
+    if not 1 <= doc_len <= seq_len:
+        raise ValueError(f"doc_len must be between 1 and seq_len ({seq_len}), got {doc_len}")
+    n = seq_len // doc_len
+    return [i * doc_len for i in range(n)] + [seq_len]
+
+
 def build(cell: Cell, cfg: ModelConfig, distributed: bool = True,
           meshes: Meshes | None = None, device: torch.device | None = None) -> TrainState:
     """Everything a rank needs for ``cell``; under torch.distributed the world is the cell's
@@ -175,7 +194,9 @@ def build(cell: Cell, cfg: ModelConfig, distributed: bool = True,
     optimizer = torch.optim.AdamW(model.parameters(), lr=cell.lr, betas=(0.9, 0.95),
                                   weight_decay=0.1, foreach=True)
     full = replica_tokens(cell, cfg.vocab_size, meshes.dp_rank if meshes is not None else 0)
+    cu_seqlens = packed_cu_seqlens(cell.seq_len, cell.doc_len)
     tokens = model.shard(full).to(device)
-    labels = model.shard(shifted_labels(full)).to(device)
-    return TrainState(model, optimizer, tokens, labels, cell.dp * (cell.seq_len - 1),
-                      None if meshes is None else meshes.fsdp)
+    labels = model.shard(shifted_labels(full, cu_seqlens)).to(device)
+    n_docs = 1 if cu_seqlens is None else len(cu_seqlens) - 1  # none empty: doc_len >= 1
+    return TrainState(model, optimizer, tokens, labels, cell.dp * (cell.seq_len - n_docs),
+                      None if meshes is None else meshes.fsdp, cu_seqlens)

@@ -37,7 +37,7 @@ from experiments.reporting.plots import memory_unit  # noqa: F401  (the notebook
 from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
 
 SCALES = {"paper": "", "cpu": "-cpu", "emulated": "-emulated"}  # scale -> sweep-name suffix
-VARIANT_COLUMNS = ["method", "heads_per_stage", "ring_degree", "chunk_size", "nproc"]
+VARIANT_COLUMNS = ["method", "heads_per_stage", "ring_degree", "chunk_size", "nproc", "doc_len"]
 # columns of rows.csv the notebooks read beyond ROW_COLUMNS (absent ones load as NaN)
 ROW_EXTRA = ["iters", "workload", "model_n_heads", "attention_peak_bytes"]
 
@@ -173,15 +173,15 @@ def inventory(results: Path) -> pd.DataFrame:
 
 
 def relative_variant(method: str, heads_per_stage: float, ring_degree: float,
-                     nproc: float) -> str:
+                     nproc: float, doc_len: float | None = None) -> str:
     """A variant's name that reads the same at every scale: U in units of the Ulysses degree
     C = nproc / ring_degree ('upipe U=2C'), hybrids by their ring degree ('usp ring=2'), FPDT
-    without its chunk size ('fpdt')."""
+    without its chunk size ('fpdt'), packed documents without their length ('upipe packed')."""
     label = method if ring_degree == 1 else f"{method} ring={ring_degree:g}"
     if pd.notna(heads_per_stage):
         k = heads_per_stage / (nproc / ring_degree)
         label += " U=C" if k == 1 else f" U={k:g}C"
-    return label
+    return label + (" packed" if pd.notna(doc_len) else "")
 
 
 def variant_order(df: pd.DataFrame) -> list[str]:
@@ -215,7 +215,8 @@ def load(dirs: Mapping[str, Path] | Iterable[Path], table: str = ROWS,
     df = df.reindex(columns=list(dict.fromkeys([*columns, *df.columns, "scale", "artefact",
                                                 "ladder"])))
     if relative:
-        options = (df[c] for c in ["method", "heads_per_stage", "ring_degree", "nproc"])
+        options = (df[c] for c in ["method", "heads_per_stage", "ring_degree", "nproc",
+                                   "doc_len"])
         df["variant"] = [relative_variant(*v) for v in zip(*options, strict=True)]
     else:
         options = (df[c] for c in VARIANT_COLUMNS)

@@ -56,12 +56,13 @@ METHOD_NAMES = {"fpdt": "fpdt (upipe's, ALST stack)", "ds-fpdt": "ds-fpdt (DeepS
 
 def variant_label(method: str, heads_per_stage: float | None = None,
                   ring_degree: float | None = None, chunk_size: float | None = None,
-                  nproc: float | None = None) -> str:
+                  nproc: float | None = None, doc_len: float | None = None) -> str:
     """A method and the options that make it a distinct variant (NaN/None: not set).
 
     ('upipe', 8.0) -> 'upipe U=8'; ('ulysses', nan) -> 'ulysses'; hybrids as Ulysses x ring
     degrees, the paper's notation: ('usp', nan, 2, nan, 16) -> 'usp 8x2'; FPDT's chunk in
-    tokens: ('fpdt', nan, 1, 1024) -> 'fpdt c=1K'.
+    tokens: ('fpdt', nan, 1, 1024) -> 'fpdt c=1K'; packed documents by their length:
+    ('upipe', nan, 1, nan, 4, 2048) -> 'upipe doc=2K'.
     """
     parts = [METHOD_NAMES.get(str(method), str(method))]
     if _given(ring_degree) and ring_degree > 1:
@@ -71,10 +72,14 @@ def variant_label(method: str, heads_per_stage: float | None = None,
         parts.append(f"U={int(heads_per_stage)}")
     if _given(chunk_size):
         parts.append(f"c={format_tokens(chunk_size)}")
+    if _given(doc_len):
+        parts.append(f"doc={format_tokens(doc_len)}")
     return " ".join(parts)
 
 
-VARIANT = ("method", "heads_per_stage", "ring_degree", "chunk_size")  # what variant_label reads
+# what variant_label reads, in its order (nproc between: a setting, not a variant's option)
+VARIANT = ("method", "heads_per_stage", "ring_degree", "chunk_size")
+VARIANT_LAST = ("nproc", "doc_len")
 
 
 def _column(df: pd.DataFrame, col: str) -> pd.Series:
@@ -141,7 +146,7 @@ def _labelled(df: pd.DataFrame, vary: Sequence[str] = SETTINGS
 
     A `vary` column that is one value per variant (torch-cp on the ``native`` stack, the rest on
     ``alst``) is named only on the variants that differ from the most common value."""
-    cols = [df[c] for c in (*VARIANT, "nproc")]
+    cols = [_column(df, c) for c in (*VARIANT, *VARIANT_LAST)]
     df = df.assign(label=[variant_label(*v) for v in zip(*cols, strict=True)])
     variant = df["label"].copy()
     for col in vary:
@@ -153,8 +158,9 @@ def _labelled(df: pd.DataFrame, vary: Sequence[str] = SETTINGS
         df.loc[marked, "label"] += [f", {col} {_plain(col, v)}" for v in df.loc[marked, col]]
     keys = df.assign(_first=df["method"] != "ulysses", _u=df["heads_per_stage"].fillna(-1),
                      _r=df["ring_degree"].fillna(1), _c=df["chunk_size"].fillna(-1),
+                     _d=_column(df, "doc_len").fillna(-1),
                      stack=df["stack"].map(_stack_rank))
-    df = df.loc[keys.sort_values(["_first", "method", "_u", "_r", "_c", *vary],
+    df = df.loc[keys.sort_values(["_first", "method", "_u", "_r", "_c", "_d", *vary],
                                  kind="stable").index]
     return df.reset_index(drop=True), list(dict.fromkeys(df["label"]))
 

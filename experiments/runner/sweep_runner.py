@@ -63,7 +63,8 @@ def _label(cell: Cell) -> str:
     r = "" if cell.ring_degree == 1 else f":{cell.nproc // cell.ring_degree}x{cell.ring_degree}"
     c = "" if cell.chunk_size is None else f":c={format_size(cell.chunk_size)}"
     dp = "" if cell.dp == 1 else f":dp={cell.dp}"
-    return f"{cell.method}{u}{r}{c}{dp} {format_size(cell.seq_len)} {cell.stack}"
+    d = "" if cell.doc_len is None else f":doc={format_size(cell.doc_len)}"
+    return f"{cell.method}{u}{r}{c}{dp}{d} {format_size(cell.seq_len)} {cell.stack}"
 
 
 def sweep_executor(sweep: Sweep, timeout_s: float | None = None, progress: bool = False):
@@ -162,7 +163,9 @@ class SweepRunner:
             "search_methods": s.search_methods, "search_base": s.search_base,
             "repeats": s.repeats, "plots": list(s.plots),
             "hardware": None if s.hardware is None else dataclasses.asdict(s.hardware),
-            "exact": s.exact, "invalid_cells": [[c.cell_id(), e] for c, e in s.validate()]})
+            "exact": s.exact, "invalid_cells": [[c.cell_id(), e] for c, e in s.validate()]}
+            # only where declared: the other sweeps' declarations stay as they were written
+            | ({"extra_cells": list(s.extra_cells)} if s.extra_cells else {}))
 
     def __call__(self) -> dict:
         """Run every cell, then every search; returns the table and plot paths. Refused

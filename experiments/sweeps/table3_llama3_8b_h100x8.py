@@ -52,6 +52,9 @@ SWEEPS = [
         base={"model": "tiny", "nproc": 4, "stack": "alst", "dtype": "fp32",
               "warmup": 1, "iters": 2},
         axes={"variant": CPU_METHODS, "seq_len": ["2K", "4K", "8K"]},
+        # One packed step (issue 16): UPipe at 8K tokens as four 2K-token documents, beside
+        # the unpacked UPipe row of the same length.
+        extra_cells=({"method": "upipe", "seq_len": "8K", "doc_len": "2K"},),
         # 48 MiB per rank puts the limits between 4K and 12K tokens, where a probe costs
         # under a minute on 2 cores; 1K-token granularity (4 ranks x 256).
         search=SearchSpec(start=4096, block=256, limit=12288),

@@ -25,14 +25,14 @@ stack"), put into a ``transformers`` model in place, each level optional (``Memo
   non-ignored targets. With FSDP2 keep ``lm_head`` in the root unit (its weight is read without
   calling the module, so a unit of its own would not be unsharded).
 
-Parameters, their names and the state dict are unchanged; the wrappers are per instance (the
-instance's ``forward`` / ``mlp.forward``), so other instances of the class are untouched.
+Parameters, their names and the state dict are unchanged; the tiled MLP and the chunked loss are
+per instance (the instance's class is swapped for a subclass with the new ``forward``, as FSDP2
+does), so other instances of the class are untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Callable
 
 import torch
@@ -129,16 +129,47 @@ def _checkpoint(reentrant: bool) -> Callable:
     return plain
 
 
-def _tiled_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """An MLP instance's forward: its class's forward over ceil(L / hidden) shards."""
-    return tiled(self, x, call=type(self).forward)
+class _TiledMLP:
+    """Mixin of an MLP instance's class: its forward over ceil(L / hidden) shards."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled(self, x, call=_mlp_forward)
 
 
-@can_return_tuple
+def _mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's own forward (its class's, behind the mixin), as TiledMLP calls it per shard."""
+    return super(_TiledMLP, mlp).forward(x)
+
+
+class _ChunkedLoss:
+    """Mixin of a causal LM instance's class: the chunked loss (no logits) with labels."""
+
+    @can_return_tuple
+    def forward(self, input_ids: torch.Tensor | None = None, **kwargs):
+        return _chunked_loss_forward(self, input_ids, **kwargs)
+
+
+def _with_mixin(module: nn.Module, mixin: type) -> None:
+    """Give this one instance the behaviour of ``mixin`` by swapping its class for a subclass
+    (as FSDP2's ``fully_shard`` does): parameters, names and the state dict stay, other
+    instances are untouched, and no bound method on the instance makes a reference cycle that
+    would keep the model (and its process group) alive after its last reference is dropped."""
+    cls = type(module)
+    if not issubclass(cls, mixin):
+        key = (cls, mixin)
+        if key not in _SUBCLASSES:
+            _SUBCLASSES[key] = type(f"{mixin.__name__.lstrip('_')}{cls.__name__}", (mixin, cls),
+                                    {"__module__": cls.__module__})
+        module.__class__ = _SUBCLASSES[key]
+
+
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
 def _chunked_loss_forward(self: nn.Module, input_ids: torch.Tensor | None = None, **kwargs):
-    """A causal LM instance's forward with the chunked loss (no logits) when labels are given."""
+    """A causal LM's forward with the chunked loss (no logits) when labels are given."""
     if kwargs.get("labels") is None:  # no loss asked for: the model's own forward, with logits
-        return type(self).forward(self, input_ids, **kwargs)
+        return super(_ChunkedLoss, self).forward(input_ids, **kwargs)
     labels = kwargs.pop("labels")
     shift_labels = kwargs.pop("shift_labels", None)
     num_items = kwargs.pop("num_items_in_batch", None)
@@ -180,9 +211,9 @@ def apply_stack(model: nn.Module, stack: MemoryStack | None, cp: int,
             layer.gradient_checkpointing = True
     if stack.tiled:
         for layer in layers:
-            layer.mlp.forward = types.MethodType(_tiled_mlp_forward, layer.mlp)
+            _with_mixin(layer.mlp, _TiledMLP)
     if stack.chunked_loss:
-        model.forward = types.MethodType(_chunked_loss_forward, model)
+        _with_mixin(model, _ChunkedLoss)
     object.__setattr__(model, "upipe_memory_stack", stack)
 
 

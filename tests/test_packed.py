@@ -10,6 +10,8 @@ long; and a single document, which must be today's unpacked path bit for bit.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from cases import Case, compare_with_reference, packed_refusal
@@ -171,3 +173,29 @@ def test_emulated_packed_step_runs_and_costs_no_more(dist_pool, method, options,
     assert counts_docs == counts
     lse_copy = 1 * 32 * seq_local * 4
     assert peak_docs <= peak + lse_copy, f"packed peak {peak_docs} B above unpacked {peak} B"
+
+
+@pytest.mark.gpu
+def test_flash_attn_varlen_equals_the_blockwise_path():
+    """flash-attn runs aligned document blocks as one varlen call; it must equal the same
+    kernel run document by document (the path every other kernel takes)."""
+    from upipe.kernels import attention_backward, attention_forward, flash_attn_available
+
+    if not flash_attn_available():
+        pytest.skip("flash-attn not installed")
+    torch.manual_seed(0)
+    q = torch.randn(2, 300, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    d = Documents((0, 1, 77, 230, 300))
+    out, lse = attention_forward(q, k, v, causal=True, kernel="flash-attn", blocks=d.full_blocks())
+    dout = torch.randn_like(out)
+    grads = attention_backward(dout, q, k, v, out, lse, causal=True, kernel="flash-attn",
+                               blocks=d.full_blocks())
+    for (a, b) in itertools.pairwise(d.bounds):
+        o, l_ = attention_forward(q[:, a:b], k[:, a:b], v[:, a:b], causal=True, kernel="flash-attn")
+        torch.testing.assert_close(out[:, a:b], o)
+        torch.testing.assert_close(lse[:, :, a:b], l_)
+        g = attention_backward(dout[:, a:b], q[:, a:b], k[:, a:b], v[:, a:b], o, l_,
+                               causal=True, kernel="flash-attn")
+        for full, part in zip(grads, g, strict=True):
+            torch.testing.assert_close(full[:, a:b], part)

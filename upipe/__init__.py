@@ -1,6 +1,7 @@
 """upipe: UPipe (Untied Ulysses) context-parallel attention and the shared CP building blocks."""
 
 from upipe.comm import head_to_seq, head_to_seq_autograd, seq_to_head, seq_to_head_autograd
+from upipe.documents import Documents, cu_seqlens_from_position_ids
 from upipe.kernels import KERNELS, attention, attention_backward, attention_forward
 from upipe.layout import LAYOUTS, SeqLayout
 from upipe.merge import merge_attention
@@ -21,6 +22,7 @@ __all__ = [
     "KERNELS",
     "LAYOUTS",
     "ContextParallelAttention",
+    "Documents",
     "LlamaAttention",
     "SeqLayout",
     "SequenceAttention",
@@ -33,6 +35,7 @@ __all__ = [
     "attention_forward",
     "available_methods",
     "build_method",
+    "cu_seqlens_from_position_ids",
     "get_method",
     "head_to_seq",
     "head_to_seq_autograd",

@@ -66,10 +66,10 @@ def test_emulation_equals_the_real_run(dist_pool, method, stack, options):
     # 2048 tokens: 512 per rank still take every path of the step (two tiled-MLP shards and two
     # loss chunks per rank, four UPipe stages, eight zigzag chunks); FPDT's 1024-token chunks
     # (ours and DeepSpeed's) need 4096 for more than two of them (its prefetch reaches its
-    # steady state at three)
+    # steady state at three). Three layers: a first, an offloaded middle and a last block.
     seq_len = 4096 if method in ("fpdt", "ds-fpdt") else 2048
     cell = Cell(method=method, model="tiny", seq_len=seq_len, nproc=4, stack=stack,
-                dtype="fp32", warmup=1, iters=0, **options)
+                dtype="fp32", warmup=1, iters=0, overrides=(("n_layers", "3"),), **options)
     real = dist_pool(4).run(_real_run, cell.to_dict())[0]  # rank 0, as the emulator plays
     # memory only (count=False): the same allocations, a third fewer dispatch layers
     emulated = emulate_cell(cell, Hardware(device="cpu"), exact=True, count=False)

@@ -21,6 +21,8 @@ globals, and this module replaces exactly those, only while an FPDT autograd Fun
   ``wait_stream``/``synchronize``. The stand-in's streams, events, ``synchronize`` and
   ``pin_memory`` do nothing (no copy to overlap, no pinned memory without CUDA);
   ``current_device_name`` is the compute device; ``on_accelerator`` is False for host buffers.
+  Beside them, FPDT's own LSE merge ``_update_out_and_lse`` is marked metadata-pure, unchanged
+  otherwise, so that the emulator replays it (``upipe.pure``).
 * ``torch.empty`` / ``torch.zeros``, for the host bytes (any device): FPDT makes every host
   buffer with the literal ``device='cpu'`` (``SequenceChunk.__init__``, the dQ accumulators of
   ``_FPDTGPUOffloadingAttentionImpl_.backward``) and every device buffer with a device object
@@ -47,6 +49,7 @@ import torch
 from packaging import version
 
 from upipe.kernels import attention_backward, attention_forward, kernel_device_type
+from upipe.pure import metadata_pure
 
 # the flash-attn call convention the stand-ins speak (FPDT switches on flash_attn_version)
 STAND_IN_API = version.parse("2.7.0")
@@ -167,6 +170,17 @@ class _HostTorch:
         return self._make(torch.zeros, args, kwargs)
 
 
+@functools.cache
+def _pure_merge() -> Callable:
+    """FPDT's LSE merge of two partial results (``_update_out_and_lse``: new out and lse from
+    its arguments' shapes alone), marked metadata-pure (``upipe.pure``) so the emulator replays
+    it: it runs once per chunk pair."""
+    from deepspeed.sequence import fpdt_layer
+
+    merge = fpdt_layer._update_out_and_lse
+    return metadata_pure(getattr(merge, "__wrapped__", merge))
+
+
 def _names(call: FPDTCall) -> dict:
     """fpdt_layer globals to replace for ``call``."""
     names = {"torch": _HostTorch(call.host_context)}
@@ -174,7 +188,8 @@ def _names(call: FPDTCall) -> dict:
         names |= {"_flash_attn_forward": _stand_in_forward(call.kernel),
                   "_flash_attn_backward": _stand_in_backward(call.kernel),
                   "flash_attn_version": STAND_IN_API,
-                  "get_accelerator": lambda: _StandInAccelerator(call.device)}
+                  "get_accelerator": lambda: _StandInAccelerator(call.device),
+                  "_update_out_and_lse": _pure_merge()}
     return names
 
 

@@ -11,6 +11,7 @@ import pytest
 from experiments import cli
 from experiments.config import Cell, Hardware, Status
 from experiments.emulation.emulate import device_lower_bound, emulate_cell
+from experiments.emulation.fit import N_SAMPLE, depth_lower_bound
 from experiments.runner import plan as plan_mod
 from experiments.runner.plan import LADDER, PlanSpec, configurations, plan, rank
 
@@ -41,7 +42,7 @@ def test_a_cluster_a_method_cannot_use_is_an_invalid_row_naming_the_rule():
 def _fake_emulation(outcome: dict):
     """An emulate_cell stand-in: each stack's status from ``outcome`` (``device``: over the
     device budget; ``host``: over the host budget only; ``ok``)."""
-    def emulate(cell, hw, exact=False, count=True):
+    def emulate(cell, hw, exact=False, count=True, bound_first=False):
         kind = outcome[cell.stack]
         row = {"method": cell.method, "stack": cell.stack, "nproc": cell.nproc,
                "ring_degree": cell.ring_degree, "heads_per_stage": cell.heads_per_stage}
@@ -93,7 +94,7 @@ def test_a_heads_per_stage_over_the_device_spares_the_larger_ones(monkeypatch):
     is over the device on alst, 16 is not emulated on any stack (each row says why)."""
     emulated = []
 
-    def emulate(cell, hw, exact=False, count=True):
+    def emulate(cell, hw, exact=False, count=True, bound_first=False):
         emulated.append((cell.heads_per_stage, cell.stack))
         over = cell.heads_per_stage >= 8 and cell.stack == "alst"
         row = {"method": cell.method, "stack": cell.stack, "heads_per_stage":
@@ -145,6 +146,41 @@ def test_the_device_lower_bound_is_below_the_peak_and_decides_only_when_over():
     # the tiled stack's op count grows with the length: no bound, nothing emulated
     assert device_lower_bound(Cell.from_dict(below.to_dict() | {"stack": "alst"}),
                               Hardware()) is None
+
+
+def test_the_fits_shallow_bound_is_below_the_peak_and_decides_only_when_over():
+    """``emulate_cell(bound_first=True)``: the fit's 4-layer samples predicted at the full
+    length, plus the further layers' parameter and optimizer shards, never above the deeper
+    model's exact peak; a row (oom, "at least", no time) only when over the budget, else the
+    fit's own row, unchanged."""
+    def cell(layers, **kw):
+        return Cell(method="ulysses", model="tiny", overrides=(("n_layers", str(layers)),),
+                    nproc=2, seq_len=4096, stack="alst", dtype="bf16", **kw)
+
+    bound = depth_lower_bound(cell(6), Hardware(), count=False)
+    full, four = (emulate_cell(cell(n), Hardware(), exact=True, count=False)
+                  ["peak_device_bytes"] for n in (6, N_SAMPLE[0]))
+    assert four < bound.peak_device_bytes <= full
+    # the 4-layer line is exact: what the bound adds is (6 - 4) blocks' states, each at least
+    # the fp32 parameter shard and Adam's two fp32 states of a tiny block over 2 ranks (12 bytes
+    # a parameter), at most that plus the allocator's 512-byte rounding of their 4 tensors each
+    per_block, rem = divmod(bound.peak_device_bytes - four, 6 - N_SAMPLE[0])
+    cfg = cell(6).validate()
+    params = (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.dim \
+        + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim
+    assert rem == 0 and 12 * params // 2 <= per_block <= 12 * params // 2 + 9 * 4 * 512
+    between = cell(6, budget_mib=(bound.peak_device_bytes + full) / 2 / 2**20)
+    row = emulate_cell(between, Hardware(), count=False, bound_first=True)
+    plain = emulate_cell(between, Hardware(), count=False)
+    assert row["status"] == Status.OOM and row["emulation"] == "fit"
+    assert {k: v for k, v in row.items() if k not in ("emulation_s", "date_utc")} == {
+        k: v for k, v in plain.items() if k not in ("emulation_s", "date_utc")}
+    below = cell(6, budget_mib=(four + bound.peak_device_bytes) / 2 / 2**20)
+    row = emulate_cell(below, Hardware(), bound_first=True)
+    assert row["status"] == Status.OOM and row["peak_device_is_lower_bound"]
+    assert row["peak_device_bytes"] == bound.peak_device_bytes
+    assert "device peak at least" in row["error"] and "4-layer samples" in row["error"]
+    assert row.get("step_time_s") is None and row["emulation"] == "lower bound"
 
 
 def test_ranking_puts_what_fits_first_fastest_first():

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from upipe.pure import metadata_pure
+
 
 def group_size(group: ProcessGroup | None) -> int:
     """World size of ``group``; 1 when torch.distributed is not initialised."""
@@ -41,6 +43,7 @@ def _all_to_all(chunks: torch.Tensor, group: ProcessGroup | None) -> torch.Tenso
     return out
 
 
+@metadata_pure
 def seq_to_head(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """(B, L, n, D) sequence-sharded -> (B, C*L, n/C, D) head-sharded. No autograd."""
     c = group_size(group)
@@ -55,6 +58,7 @@ def seq_to_head(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return recv.permute(1, 0, 2, 3, 4).reshape(b, c * l, n // c, d)
 
 
+@metadata_pure
 def head_to_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """(B, S, m, D) head-sharded -> (B, S/C, C*m, D) sequence-sharded. No autograd."""
     c = group_size(group)

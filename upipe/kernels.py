@@ -45,6 +45,7 @@ from collections.abc import Callable
 import torch
 
 from upipe.documents import DocBlocks
+from upipe.pure import metadata_pure
 
 KERNELS = ("auto", "sdpa", "math", "flash-attn", "fa3")
 
@@ -80,6 +81,13 @@ def kernel_dispatch(device_type: str | None = None,
         yield
     finally:
         _DISPATCH.reset(token)
+
+
+def kernel_dispatch_state() -> tuple:
+    """What the ``kernel_dispatch`` in force decides, as a hashable value (device type,
+    overrides, op scope): a call that runs kernels does the same under equal states."""
+    device_type, overrides, op_scope = _DISPATCH.get()
+    return device_type, tuple(sorted(overrides.items())), op_scope
 
 
 def kernel_device_type(t: torch.Tensor) -> str:
@@ -165,6 +173,7 @@ def _default_scale(q: torch.Tensor, scale: float | None) -> float:
     return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
+@metadata_pure
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -199,6 +208,7 @@ def attention_forward(
     return _blockwise_forward(q, k, v, blocks, causal, scale, kernel)
 
 
+@metadata_pure
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,

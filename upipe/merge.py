@@ -16,7 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from upipe.pure import metadata_pure
 
+
+@metadata_pure
 def merge_attention(
     out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
 ) -> None:

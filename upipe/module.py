@@ -112,6 +112,11 @@ class ContextParallelAttention(nn.Module):
     #: why this method cannot keep attention inside packed documents (``cu_seqlens``), or None
     #: when it can; :meth:`documents` raises it, before any collective.
     documents_unsupported: ClassVar[str | None] = None
+    #: methods with sequence chunks (a ``chunk_size`` option): the fewest chunks from which
+    #: each further chunk adds the same memory and work (the chunk loop's steady state), where
+    #: the emulator's fit starts sampling. 3 for a loop that prefetches the next chunk: with 2,
+    #: the last chunk's prefetch is the first's.
+    steady_chunks: ClassVar[int] = 3
 
     def __init__(
         self,

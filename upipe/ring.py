@@ -49,6 +49,7 @@ from upipe.kernels import (
     check_kernel,
 )
 from upipe.merge import merge_attention
+from upipe.pure import metadata_pure
 
 ALL, FIRST, SECOND = slice(None), "first", "second"
 
@@ -134,6 +135,7 @@ def _check_ring_input(q: torch.Tensor, zigzag: bool) -> None:
         )
 
 
+@metadata_pure
 def ring_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup | None, *,
     zigzag: bool, causal: bool, scale: float | None = None, kernel: str = "auto",
@@ -180,6 +182,7 @@ def ring_attention_forward(
     return out.to(q.dtype), lse
 
 
+@metadata_pure
 def ring_attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, group: ProcessGroup | None, *,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from upipe.pure import metadata_pure
+
 
 def default_inv_freq(head_dim: int, theta: float, device=None,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -68,6 +70,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+@metadata_pure
 def apply_rope_inverse(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Inverse (= transpose) of :func:`apply_rope`; maps d(rotated) to d(unrotated)."""
     cos, sin = cos[:, None, :], sin[:, None, :]

@@ -29,6 +29,7 @@ from upipe.documents import RingDocuments, documents
 from upipe.layout import SeqLayout
 from upipe.module import ContextParallelAttention, check_ulysses_heads
 from upipe.norm import norm_params, rms_norm, rms_norm_backward
+from upipe.pure import metadata_pure
 from upipe.registry import register_method
 from upipe.ring import SequenceAttention
 from upipe.rope import apply_rope, apply_rope_inverse
@@ -69,8 +70,8 @@ class _Proj:
 
     def __call__(self, x, heads, cos, sin, w_rows=None) -> torch.Tensor:
         """(B, L, n, D) projection of x for ``heads``: linear, norm, RoPE."""
-        return self.finish(self.pre_norm(x, heads, self.rows(heads) if w_rows is None else w_rows),
-                           cos, sin)
+        return _project(x, heads, cos, sin, w_rows, self.w, self.b, self.norm_w, self.eps,
+                        self.rope, self.d)
 
     def unrotate(self, dy: torch.Tensor, cos, sin) -> torch.Tensor:
         """The gradient before RoPE (the inverse rotation), or dy for V."""
@@ -91,17 +92,46 @@ class _Proj:
         if self.db is None and self.b is not None:
             self.db = torch.zeros_like(self.b)
         dy2 = dy.reshape(x2.shape[0], -1)
-        self.dw.view(-1, self.d, self.dw.shape[-1]).index_add_(
-            0, heads, (dy2.t() @ x2).view(-1, self.d, x2.shape[-1])
-        )
         if self.db is not None:
             self.db.view(-1, self.d).index_add_(0, heads, dy2.sum(0).view(-1, self.d))
-        dx2.addmm_(dy2, w_rows)
+        _accumulate_rows(dy2, x2, heads, w_rows, self.dw, dx2, self.d)
 
     def grads(self) -> tuple:
         """(dw, db, dnorm) for the autograd Function's return (every head was visited)."""
         dnorm = None if self.dnorm is None else self.dnorm.to(self.norm_w.dtype)
         return self.dw, self.db, dnorm
+
+
+# The per-stage pieces below run once per head stage with the same shapes in every stage:
+# marked metadata-pure (upipe.pure), so the emulator replays them instead of dispatching their
+# ops again (they are most of an emulated UPipe layer's ops once the ring loop is replayed).
+
+
+@metadata_pure
+def _project(x, heads, cos, sin, w_rows, w, b, norm_w, eps: float, rope: bool,
+             head_dim: int) -> torch.Tensor:
+    """``_Proj(w, b, norm_w, eps, rope, head_dim)(x, heads, cos, sin, w_rows)``: x (B, L, dim)
+    -> (B, L, n, D) for ``heads`` (n,), with w's rows of those heads unless ``w_rows``
+    (n*D, dim) is given."""
+    p = _Proj(w, b, norm_w, eps, rope, head_dim)
+    return p.finish(p.pre_norm(x, heads, p.rows(heads) if w_rows is None else w_rows), cos, sin)
+
+
+@metadata_pure
+def _accumulate_rows(dy2, x2, heads, w_rows, dw, dx2, head_dim: int) -> None:
+    """dw[heads] += dy2^T x2 and dx2 += dy2 @ w_rows, in place: dy2 (B*L, n*D), x2, dx2
+    (B*L, dim), w_rows (n*D, dim), dw (N*D, dim); ``index_add_`` sums KV replicas' rows,
+    ``addmm_`` accumulates dx without an (L, dim) temporary."""
+    dw.view(-1, head_dim, dw.shape[-1]).index_add_(
+        0, heads, (dy2.t() @ x2).view(-1, head_dim, x2.shape[-1]))
+    dx2.addmm_(dy2, w_rows)
+
+
+@metadata_pure
+def _wo_heads(grad2, wo, heads, head_dim: int) -> torch.Tensor:
+    """grad2 (B*L, dim) @ wo's columns of ``heads`` (n,) -> (B*L, n*D)."""
+    cols = wo.view(wo.shape[0], -1, head_dim).index_select(1, heads).flatten(1)
+    return grad2 @ cols
 
 
 class _OutputGrad:
@@ -123,8 +153,8 @@ class _OutputGrad:
     def stage(self, heads: torch.Tensor) -> torch.Tensor:
         if self.wo is None:
             return self.grad.index_select(2, heads)
-        cols = self.wo.view(self.wo.shape[0], -1, self.d).index_select(1, heads).flatten(1)
-        return (self.grad2 @ cols).view(*self.grad.shape[:-1], -1, self.d)
+        return _wo_heads(self.grad2, self.wo, heads, self.d).view(*self.grad.shape[:-1], -1,
+                                                                  self.d)
 
 
 def _projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, eps, d):

@@ -4,6 +4,7 @@
     kernel_models   what the CUDA attention kernels allocate (and their FLOPs)
     op_costs        the step's work per window: FLOPs, bytes, launches, collectives, copies
     fake_step       the training step under FakeTensorMode on the fake process group
+    replay          calls of metadata-pure functions run once per signature, then replayed
     work_fit        the work at paper scale from the fit's samples
     fit             exact predictions at paper scale from small exact emulations
     profile         hardware profiles: rates as data, each with its source (profiles/*.json)

@@ -6,11 +6,12 @@ the device and host peaks against the emulated hardware's budgets (over one is `
 device peak's breakdown and phase, FLOPs and bytes sent per step, the step's time, tokens/s per
 GPU, MFU and where the time goes on a hardware profile (``time_model``), and provenance.
 
-Emulating a paper-scale step op by op costs about 0.15 ms per op on 2 cores, and the tiled MLP
-and chunked loss make the op count grow with the sequence (about 2.5M ops for Llama3-8B at 5M
-tokens on 8 ranks), so ``emulate_cell`` predicts from a fit of exact runs on the same code at
-a few small sizes by default (``fit``); ``exact=True`` runs the target size itself, as do models
-with fewer layers than the fit's samples.
+Emulating a paper-scale step op by op costs about 0.1 ms per op on 2 cores (FakeTensorMode's
+dispatch, most of it; calls that repeat with the same shapes are replayed instead, ``replay``),
+and the tiled MLP and chunked loss make the op count grow with the sequence (about 2.5M ops for
+Llama3-8B at 5M tokens on 8 ranks), so ``emulate_cell`` predicts from a fit of exact runs on the
+same code at a few small sizes by default (``fit``); ``exact=True`` runs the target size itself,
+as do models with fewer layers than the fit's samples.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from experiments.config import (
     Status,
 )
 from experiments.emulation.fake_step import Measurement, measure_fake
-from experiments.emulation.fit import N_SAMPLE, fitted, sequence_chunk
+from experiments.emulation.fit import N_SAMPLE, depth_lower_bound, fitted, sequence_chunk
 from experiments.emulation.kernel_models import MODELLED_KERNELS
 from experiments.emulation.profile import Profile, profile_for
 from experiments.emulation.time_model import price, step_time
@@ -118,10 +119,13 @@ def time_columns(cell: Cell, cfg: ModelConfig, profile: Profile | None, m: Measu
 
 
 def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
-                 count: bool = True) -> dict:
+                 count: bool = True, bound_first: bool = False) -> dict:
     """The row of ``cell`` emulated on ``hw`` (statuses as ``run_cell``'s: ok, oom over the
     device or host budget, invalid, skipped, error). ``count=False``: memory only (FLOPs and
-    bytes sent are None), for searches that need only the status."""
+    bytes sent are None), for searches that need only the status. ``bound_first``: a cell whose
+    fit's 4-layer samples already put it over the device (``fit.depth_lower_bound``) is an
+    ``oom`` row with that lower bound, without the fit's 5-layer samples or a time (for the
+    planner, whose question about it is only whether it fits)."""
     try:
         cfg = cell.validate()
         hw.validate(world=cell.world)
@@ -136,6 +140,13 @@ def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
         # a model shallower than the fit's samples is cheaper to emulate than they are
         if exact or cfg.n_layers < N_SAMPLE[0]:
             m, extra = measure_fake(cell, cfg, hw, count), {"emulation": "exact"}
+        elif bound_first and cfg.n_layers > N_SAMPLE[0] and (
+                (b := depth_lower_bound(cell, hw, count)) is not None
+                and b.peak_device_bytes > hw.device_budget(cell)):
+            return _lower_bound_row(cell, cfg, hw, b, t0, (
+                f"the fit's {N_SAMPLE[0]}-layer samples at the full length, and the parameter "
+                f"and optimizer shards of the model's {cfg.n_layers - N_SAMPLE[0]} further "
+                "layers"))
         else:
             fit = fitted(cell, hw, count)
             m, extra = fit.predict(cell.seq_len, cfg.n_layers), fit.summary()
@@ -181,11 +192,17 @@ def device_lower_bound(cell: Cell, hw: Hardware = PAPER_NODE) -> dict | None:
             break
     else:
         return None
-    # the row an emulation of ``depth`` layers has (its memory columns are the bounds), saying
-    # what it is
+    return _lower_bound_row(cell, cfg, hw, m, t0, (
+        f"{depth} of the model's {cfg.n_layers} layers emulated at the full length: more "
+        "layers keep at least as much"))
+
+
+def _lower_bound_row(cell: Cell, cfg: ModelConfig, hw: Hardware, m: Measurement, t0: float,
+                     how: str) -> dict:
+    """The ``oom`` row of a cell whose device peak is at least ``m``'s (its memory columns
+    are the bounds), saying ``how`` the bound was found."""
     return describe(cell, cfg) | _row_metrics(cell, cfg, hw, m) | {
         "error": (f"device peak at least {m.peak_device_bytes / GiB:.2f} GiB > budget "
-                  f"{budget / GiB:.2f} GiB ({depth} of the model's {cfg.n_layers} "
-                  "layers emulated at the full length: more layers keep at least as much)"),
+                  f"{hw.device_budget(cell) / GiB:.2f} GiB ({how})"),
         "peak_device_is_lower_bound": True, "emulation": "lower bound",
         "emulation_s": round(time.monotonic() - t0, 2)} | provenance()

@@ -37,11 +37,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from experiments.config import Cell, Hardware, ModelConfig
 from experiments.emulation.kernel_models import cuda_kernels
 from experiments.emulation.op_costs import StepWork, Window
+from experiments.emulation.replay import CallReplay
 from experiments.harness.train import build, make_meshes
 from experiments.instruments.collectives import CollectiveCounter
 from experiments.instruments.labels import label_fsdp_reductions, label_modules
 from experiments.instruments.memory import MemoryTracker
 from experiments.instruments.op_flops import CountedFlops
+from upipe.pure import metadata_pure_hook
 from upipe.registry import get_method
 
 
@@ -58,6 +60,9 @@ class Measurement:
     comm_bytes: dict[str, int] | None  # c10d op -> bytes sent; None: not counted
     # the step's work per window, in execution order (``op_costs``); None: not counted
     work: list[tuple[Window, Counter]] | None = None
+    # device bytes of a middle block's parameter and optimizer-state shards, live all step
+    # (None: no middle block)
+    block_state_bytes: int | None = None
 
 
 @contextlib.contextmanager
@@ -107,6 +112,18 @@ def _init_optimizer_states(state) -> None:
     state.optimizer.zero_grad(set_to_none=True)
 
 
+def _block_state_bytes(model, opt, tracker: MemoryTracker) -> int | None:
+    """Device bytes of a middle block's parameter shards and their optimizer states, as the
+    tracker counts them (they exist before the step and after it); None with fewer than three
+    blocks (no middle one)."""
+    if len(model.layers) < 3:
+        return None
+    params = list(model.layers[1].parameters())
+    states = [t for p in params for t in opt.state.get(p, {}).values()
+              if isinstance(t, torch.Tensor)]
+    return tracker.device_bytes(params + states)
+
+
 def critical_rank(cell: Cell) -> int:
     """The rank the emulator plays: the one with the most work per step (the step waits for
     it), e.g. the last rank of a contiguous causal ring; in dp replica 0, whose CP ranks are
@@ -115,7 +132,7 @@ def critical_rank(cell: Cell) -> int:
 
 
 def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True,
-                 work: bool = True) -> Measurement:
+                 work: bool = True, replay: bool = True) -> Measurement:
     """Emulate one steady-state step of ``cell`` with the model shape ``cfg`` as its critical
     rank (``count``: also count FLOPs and bytes sent, and, with ``work``, the work per window
     that the time model prices, the dearest of the three; a memory-only search leaves them all
@@ -143,8 +160,9 @@ def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True,
                 step_work = StepWork(tracker, hw.gpus_per_node)
                 tracker.observers.append(step_work)
             try:
-                with tracker:
+                with tracker, metadata_pure_hook(CallReplay(tracker) if replay else None):
                     tracker.track(model, state.tokens, state.labels, states, category="model")
+                    block_states = _block_state_bytes(model, opt, tracker)
                     with tracker.phase("forward"):
                         loss_sum = state.loss_sum()
                     with tracker.phase("backward"):
@@ -163,4 +181,4 @@ def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True,
         flops=flop_counter.total if count else None,
         comm_bytes=dict(comm.bytes_sent) if count else None,
         work=[(w, step_work.windows[w]) for w in step_work.order if w[0] != "setup"]
-        if work else None)
+        if work else None, block_state_bytes=block_states)

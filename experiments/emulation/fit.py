@@ -10,8 +10,8 @@ of the same phase takes over. The fit therefore works phase by phase:
 
 - emulate the cell exactly (``fake_step.measure_fake``) at three lattice lengths
   S = kQ, (k+1)Q, (k+2)Q (the smallest k with two MLP shards per rank and, for chunked
-  methods, three chunks) with N = 4 layers (blocks renamed by role: first, mid_first, mid,
-  mid_last, last);
+  methods, the chunks of their loop's steady state, ``steady_chunks``) with N = 4 layers
+  (blocks renamed by role: first, mid_first, mid, mid_last, last);
 - per phase, require the three lengths to be collinear in bytes (to 64 KiB: the allocator's
   512-byte rounding of the few sizes that are not multiples of 512 everywhere); where a
   phase is not (its peak event changes between the samples: a constant term first, a term
@@ -49,12 +49,10 @@ from upipe.registry import get_method
 N_SAMPLE = (4, 5)  # layers in the sample runs: first, two (three) middle blocks, last
 # lattice quanta the sample window may move while a phase is not collinear: DeepSpeed's FPDT
 # (ds-fpdt, Llama3-8B, 8 ranks, 64K chunks) settles its forward peak from 7 chunks on (measured:
-# the forward peak grows 336 MB from 6 to 7 chunks, then 470 MB per chunk), 4 quanta after the
-# window's start at 3 chunks
+# the forward peak grows 336 MB from 6 to 7 chunks, then 470 MB per chunk), 4 quanta after a
+# window starting at 3 chunks (it starts at its steady_chunks, 5, now: the margin is kept)
 MAX_EXTENSIONS = 4
 MIN_TILES = 2  # per rank: with one, the tiled MLP calls the MLP directly (another code path)
-# FPDT's steady state needs 3 chunks: with 2, the last chunk's prefetch is that of the first
-MIN_CHUNKS = 3
 ROLES = ("first", "mid_first", "mid", "mid_last", "last")
 
 
@@ -67,11 +65,14 @@ def sequence_chunk(cell: Cell) -> int | None:
 
 
 def _first_quantum(cell: Cell, q: int, dim: int) -> int:
-    """The smallest k such that k * q holds MIN_TILES MLP shards per rank and MIN_CHUNKS
-    chunks: the fit's three lengths are k, k + 1 and k + 2 quanta."""
+    """The smallest k such that k * q holds MIN_TILES MLP shards per rank and, for a chunked
+    method, its chunk loop's steady state (``steady_chunks``): the fit's three lengths are k,
+    k + 1 and k + 2 quanta."""
     k = math.ceil(MIN_TILES * cell.nproc * dim / q)
     chunk = sequence_chunk(cell)
-    return max(k, math.ceil(MIN_CHUNKS * chunk / q)) if chunk else k
+    if chunk is None:
+        return k
+    return max(k, math.ceil(get_method(cell.method).steady_chunks * chunk / q))
 
 
 def lattice(cell: Cell, dim: int) -> int:
@@ -237,42 +238,102 @@ def _check_mid(m: Measurement, n_layers: int) -> list[str]:
 
 
 _CACHE: dict[tuple, Fit] = {}
+_WINDOWS: dict[tuple, tuple[list[int], list[Measurement]]] = {}
 
 
-def fitted(cell: Cell, hw: Hardware, count: bool = True) -> Fit:
-    """The fit for ``cell``'s family, computed once per process. The family is every field but
-    those that change nothing in one step's allocations: the length (the fit's variable), the
-    step counts, the budget (it decides the status, after) and labels."""
+def _cached(cache: dict, cell: Cell, hw: Hardware, count: bool, make):
+    """``cache``'s entry for ``cell``'s family, made by ``make()`` once per process. The family
+    is every field but those that change nothing in one step's allocations: the length (the
+    fit's variable), the step counts, the budget (it decides the status, after) and labels; the
+    node size decides which links collectives use. A counted entry serves an uncounted one."""
     family = dataclasses.replace(cell, seq_len=0, warmup=0, iters=0, budget_mib=None, extra={})
-    # the budgets only decide statuses; the node size decides which links collectives use
     key = (family, hw.device, hw.gpus_per_node, count)
-    if not count and (family, hw.device, hw.gpus_per_node, True) in _CACHE:  # serves too
-        return _CACHE[(family, hw.device, hw.gpus_per_node, True)]
-    if key not in _CACHE:
-        cfg = cell.validate()
-        q = lattice(cell, cfg.dim)
-        k = _first_quantum(cell, q, cfg.dim)
-        # the time model prices the 4-layer samples' work (``work_fit``): the 5-layer ones count
-        # FLOPs and bytes sent only
-        run = {n: lambda s, n=n: measure_fake(dataclasses.replace(cell, seq_len=s),
-                                              dataclasses.replace(cfg, n_layers=n), hw, count,
-                                              work=n == N_SAMPLE[0])
-               for n in N_SAMPLE}
+    if not count and (family, hw.device, hw.gpus_per_node, True) in cache:
+        return cache[(family, hw.device, hw.gpus_per_node, True)]
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _sampler(cell: Cell, hw: Hardware, count: bool, n_layers: int):
+    """``S -> measure_fake`` of ``cell`` at length S with ``n_layers`` layers. The time model
+    prices the 4-layer samples' work (``work_fit``): the 5-layer ones count FLOPs and bytes sent
+    only."""
+    cfg = dataclasses.replace(cell.validate(), n_layers=n_layers)
+    return lambda s: measure_fake(dataclasses.replace(cell, seq_len=s), cfg, hw, count,
+                                  work=n_layers == N_SAMPLE[0])
+
+
+def _window(cell: Cell, hw: Hardware, count: bool) -> tuple[list[int], list[Measurement]]:
+    """The 4-layer samples, in length order, whose last three lengths are the fit's window:
+    three lattice lengths from the first quantum on, moved one quantum longer while a phase
+    is not collinear over them (up to MAX_EXTENSIONS times)."""
+
+    def make():
+        dim = cell.validate().dim
+        q = lattice(cell, dim)
+        k = _first_quantum(cell, q, dim)
+        run = _sampler(cell, hw, count, N_SAMPLE[0])
         lengths = [k * q, (k + 1) * q, (k + 2) * q]
-        at_4 = [run[N_SAMPLE[0]](s) for s in lengths]
+        at_4 = [run(s) for s in lengths]
         # A phase whose peak event changes between the samples (constant terms first, terms
         # growing with S later) is not collinear yet: move the window to longer lengths.
         for _ in range(MAX_EXTENSIONS):
             if not _noncollinear(lengths[-3:], at_4[-3:]):
                 break
             lengths.append(lengths[-1] + q)
-            at_4.append(run[N_SAMPLE[0]](lengths[-1]))
+            at_4.append(run(lengths[-1]))
+        return lengths, at_4
+
+    return _cached(_WINDOWS, cell, hw, count, make)
+
+
+def fitted(cell: Cell, hw: Hardware, count: bool = True) -> Fit:
+    """The fit for ``cell``'s family (``_cached``), computed once per process."""
+
+    def make():
+        lengths, at_4 = _window(cell, hw, count)
         # the window is in one regime throughout: its two shortest lengths are the cheapest
-        at_5 = [run[N_SAMPLE[1]](s) for s in lengths[-3:-1]]
-        fit = Fit(tuple(lengths[-3:]), {N_SAMPLE[0]: at_4[-3:], N_SAMPLE[1]: at_5},
-                  _check_mid(at_5[-1], N_SAMPLE[1]))
-        _CACHE[key] = fit
-    return _CACHE[key]
+        run = _sampler(cell, hw, count, N_SAMPLE[1])
+        at_5 = [run(s) for s in lengths[-3:-1]]
+        return Fit(tuple(lengths[-3:]), {N_SAMPLE[0]: at_4[-3:], N_SAMPLE[1]: at_5},
+                   _check_mid(at_5[-1], N_SAMPLE[1]))
+
+    return _cached(_CACHE, cell, hw, count, make)
+
+
+def depth_lower_bound(cell: Cell, hw: Hardware, count: bool = True) -> Measurement | None:
+    """A lower bound on ``cell``'s step (its model's N layers, its length) from the fit's 4-layer
+    samples alone; None when a series of the window is not collinear (the samples then predict
+    nothing).
+
+    Each phase's peak (and its breakdown, and the host peak) with 4 layers at ``cell.seq_len``
+    is its line through the window, exact as the fit's predictions are. The model's own device
+    peak is at least the highest of those phases plus, for each of its N - 4 further blocks, the
+    block's parameter and optimizer-state shards (``Measurement.block_state_bytes``, counted as
+    "model"): every block adds them to every moment of the step, besides whatever else it keeps
+    (its checkpoint, its gradients), so more layers never keep less; its host peak is at least
+    the 4-layer one. It costs the window's samples, which the fit reuses, not the 5-layer ones.
+    """
+    lengths, at_4 = _window(cell, hw, count)
+    xs, ms = lengths[-3:], at_4[-3:]
+    if _noncollinear(xs, ms):
+        return None
+
+    def at(ys: list[int]) -> int:  # the series' line at the target length
+        slope, intercept = _line(xs, ys)
+        return int(round(slope * cell.seq_len + intercept))
+
+    phases = [_phases(m, N_SAMPLE[0]) for m in ms]
+    peaks = {k: at([ph[k][0] for ph in phases])
+             for k in set.intersection(*(set(ph) for ph in phases))}
+    top = max(peaks, key=peaks.get)
+    breakdown = {c: at([ph[top][1].get(c, 0) for ph in phases])
+                 for c in set().union(*(ph[top][1] for ph in phases))}
+    extra = (cell.validate().n_layers - N_SAMPLE[0]) * ms[-1].block_state_bytes
+    breakdown["model"] = breakdown.get("model", 0) + extra
+    return Measurement(peaks[top] + extra, at([m.peak_host_bytes for m in ms]), breakdown,
+                       {top: peaks[top] + extra}, {top: breakdown}, None, None)
 
 
 def _noncollinear(xs, ms: list[Measurement]) -> list[str]:

@@ -162,15 +162,19 @@ class StepWork(TorchDispatchMode):
 
     # -- where an op runs ----------------------------------------------------------------------
 
-    def _window(self, block: int | None | bool = False) -> Counter:
-        """The current window's work (``block``: that block's window in the current stage
-        instead of the one the labels say)."""
+    def _window_key(self, block: int | None | bool = False) -> Window:
+        """The current window (``block``: that block's window in the current stage instead of
+        the one the labels say)."""
         key = self.tracker.phase_key
         stage = key[0] if key else "setup"
         if block is False:
             block = next((int(n[len("layers."):].partition(":")[0]) for n in key
                           if n.startswith("layers.")), None)
-        window = (stage, block)
+        return stage, block
+
+    def _window(self, block: int | None | bool = False) -> Counter:
+        """The current window's work (``block`` as in ``_window_key``)."""
+        window = self._window_key(block)
         if window not in self.windows:
             self.order.append(window)
         return self.windows[window]
@@ -182,6 +186,29 @@ class StepWork(TorchDispatchMode):
         peers = ranks if peer is None else [ranks[peer]]
         node = me // self.gpus_per_node
         return "intra" if all(r // self.gpus_per_node == node for r in peers) else "inter"
+
+    # -- a replayed call's share (``replay``): the work it added to the current window ---------
+
+    def mark(self) -> tuple[list[Window], dict[Window, Counter]]:
+        return list(self.order), {w: Counter(c) for w, c in self.windows.items()}
+
+    def since(self, mark) -> Counter | None:
+        """The work added since ``mark`` to the current window; None if any other window
+        changed (a call whose work is not all in the window it runs in is not replayable)."""
+        order, windows = mark
+        here = self._window_key()
+        if self.order[:len(order)] != order or any(w != here for w in self.order[len(order):]):
+            return None
+        for w, c in self.windows.items():
+            if w != here and c != windows.get(w, Counter()):
+                return None
+        before = windows.get(here, Counter())
+        return Counter({k: v - before.get(k, 0) for k, v in self.windows.get(here, {}).items()
+                        if v != before.get(k, 0)})
+
+    def apply(self, delta: Counter) -> None:
+        if delta:
+            self._window().update(delta)
 
     # -- dispatch ------------------------------------------------------------------------------
 

@@ -172,6 +172,19 @@ class CollectiveCounter(TorchDispatchMode):
                 self.payload_bytes[name] += call.payload
                 self.bytes_sent[name] += call.sent
 
+    # a replayed call's share (``experiments.emulation.replay``): what it added, added again
+    def mark(self) -> tuple[Counter, Counter, Counter]:
+        return Counter(self.counts), Counter(self.bytes_sent), Counter(self.payload_bytes)
+
+    def since(self, mark) -> tuple[Counter, Counter, Counter]:
+        now = (self.counts, self.bytes_sent, self.payload_bytes)
+        return tuple(Counter({k: v - m.get(k, 0) for k, v in n.items() if v != m.get(k, 0)})
+                     for n, m in zip(now, mark, strict=True))
+
+    def apply(self, delta) -> None:
+        for n, d in zip((self.counts, self.bytes_sent, self.payload_bytes), delta, strict=True):
+            n.update(d)
+
     @property
     def total(self) -> int:
         return sum(self.counts.values())

@@ -63,7 +63,13 @@ _DEVICE_QUERY = torch.ops.prim.device.default
 
 
 class Observer(Protocol):
-    """An instrument that sees each op the tracker dispatches (``MemoryTracker.observers``)."""
+    """An instrument that sees each op the tracker dispatches (``MemoryTracker.observers``).
+
+    One whose state is additive may also have ``mark() -> state``, ``since(mark) -> share``
+    (what it added since, or None if that cannot be added again elsewhere) and
+    ``apply(share)``: the emulator then replays calls of metadata-pure functions on this
+    tracker (``experiments.emulation.replay``).
+    """
 
     def observe(self, func, args, kwargs, out) -> None:
         """Called after ``func(*args, **kwargs)`` returned ``out`` and its outputs are counted."""
@@ -201,6 +207,10 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_by_phase: dict[tuple[str, ...], int] = {}
         self.breakdown_by_phase: dict[tuple[str, ...], dict[str, int]] = {}
         self.observers: list[Observer] = []
+        # the bookkeeping events while ``log()`` is open: ("alloc", key, Allocation),
+        # ("free", key), ("resize", key, delta), ("carry", key), ("context",) (for the
+        # emulator's replay)
+        self._log: list[tuple] | None = None
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -244,18 +254,20 @@ class MemoryTracker(TorchDispatchMode):
     @contextlib.contextmanager
     def category(self, name: str):
         """Attribute allocations made inside to ``name`` (nested: the innermost label wins)."""
-        self._category_stack.append(name)
+        self.push_category(name)
         try:
             yield self
         finally:
-            self._category_stack.pop()
+            self.pop_category()
 
     def push_category(self, name: str) -> None:
         """``category(name)`` entered by hand (for autograd hooks that cannot use ``with``)."""
+        self._context_changed()
         self._category_stack.append(name)
 
     def pop_category(self) -> None:
         if len(self._category_stack) > 1:
+            self._context_changed()
             self._category_stack.pop()
 
     @contextlib.contextmanager
@@ -273,6 +285,7 @@ class MemoryTracker(TorchDispatchMode):
         The new key's peak starts at (or is raised to) the current device bytes, so a phase that
         allocates nothing still has an entry: the bytes live while it ran.
         """
+        self._context_changed()
         self._phase_stack.append(name)
         self._phase_key = tuple(self._phase_stack)
         self._raise_phase_peak()
@@ -280,16 +293,19 @@ class MemoryTracker(TorchDispatchMode):
     def pop_phase(self) -> None:
         """Close the innermost phase (at the root: nothing to close)."""
         if self._phase_stack:
+            self._context_changed()
             self._phase_stack.pop()
             self._phase_key = tuple(self._phase_stack)
 
     @contextlib.contextmanager
     def host(self):
         """Count allocations made inside as host (offloaded) bytes instead of device bytes."""
+        self._context_changed()
         self._kind_stack.append(HOST)
         try:
             yield self
         finally:
+            self._context_changed()
             self._kind_stack.pop()
 
     def reset_peak(self) -> None:
@@ -300,6 +316,42 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_by_phase, self.breakdown_by_phase = {}, {}
         self._snapshot()
 
+    @contextlib.contextmanager
+    def log(self):
+        """Record the bookkeeping events inside into the list yielded: ("alloc", storage key,
+        Allocation), ("free", key), ("resize", key, delta bytes), ("carry", key) (a functional
+        collective's result), ("context",) (a phase, category or kind opened or closed) --
+        what ``experiments.emulation.replay`` needs to replay a call. Not nested."""
+        if self._log is not None:
+            raise RuntimeError("MemoryTracker.log() is already open")
+        self._log = events = []
+        try:
+            yield events
+        finally:
+            self._log = None
+
+    def _context_changed(self) -> None:
+        """A phase, category or kind opens or closes: logged (a call during which one does
+        cannot be replayed under a single context)."""
+        if self._log is not None:
+            self._log.append(("context",))
+
+    @property
+    def logging(self) -> bool:
+        """Whether ``log()`` is open."""
+        return self._log is not None
+
+    @property
+    def context(self) -> tuple[str, str]:
+        """(kind, category) a new allocation gets now."""
+        return self._kind_stack[-1], self._category_stack[-1]
+
+    def count_replayed(self, alloc: Allocation, delta: int) -> None:
+        """Count ``delta`` bytes of ``alloc`` as a live storage's allocation (> 0) or free
+        (< 0) would be, without a storage: a replayed call's temporaries
+        (``experiments.emulation.replay``)."""
+        self._count(alloc, delta)
+
     def live_allocations(self) -> list[Allocation]:
         """The tracked storages alive now."""
         return [a for a, _ in self._live.values()]
@@ -308,6 +360,21 @@ class MemoryTracker(TorchDispatchMode):
     def phase_key(self) -> tuple[str, ...]:
         """The phase labels open now, outermost first (``()`` outside any)."""
         return self._phase_key
+
+    def device_bytes(self, tensors) -> int:
+        """The device bytes counted for the storages behind ``tensors`` (each storage once;
+        host and untracked storages count 0)."""
+        seen, total = set(), 0
+        for t in tensors:
+            for p in plain_tensors(t):
+                s = _storage(p)
+                if s is None or id(s) in seen:
+                    continue
+                seen.add(id(s))
+                entry = self._live.get(id(s))
+                if entry is not None and entry[0].kind == DEVICE:
+                    total += entry[0].nbytes
+        return total
 
     def kind(self, t: torch.Tensor) -> str | None:
         """Where ``t``'s storage is counted: DEVICE, HOST, or None if it is not tracked (a
@@ -459,6 +526,8 @@ class MemoryTracker(TorchDispatchMode):
         self_ref = weakref.ref(self)
         ref = weakref.ref(s, lambda _, k=key: (tr := self_ref()) is not None and tr._free(k))
         self._live[key] = (alloc, ref)
+        if self._log is not None:  # a copy: a resize changes the live one's bytes
+            self._log.append(("alloc", key, Allocation(alloc.nbytes, kind, alloc.category, desc)))
         self._count(alloc, alloc.nbytes)
 
     def _carry(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -471,6 +540,8 @@ class MemoryTracker(TorchDispatchMode):
         entry = self._live.pop(id(s_src), None) if s_src is not None else None
         if entry is None:  # an untracked input: its result is untracked too, as in eager
             return
+        if self._log is not None:
+            self._log.append(("carry", id(s_src)))
         key, self_ref = id(s_dst), weakref.ref(self)
         ref = weakref.ref(s_dst, lambda _, k=key: (tr := self_ref()) is not None and tr._free(k))
         self._live[key] = (entry[0], ref)
@@ -492,12 +563,16 @@ class MemoryTracker(TorchDispatchMode):
         """Count the change of a tracked storage's size (rounded like its allocation was)."""
         nbytes = self._counted(alloc.kind, s.nbytes())
         if nbytes != alloc.nbytes:
+            if self._log is not None:
+                self._log.append(("resize", id(s), nbytes - alloc.nbytes))
             self._count(alloc, nbytes - alloc.nbytes)
             alloc.nbytes = nbytes
 
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
         if entry is not None:
+            if self._log is not None:
+                self._log.append(("free", key))
             self._count(entry[0], -entry[0].nbytes)
 
     def _count(self, alloc: Allocation, delta: int) -> None:

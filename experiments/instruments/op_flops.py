@@ -34,3 +34,13 @@ class CountedFlops(TorchDispatchMode):
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
             self.total += int(formula(*args, **kwargs, out_val=out))
+
+    # a replayed call's share (``experiments.emulation.replay``): what it added, added again
+    def mark(self) -> int:
+        return self.total
+
+    def since(self, mark: int) -> int:
+        return self.total - mark
+
+    def apply(self, delta: int) -> None:
+        self.total += delta

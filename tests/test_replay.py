@@ -1,0 +1,204 @@
+"""The emulator's replay of metadata-pure calls (``upipe.pure``, ``experiments.emulation.replay``).
+
+1. A replayed call leaves the tracker, its observers and the caller where running the function
+   would: peaks (device, host, per category, per phase, and the breakdown at each), current
+   bytes, FLOPs, collective bytes and the work of the window, the outputs' shapes and strides.
+2. What a replay could not repeat is run every time instead: a view of an argument returned,
+   memory kept alive past the call, a phase opened inside, real tensors, unhashable arguments.
+3. A whole emulated step measures the same with replay as without on an emulated CUDA device,
+   for the methods whose loops are replayed (UPipe on a ring mesh, USP, both FPDTs); on the CPU
+   device tests/test_emulate.py compares every method's emulation with a real gloo run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from experiments.config import Cell, Hardware
+from experiments.emulation import fake_step
+from experiments.emulation.op_costs import StepWork
+from experiments.emulation.replay import CallReplay
+from experiments.instruments.collectives import CollectiveCounter
+from experiments.instruments.memory import MemoryTracker
+from experiments.instruments.op_flops import CountedFlops
+from upipe.pure import metadata_pure, metadata_pure_hook
+
+_KEPT: list[torch.Tensor] = []
+
+
+@metadata_pure
+def _spiky(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A temporary four times x's size (the call's own peak), a matmul, a collective, and two
+    outputs: one spanning its storage, one a view into a larger one."""
+    big = torch.empty(4, *x.shape, dtype=x.dtype, device=x.device)
+    y = (x @ w).relu()
+    dist.all_reduce(y)
+    del big
+    wide = torch.zeros(x.shape[0], 2 * w.shape[1], dtype=torch.float32, device=x.device)
+    return y, wide[:, : w.shape[1]]
+
+
+@metadata_pure
+def _view_of_argument(x: torch.Tensor) -> torch.Tensor:
+    tmp = x * 2
+    del tmp
+    return x[1:]
+
+
+@metadata_pure
+def _keeps_a_tensor(x: torch.Tensor) -> torch.Tensor:
+    _KEPT.append(x + 1)
+    return x * 3
+
+
+def _run(replay: bool, calls):
+    """``calls(tracker)`` under a fresh fake world, FakeTensorMode and a tracker with the three
+    instruments as observers; returns (tracker, observers, outputs, the CallReplay or None)."""
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        with FakeTensorMode():
+            tracker = MemoryTracker(round_bytes=512)
+            observers = [CountedFlops(), CollectiveCounter(), StepWork(tracker, 8)]
+            tracker.observers += observers
+            hook = CallReplay(tracker) if replay else None
+            with tracker, metadata_pure_hook(hook), tracker.phase("forward"):
+                outs = calls(tracker)
+                meta = [(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+                        for out in outs for t in (out if isinstance(out, tuple) else (out,))]
+                del outs
+    finally:
+        dist.destroy_process_group()
+    return tracker, observers, meta, hook
+
+
+def _state(tracker: MemoryTracker, observers) -> dict:
+    flops, comm, work = observers
+    return {"current": dict(tracker.current), "peak": dict(tracker.peak),
+            "peak_bytes": tracker.peak_bytes, "by_category": dict(tracker.peak_by_category),
+            "at_peak": tracker.breakdown_at_peak, "phases": tracker.peak_by_phase,
+            "phase_breakdowns": tracker.breakdown_by_phase, "flops": flops.total,
+            "comm": (comm.counts, comm.bytes_sent, comm.payload_bytes),
+            "work": dict(work.windows), "order": work.order}
+
+
+def _three_calls(tracker):
+    """The same signature three times in two categories, with a live tensor growing between
+    them (so each replay starts from other absolute bytes), plus one call of other shapes."""
+    x, w = torch.randn(64, 32), torch.randn(32, 16)
+    outs, held = [], []
+    with tracker.category("attention"):
+        outs.append(_spiky(x, w))
+        held.append(torch.empty(1000))
+        outs.append(_spiky(x, w))
+    outs.append(_spiky(x, w))  # "other": another context, another recording
+    held.append(torch.empty(5000))
+    outs.append(_spiky(torch.randn(8, 32), w))
+    with tracker.category("attention"):
+        outs.append(_spiky(x, w))
+    return outs
+
+
+def test_a_replayed_call_leaves_everything_as_running_it_does():
+    direct, d_obs, d_outs, _ = _run(False, _three_calls)
+    replayed, r_obs, r_outs, hook = _run(True, _three_calls)
+    assert (hook.recorded, hook.replayed, hook.direct) == (3, 2, 0)
+    assert _state(replayed, r_obs) == _state(direct, d_obs)
+    assert r_outs == d_outs
+    # the call's own temporary made the peak: a replay that skipped it would be lower
+    assert direct.peak["device"] > direct.current["device"]
+    assert d_obs[0].total > 0 and d_obs[1].counts["allreduce_"] == 5
+
+
+@pytest.mark.parametrize("fn", [_view_of_argument, _keeps_a_tensor])
+def test_what_a_replay_cannot_repeat_runs_every_time(fn):
+    def calls(tracker):
+        x = torch.randn(16, 8)
+        return [fn(x) for _ in range(3)]
+
+    _KEPT.clear()
+    direct, d_obs, d_outs, _ = _run(False, calls)
+    replayed, r_obs, r_outs, hook = _run(True, calls)
+    _KEPT.clear()
+    assert (hook.recorded, hook.replayed, hook.direct) == (1, 0, 2)
+    assert _state(replayed, r_obs) == _state(direct, d_obs)
+    assert r_outs == d_outs
+
+
+def test_a_call_opening_a_phase_or_taking_unhashable_or_real_arguments_runs_every_time():
+    seen = []
+
+    @metadata_pure
+    def phased(tracker, x):
+        with tracker.phase("inner"):
+            return x + 1
+
+    @metadata_pure
+    def takes(x, options):
+        seen.append(type(x))
+        return x + 1
+
+    def calls(tracker):
+        x = torch.randn(4)
+        outs = [phased(tracker, x) for _ in range(2)]
+        outs += [takes(x, {"a": {1}}) for _ in range(2)]  # a set inside: unhashable
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            outs += [takes(torch.ones(2), None) for _ in range(2)]  # real tensors
+        return outs
+
+    direct, d_obs, _, _ = _run(False, calls)
+    replayed, r_obs, _, hook = _run(True, calls)
+    assert (hook.recorded, hook.replayed, hook.direct) == (1, 0, 5)
+    assert _state(replayed, r_obs) == _state(direct, d_obs)
+    assert direct.peak_by_phase.get(("forward", "inner"))  # the phase ran, and ran inside
+
+
+def test_without_a_hook_a_pure_function_is_the_function():
+    x = torch.randn(6, 4)
+    w = torch.randn(4, 3)
+    assert torch.equal(_view_of_argument(x), x[1:])
+    calls = []
+    with metadata_pure_hook(lambda fn, args, kwargs: calls.append(fn) or fn(*args, **kwargs)):
+        _view_of_argument(x)
+    assert calls == [_view_of_argument.__wrapped__]
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        y, _ = _spiky(x, w)
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(y, (x @ w).relu())
+
+
+# the loops each method replays, on an emulated CUDA device (its kernel models, 512-byte
+# rounding); on the CPU device every method's emulation is compared with a real gloo run, replay
+# included (tests/test_emulate.py)
+STEPS = [
+    ("upipe", {"ring_degree": 4, "heads_per_stage": 1}),  # ring loops, projections per stage
+    ("usp", {"ring_degree": 2}),  # all-to-alls and the zigzag ring
+    ("fpdt", {"chunk_size": 1024}),  # attention and merge per chunk pair
+    ("ds-fpdt", {"chunk_size": 1024}),  # DeepSpeed's LSE merge
+]
+
+
+@pytest.mark.parametrize("method,options", STEPS, ids=[m for m, _ in STEPS])
+def test_a_replayed_step_measures_what_a_dispatched_one_does(monkeypatch, method, options):
+    hooks = []
+
+    class Spy(CallReplay):
+        def __init__(self, tracker):
+            super().__init__(tracker)
+            hooks.append(self)
+
+    monkeypatch.setattr(fake_step, "CallReplay", Spy)
+    cell = Cell(method=method, model="tiny", nproc=4, seq_len=4096, stack="alst",
+                dtype="bf16", **options)
+    cfg = dataclasses.replace(cell.validate(), n_layers=2)
+    replayed = fake_step.measure_fake(cell, cfg, Hardware())
+    direct = fake_step.measure_fake(cell, cfg, Hardware(), replay=False)
+    assert len(hooks) == 1 and hooks[0].replayed > 0
+    assert replayed == direct

@@ -1,0 +1,52 @@
+"""Functions that do the same for the same tensor metadata, and a hook around their calls.
+
+``@metadata_pure`` marks a function whose allocations, frees, collectives and kernels depend
+only on its arguments' metadata (shape, stride, dtype, device) and its other arguments, never
+on tensor values, and that leaves no trace but its return value and in-place writes into
+tensors it was given (no state kept, no memory held after it returns). The ring's forward and
+backward loops are such functions: a ring step's sends, receives, kernel and merge are fixed
+by the shapes.
+
+``metadata_pure_hook(hook)``: inside it, a call of a marked function ``f(*args, **kwargs)``
+becomes ``hook(f, args, kwargs)``. Without a hook (every real run) the call is direct. The
+emulator installs one (``experiments/emulation/replay.py``): under fake tensors, where no value
+exists, it runs each marked function once per argument signature and replays what that run
+allocated and did for later calls with the same signature -- UPipe on a ring mesh runs the same
+ring loop for each of its head stages, thousands of times per emulated step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable
+
+Hook = Callable[[Callable, tuple, dict], object]
+
+_HOOK: contextvars.ContextVar[Hook | None] = contextvars.ContextVar("upipe_pure_hook",
+                                                                    default=None)
+
+
+def metadata_pure(fn: Callable) -> Callable:
+    """Mark ``fn`` as pure in its tensors' metadata (see the module); calls go through the
+    ``metadata_pure_hook`` in force, if any."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        hook = _HOOK.get()
+        if hook is None:
+            return fn(*args, **kwargs)
+        return hook(fn, args, kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def metadata_pure_hook(hook: Hook | None):
+    """Route calls of ``@metadata_pure`` functions through ``hook`` inside (None: direct)."""
+    token = _HOOK.set(hook)
+    try:
+        yield
+    finally:
+        _HOOK.reset(token)

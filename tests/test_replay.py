@@ -5,9 +5,10 @@
    bytes, FLOPs, collective bytes and the work of the window, the outputs' shapes and strides.
 2. What a replay could not repeat is run every time instead: a view of an argument returned,
    memory kept alive past the call, a phase opened inside, real tensors, unhashable arguments.
-3. A whole emulated step measures the same with replay as without on an emulated CUDA device,
-   for the methods whose loops are replayed (UPipe on a ring mesh, USP, both FPDTs); on the CPU
-   device tests/test_emulate.py compares every method's emulation with a real gloo run.
+3. A whole emulated step measures the same with replay as without on an emulated CUDA device
+   (UPipe on a 2 x 2 mesh runs every replayed function of upipe; DeepSpeed's FPDT its merge);
+   on the CPU device tests/test_emulate.py compares every method's emulation, replay included,
+   with a real gloo run.
 """
 
 from __future__ import annotations
@@ -178,10 +179,9 @@ def test_without_a_hook_a_pure_function_is_the_function():
 # rounding); on the CPU device every method's emulation is compared with a real gloo run, replay
 # included (tests/test_emulate.py)
 STEPS = [
-    ("upipe", {"ring_degree": 4, "heads_per_stage": 1}),  # ring loops, projections per stage
-    ("usp", {"ring_degree": 2}),  # all-to-alls and the zigzag ring
-    ("fpdt", {"chunk_size": 1024}),  # attention and merge per chunk pair
-    ("ds-fpdt", {"chunk_size": 1024}),  # DeepSpeed's LSE merge
+    # ring loops, all-to-alls, attention calls, merges and projections of every stage
+    ("upipe", {"ring_degree": 2, "heads_per_stage": 2}),
+    ("ds-fpdt", {"chunk_size": 1024}),  # DeepSpeed's LSE merge, per chunk pair
 ]
 
 

@@ -212,7 +212,8 @@ def cmd_max_context(a) -> int:
 
 
 PLAN_COLUMNS = {  # row key -> column title of the plan table
-    "method": "method", "mesh": "mesh", "heads_per_stage": "U", "stack": "stack",
+    "method": "method", "mesh": "mesh", "heads_per_stage": "U", "overlap": "overlap",
+    "stack": "stack",
     "fits": "fits", "peak_device_gib": "device GiB", "peak_host_gib": "host GiB/rank",
     "tokens_per_s_per_gpu": "tokens/s/GPU", "mfu": "MFU", "step_time_s": "step s",
     "why": "why not",
@@ -238,7 +239,8 @@ def _plan_line(row: dict) -> dict:
     u, dp = row.get("heads_per_stage"), row.get("dp", 1)
     mesh = f"{row['nproc'] // row.get('ring_degree', 1)}x{row.get('ring_degree', 1)}"
     return {"method": row["method"], "mesh": mesh if dp == 1 else f"{mesh} dp{dp}",
-            "heads_per_stage": "-" if u is None else u, "stack": row["stack"], "fits": fits,
+            "heads_per_stage": "-" if u is None else u,
+            "overlap": "yes" if row.get("overlap") else "-", "stack": row["stack"], "fits": fits,
             "peak_device_gib": gib["peak_device_bytes"], "peak_host_gib": gib["peak_host_bytes"],
             "tokens_per_s_per_gpu": row.get("tokens_per_s_per_gpu"), "mfu": row.get("mfu"),
             "step_time_s": row.get("step_time_s"),
@@ -254,7 +256,8 @@ def cmd_plan(a) -> int:
         done.extend(rows)
         if _progress(a):
             r = rows[0]
-            print(f"[plan] {r['method']} {_plan_line(r)['mesh']} U={r.get('heads_per_stage')}: "
+            ov = " overlap" if r.get("overlap") else ""
+            print(f"[plan] {r['method']} {_plan_line(r)['mesh']} U={r.get('heads_per_stage')}{ov}: "
                   + ", ".join(f"{x['stack']} {x['status']}" for x in rows), file=sys.stderr)
 
     rows = plan(spec, hw, workers=a.workers, exact=bool(a.exact), on_rows=progress)

@@ -106,6 +106,9 @@ def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
     p.add_argument("--heads-per-stage", type=int, default=None,
                    help="UPipe's U: heads per stage, a positive multiple of the Ulysses degree "
                         "dividing the heads (default: the Ulysses degree)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="UPipe: run the stages' all-to-alls beside the attention kernels "
+                        "(default: on); --no-overlap: the paper's blocking schedule")
     p.add_argument("--ring-degree", type=int, default=None,
                    help="hybrids (usp, upipe): ring axis of a (ring, ulysses) mesh; "
                         "Ulysses degree = nproc / ring degree (default 1)")
@@ -259,6 +262,7 @@ def cell_from_args(a: argparse.Namespace, *, emulated: bool = False) -> Cell:
     cell = Cell(method=a.method, model=a.model, seq_len=a.seq_len, nproc=nproc,
                 stack=a.stack or paper_stack(a.method), heads_per_stage=a.heads_per_stage,
                 ring_degree=ring_degree, chunk_size=a.chunk_size, doc_len=a.doc_len,
+                overlap=getattr(a, "overlap", None),
                 dtype=a.dtype or ("bf16" if emulated else "fp32"),
                 kernel=a.kernel, overrides=parse_overrides(a.override),
                 budget_mib=a.budget_mib, warmup=getattr(a, "warmup", 1),

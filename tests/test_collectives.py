@@ -1,6 +1,7 @@
 """Communication is part of the algorithm: all-to-all counts per forward and backward.
 
-UPipe (per KV block: K and V sent once; per stage: Q in, output back):
+UPipe (per KV block: K and V sent once; per stage: Q in, output back), with overlapped stages or
+without (the same all-to-alls, issued earlier):
   forward  = 2 * n_blocks + 2 * n_stages
   backward = 4 * n_blocks + 4 * n_stages   (recompute K, V; per stage Q, out, dout in and dQ
                                             back; per block dK, dV back)
@@ -53,8 +54,11 @@ def _count(method, h, hkv, options):
         (4, 16, 4, 8, 1, 2),
     ],
 )
-def test_upipe_all_to_all_count_follows_stage_count(dist_pool, world, h, hkv, u, blocks, stages):
-    for res in dist_pool(world).run(_count, "upipe", h, hkv, {"heads_per_stage": u}):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "blocking"])
+def test_upipe_all_to_all_count_follows_stage_count(dist_pool, world, h, hkv, u, blocks, stages,
+                                                    overlap):
+    opts = {"heads_per_stage": u, "overlap": overlap}
+    for res in dist_pool(world).run(_count, "upipe", h, hkv, opts):
         assert (res["n_blocks"], res["n_stages"]) == (blocks, stages)
         assert res["fwd"] == {"alltoall_base_": 2 * blocks + 2 * stages}
         assert res["bwd"] == {"alltoall_base_": 4 * blocks + 4 * stages}

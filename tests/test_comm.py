@@ -8,7 +8,14 @@ import torch
 import torch.distributed as dist
 
 from experiments.instruments.collectives import CollectiveCounter
-from upipe.comm import head_to_seq, head_to_seq_autograd, seq_to_head, seq_to_head_autograd
+from upipe.comm import (
+    head_to_seq,
+    head_to_seq_autograd,
+    head_to_seq_start,
+    seq_to_head,
+    seq_to_head_autograd,
+    seq_to_head_start,
+)
 
 
 def _check_layout(b, s, n, d, dtype):
@@ -39,6 +46,38 @@ def _check_layout(b, s, n, d, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_all_to_all_layout_and_round_trip_bit_exact(dist_pool, world, shape, dtype):
     for r, res in enumerate(dist_pool(world).run(_check_layout, *shape, dtype)):
+        assert all(res.values()), f"rank {r}: {res}"
+
+
+def _check_async(b, s, n, d, dtype):
+    """The asynchronous all-to-alls (UPipe's overlapped stages) give bit-for-bit the blocking
+    ones' results, also from a non-contiguous (B, L, C, *, D) split view and into one, with two
+    transfers in flight at once (the loop's pattern)."""
+    group, world = dist.group.WORLD, dist.get_world_size()
+    torch.manual_seed(dist.get_rank())
+    x = torch.randn(b, s, n, d).to(dtype)
+    heads = seq_to_head(x, group)
+    t1, t2 = seq_to_head_start(x, group, True), seq_to_head_start(x * 2, group, True)
+    got1, got2 = t1.wait(), t2.wait()
+    # every other head of a (B, L, 2n, D) buffer, split by destination rank: a strided view
+    wide = torch.zeros(b, s, 2 * n, d, dtype=dtype)
+    split = wide[:, :, ::2].unflatten(2, (world, n // world))
+    from_view = seq_to_head_start(split.copy_(x.unflatten(2, (world, -1))), group, True).wait()
+    back_into = torch.zeros_like(wide)
+    head_to_seq_start(heads, group, True,
+                      into=back_into[:, :, 1::2].unflatten(2, (world, -1))).wait()
+    return {
+        "async": torch.equal(got1, heads), "second": torch.equal(got2, seq_to_head(x * 2, group)),
+        "from_view": torch.equal(from_view, heads),
+        "into": torch.equal(back_into[:, :, 1::2], x) and not back_into[:, :, ::2].any(),
+        "blocking_start": torch.equal(seq_to_head_start(x, group, False).wait(), heads),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_async_all_to_alls_bit_exact(dist_pool, world, dtype):
+    for r, res in enumerate(dist_pool(world).run(_check_async, 2, 12, 8, 5, dtype)):
         assert all(res.values()), f"rank {r}: {res}"
 
 

@@ -59,9 +59,13 @@ def _fpdt_cases() -> list:
 
 
 def _stage_options(world: int, n_heads: int) -> list[dict]:
-    """UPipe's U values for a head count: C (default), 2C and H when valid and distinct."""
+    """UPipe's U values for a head count: C (default), 2C and H when valid and distinct, each
+    with overlapped stages, and U = C with the default (the paper's blocking schedule). On one
+    rank there is no all-to-all to overlap: the default only."""
     us = sorted({u for u in (world, 2 * world, n_heads) if n_heads % u == 0})
-    return [{"heads_per_stage": u} for u in us]
+    if world == 1:
+        return [{"heads_per_stage": u} for u in us]
+    return [{"heads_per_stage": world}] + [{"heads_per_stage": u, "overlap": True} for u in us]
 
 
 # Hybrids on a (ring, ulysses) mesh: 2x2 on 4 ranks (the paper's 8x2 in small), and the
@@ -81,6 +85,7 @@ def _params(world, method, h, hkv, seq, options, tag):
                 case = Case(method, h, hkv, seq, causal=causal, dtype=dtype, options=o)
                 u = f"-U{o['heads_per_stage']}" if "heads_per_stage" in o else ""
                 u += f"-{o['rotate_method']}" if "rotate_method" in o else ""
+                u += "-overlap" if o.get("overlap") else ""
                 cid = f"{method}{u}{tag}-w{world}-h{h}kv{hkv}-s{seq}-" + (
                     "causal" if causal else "full") + f"-{dtype}"
                 out.append(pytest.param(world, case, id=cid))

@@ -176,16 +176,16 @@ def test_cli_list_and_dry_run(capsys):
     cat = json.loads(capsys.readouterr().out)
     assert {"upipe", "ulysses"} <= set(cat["methods"]) and "llama3-8b" in cat["presets"]
     assert cat["methods"]["ulysses"]["available"] and cat["methods"]["ulysses"]["reason"] is None
-    assert cat["methods"]["upipe"]["options"] == ["heads_per_stage", "ring_degree"]
+    assert cat["methods"]["upipe"]["options"] == ["heads_per_stage", "overlap", "ring_degree"]
     if "rfa-zigzag" in cat["methods"] and cat["methods"]["rfa-zigzag"]["device"] == "cpu":
         assert not cat["methods"]["rfa-zigzag"]["available"]
         assert "CUDA" in cat["methods"]["rfa-zigzag"]["reason"]
     assert cat["methods"]["torch-cp"]["available"]  # torch's ring runs on CPU too
     code = main(["sweep", "--dry-run", "table3_llama3_8b_h100x8", "table3_llama3_8b_h100x8-cpu"])
     out = capsys.readouterr().out
-    # 7 methods x 8 lengths, each searched; the CPU one: 7 x 3, one packed UPipe cell and two
-    # searches
-    assert "56 cells, 7 max-context searches" in out, out
+    # 8 variants (UPipe with and without overlap) x 8 lengths, each searched; the CPU one:
+    # 7 x 3, one packed UPipe cell and two searches
+    assert "64 cells, 8 max-context searches" in out, out
     assert "22 cells, 2 max-context searches" in out
     if {"torch-cp", "fpdt"} <= set(cat["methods"]):  # else INVALID until they are registered
         assert code == 0 and "INVALID" not in out, out

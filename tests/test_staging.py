@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from upipe.staging import make_stage_plan
+from upipe.staging import make_stage_plan, stage_heads
 
 CONFIGS = [  # (n_heads, n_kv_heads, cp, heads_per_stage)
     (32, 8, 4, 4), (32, 8, 4, 8), (32, 8, 8, 8), (64, 8, 8, 8), (64, 8, 8, 16), (64, 8, 8, 64),
@@ -56,3 +56,17 @@ def test_reordering_round_trip_is_bit_exact(h, hkv, c, u):
             idx = torch.tensor(stage)
             out.index_copy_(2, idx, x.index_select(2, idx))
     assert torch.equal(out, x)
+
+
+@pytest.mark.parametrize("h,hkv,c,u", CONFIGS)
+def test_stage_heads_view_is_the_stage_in_all_to_all_order(h, hkv, c, u):
+    """``stage_heads`` is a view (no copy) of exactly the stage's heads, in the stage's order,
+    split by destination rank: (B, L, C, m/a, a, D) flattens to the plan's head list."""
+    plan = make_stage_plan(h, hkv, c, u)
+    x = torch.randn(2, 5, h, 3)
+    for b, block in enumerate(plan.blocks):
+        for s, stage in enumerate(block.stages):
+            v = stage_heads(x, plan, b, s)
+            assert v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+            assert v.shape[:3] == (2, 5, c) and v.shape[-1] == 3
+            assert torch.equal(v.flatten(2, -2), x.index_select(2, torch.tensor(stage)))

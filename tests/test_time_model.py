@@ -19,6 +19,7 @@ from experiments.emulation.fake_step import critical_rank, measure_fake
 from experiments.emulation.profile import ProfileError, attention_flops, load_profile
 from experiments.emulation.time_model import WindowTime, price, step_time
 from experiments.emulation.work_fit import quadratic_at
+from upipe.staging import make_stage_plan
 
 DATA = Path(__file__).parent / "data"
 CUDA = str(DATA / "profile_unit_cuda.json")
@@ -118,6 +119,47 @@ def test_ring_p2p_hides_behind_the_windows_attention(cuda):
     assert (over.step_s, over.comm_exposed_s) == pytest.approx((2.5, 0.5))
 
 
+def test_upipes_overlapped_all_to_alls_share_the_attention_with_the_ring(cuda):
+    hidden = step_time([(("forward", 0), _w(attention=1.0, matmul=1.0, overlap=0.6))], cuda)
+    assert (hidden.step_s, hidden.comm_exposed_s) == pytest.approx((2.0, 0.0))
+    # beside the ring's P2P they share the same kernels: only their sum over them shows
+    both = step_time([(("forward", 0), _w(attention=1.0, p2p=0.6, overlap=0.6, blocking=0.1))],
+                     cuda)
+    assert (both.step_s, both.comm_exposed_s) == pytest.approx((1.3, 0.3))
+
+
+def test_upipe_overlap_work_per_block_window():
+    """tiny UPipe on 2 ranks (16 heads over 4 KV heads, U = 2: two KV blocks of 4 stages): per
+    pass the first stage's inputs (Q; backward also O, dO), the last stage's output (dQ) and
+    each KV block's K/V (backward also dK/dV) block; every other stage's all-to-alls overlap.
+    Without overlap all of them block; the bytes are the same."""
+    cells = {ov: Cell("upipe", "tiny", seq_len=2048, nproc=2, stack="ac", overlap=ov)
+             for ov in (False, True)}
+    work = {ov: dict(measure_fake(c, c.validate(), Hardware(device="cpu")).work)
+            for ov, c in cells.items()}
+    plan = make_stage_plan(16, 4, 2, 2)
+    assert (plan.n_blocks, plan.n_stages) == (2, 8)
+
+    def calls(ov, window, mechanism):
+        return work[ov][window].get(("comm_calls", mechanism, "all_to_all", "intra"), 0)
+
+    fwd, bwd = ("forward", 1), ("backward", 1)  # the backward window recomputes the forward
+    # forward: K, V of 2 blocks + the first Q + the last output block; 7 Q and 7 outputs overlap
+    assert (calls(True, fwd, "blocking"), calls(True, fwd, "overlap")) == (2 * 2 + 1 + 1, 14)
+    # backward: K, V and dK, dV of 2 blocks + the first Q, O, dO + the last dQ block; 7 stages'
+    # Q, O, dO and 7 dQ overlap; plus the recomputed forward's
+    assert calls(True, bwd, "blocking") == 6 + 2 * 2 + 3 + 1 + 2 * 2
+    assert calls(True, bwd, "overlap") == 14 + 7 * 3 + 7
+    for window in (fwd, bwd):
+        total = calls(True, window, "blocking") + calls(True, window, "overlap")
+        assert total == calls(False, window, "blocking")
+        assert calls(False, window, "overlap") == 0
+        sent = {ov: sum(v for k, v in work[ov][window].items()
+                        if k[0] == "comm" and k[3] == "intra" and k[2] == "all_to_all")
+                for ov in (False, True)}
+        assert sent[True] == sent[False]
+
+
 def test_blocking_collectives_and_sync_copies_are_always_exposed(cuda):
     t = step_time([(("forward", 0), _w(matmul=1.0, blocking=0.25, copy_sync=0.5))], cuda)
     assert (t.step_s, t.comm_exposed_s, t.offload_exposed_s) == pytest.approx((1.75, 0.25, 0.5))
@@ -144,10 +186,10 @@ def test_fsdp_gathers_hide_behind_the_previous_block_and_reductions_behind_the_n
 
 def test_without_side_streams_everything_is_serial(cpu):
     w = _w(attention=1.0, p2p=0.5, fsdp_gather=0.25, fsdp_reduce=0.25, copy_side=1.0,
-           overhead=0.5)
+           overhead=0.5, overlap=0.25)
     t = step_time([(("forward", 0), w), (("forward", 1), w)], cpu)
-    assert t.step_s == pytest.approx(2 * 3.5)
-    assert (t.comm_exposed_s, t.offload_exposed_s, t.overhead_s) == pytest.approx((2.0, 2.0, 1.0))
+    assert t.step_s == pytest.approx(2 * 3.75)
+    assert (t.comm_exposed_s, t.offload_exposed_s, t.overhead_s) == pytest.approx((2.5, 2.0, 1.0))
     assert t.compute_s + t.comm_exposed_s + t.offload_exposed_s + t.overhead_s == t.step_s
 
 

@@ -6,7 +6,9 @@ Layout contract (contiguous sequence sharding, rank r holds tokens [r*L, (r+1)*L
   [r*n/C, (r+1)*n/C) over the full sequence, tokens in rank order.
 * ``head_to_seq``: the exact inverse, (B, S, m, D) -> (B, S/C, C*m, D).
 
-Both are pure data movement (bit-exact round trip). The autograd wrappers' backward is the
+Both are pure data movement (bit-exact round trip). ``seq_to_head_start`` / ``head_to_seq_start``
+issue the same all-to-alls asynchronously (``async_op=True``) and return a ``Transfer`` to wait
+on later: UPipe's overlapped stages (``upipe.untied``). The autograd wrappers' backward is the
 opposite all-to-all. Written by hand (rather than with DeepSpeed's ``_SeqAllToAll``) because it
 must run under FakeTensorMode with the ``fake`` process group and take an explicit group.
 """
@@ -43,34 +45,113 @@ def _all_to_all(chunks: torch.Tensor, group: ProcessGroup | None) -> torch.Tenso
     return out
 
 
-@metadata_pure
-def seq_to_head(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """(B, L, n, D) sequence-sharded -> (B, C*L, n/C, D) head-sharded. No autograd."""
-    c = group_size(group)
-    if c == 1:
-        return x
-    b, l, n, d = x.shape
-    if n % c:
-        raise ValueError(f"heads ({n}) must be divisible by the CP degree ({c})")
-    # (C, B, L, n/C, D): chunk i holds the heads destined for rank i.
-    send = x.reshape(b, l, c, n // c, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = _all_to_all(send, group)  # (C_src, B, L, n/C, D): chunk i = rank i's tokens
-    return recv.permute(1, 0, 2, 3, 4).reshape(b, c * l, n // c, d)
+def _all_to_all_async(chunks: torch.Tensor, group: ProcessGroup | None):
+    """``_all_to_all`` issued with ``async_op=True``: (recv buffer, work handle). The emulator
+    tells these from the blocking ones by this function's name (``op_costs``): they run beside
+    the compute stream (NCCL's stream on CUDA, gloo's worker thread on CPU)."""
+    out = torch.empty_like(chunks)
+    return out, dist.all_to_all_single(out, chunks, group=group, async_op=True)
 
 
-@metadata_pure
-def head_to_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """(B, S, m, D) head-sharded -> (B, S/C, C*m, D) sequence-sharded. No autograd."""
-    c = group_size(group)
-    if c == 1:
-        return x
+def _pack_seq_to_head(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(B, L, n, D), or a (B, L, C, *, D) view already split by destination rank (e.g.
+    ``upipe.staging.stage_heads``), -> the contiguous (C, B, L, n/C, D) send buffer: chunk i
+    holds the heads destined for rank i."""
+    if x.dim() == 4:
+        b, l, n, d = x.shape
+        if n % c:
+            raise ValueError(f"heads ({n}) must be divisible by the CP degree ({c})")
+        x = x.unflatten(2, (c, n // c))
+    return x.movedim(2, 0).contiguous().flatten(3, -2)
+
+
+def _unpack_seq_to_head(recv: torch.Tensor) -> torch.Tensor:
+    """(C_src, B, L, m, D), chunk i = rank i's tokens -> (B, C*L, m, D)."""
+    c, b, l, m, d = recv.shape
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, c * l, m, d)
+
+
+def _pack_head_to_seq(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(B, S, m, D) -> the contiguous (C, B, S/C, m, D) send buffer: chunk i holds rank i's
+    tokens (a view, no copy, when B == 1)."""
     b, s, m, d = x.shape
     if s % c:
         raise ValueError(f"sequence ({s}) must be divisible by the CP degree ({c})")
-    # (C, B, S/C, m, D): chunk i holds the tokens destined for rank i.
-    send = x.reshape(b, c, s // c, m, d).transpose(0, 1).contiguous()
-    recv = _all_to_all(send, group)  # (C_src, B, S/C, m, D): chunk i = rank i's heads
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // c, c * m, d)
+    return x.reshape(b, c, s // c, m, d).transpose(0, 1).contiguous()
+
+
+def _unpack_head_to_seq(recv: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+    """(C_src, B, L, m, D), chunk i = rank i's heads -> (B, L, C*m, D); with ``into`` (a
+    (B, L, C, *, D) view, e.g. a stage's heads of an output buffer) written there in one copy
+    and ``into`` returned."""
+    c, b, l, m, d = recv.shape
+    src = recv.permute(1, 2, 0, 3, 4)  # (B, L, C, m, D)
+    if into is None:
+        return src.reshape(b, l, c * m, d)
+    return into.copy_(src.reshape(into.shape))
+
+
+@metadata_pure
+def seq_to_head(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """(B, L, n, D) sequence-sharded -> (B, C*L, n/C, D) head-sharded. No autograd.
+
+    x may also be a (B, L, C, *, D) view split by destination rank (``_pack_seq_to_head``)."""
+    c = group_size(group)
+    if c == 1:
+        return x if x.dim() == 4 else x.flatten(2, -2)
+    return _unpack_seq_to_head(_all_to_all(_pack_seq_to_head(x, c), group))
+
+
+@metadata_pure
+def head_to_seq(x: torch.Tensor, group: ProcessGroup | None,
+                into: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, S, m, D) head-sharded -> (B, S/C, C*m, D) sequence-sharded. No autograd.
+
+    ``into``: a (B, S/C, C, *, D) view to write the result into (returned)."""
+    c = group_size(group)
+    if c == 1:
+        return x if into is None else into.copy_(x.reshape(into.shape))
+    return _unpack_head_to_seq(_all_to_all(_pack_head_to_seq(x, c), group), into)
+
+
+class Transfer:
+    """One all-to-all, in flight (``overlap``) or done: ``wait()`` returns its unpacked result
+    once. Holding it keeps the send and receive buffers alive until then, so no buffer is
+    reused while the collective may still read or write it (no ``record_stream`` needed)."""
+
+    def __init__(self, send, recv, work, unpack):
+        self._send, self._recv, self._work, self._unpack = send, recv, work, unpack
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+        out = self._unpack(self._recv)
+        self._send = self._recv = self._work = self._unpack = None
+        return out
+
+
+def _start(x, group, overlap: bool, pack, unpack, sync) -> Transfer:
+    c = group_size(group)
+    if not overlap or c == 1:
+        return Transfer(None, sync(), None, lambda y: y)
+    send = pack(x, c)
+    recv, work = _all_to_all_async(send, group)
+    return Transfer(send, recv, work, unpack)
+
+
+def seq_to_head_start(x: torch.Tensor, group: ProcessGroup | None, overlap: bool) -> Transfer:
+    """``seq_to_head(x, group)`` as a ``Transfer``: issued asynchronously with ``overlap``,
+    else run now (the blocking ``seq_to_head``)."""
+    return _start(x, group, overlap, _pack_seq_to_head, _unpack_seq_to_head,
+                  lambda: seq_to_head(x, group))
+
+
+def head_to_seq_start(x: torch.Tensor, group: ProcessGroup | None, overlap: bool,
+                      into: torch.Tensor | None = None) -> Transfer:
+    """``head_to_seq(x, group, into)`` as a ``Transfer`` (see ``seq_to_head_start``)."""
+    return _start(x, group, overlap, _pack_head_to_seq,
+                  lambda recv: _unpack_head_to_seq(recv, into),
+                  lambda: head_to_seq(x, group, into))
 
 
 class _SeqToHead(torch.autograd.Function):

@@ -80,3 +80,20 @@ def make_stage_plan(n_heads: int, n_kv_heads: int, cp: int, heads_per_stage: int
         )
         blocks.append(KVBlock(kv_heads=tuple(e // rep for e in slots), stages=stages))
     return StagePlan(n_heads, n_kv_heads, cp, heads_per_stage, tuple(blocks))
+
+
+def stage_heads(t, plan: StagePlan, block: int, stage: int):
+    """The view of a stage's query heads of t (B, L, H, D) in all-to-all order, split by
+    destination rank: (B, L, C, m/a, a, D), m = U/C heads per rank, a = U/Ukv query heads per
+    KV slot. Stage s of block b holds heads e*g' + s*a + t for its Ukv effective KV heads e and
+    t < a (module docstring), a strided view of t as (B, L, Hkv', g', D); a divides m because C
+    divides Ukv (U and Hkv' are multiples of C). Writing to it, or packing it for the
+    all-to-all, takes one copy and no gather (``index_select``) of the stage's heads."""
+    u_kv = len(plan.blocks[block].kv_heads)
+    n_eff = u_kv * plan.n_blocks
+    a = plan.heads_per_stage // u_kv
+    m = plan.heads_per_stage // plan.cp
+    b, l, h, d = t.shape
+    heads = t.view(b, l, n_eff, h // n_eff, d)[:, :, block * u_kv:(block + 1) * u_kv,
+                                               stage * a:(stage + 1) * a]
+    return heads.unflatten(2, (plan.cp, m // a))

@@ -17,6 +17,14 @@ gradient never exists), all-to-all them and the stage's output heads, run the ke
 with the saved LSE, accumulate dK/dV over the block's stages, all-to-all dQ (and, at the end of a
 block, dK/dV) back, undo RoPE, and accumulate dx in place and the weight-row gradients. Peak
 attention memory covers U heads plus three (B, L, ~dim) tensors: x, the buffer, dx.
+
+Overlapped stages (``overlap=True``, beyond the paper, whose stated limit is its synchronous
+all-to-alls): the next stage's inputs are all-to-all'd, and the previous stage's outputs sent
+back, beside the current stage's attention kernel, with ``async_op=True`` work handles (gloo's
+worker thread on CPU, NCCL's own stream on CUDA) that the loop waits on before it reads the
+buffers; each in-flight ``upipe.comm.Transfer`` holds its buffers until then, so the caching
+allocator never recycles one early and no ``record_stream`` is needed. Exact: the same kernels
+on the same values, only issued earlier; it holds one more stage's all-to-all buffers.
 """
 
 from __future__ import annotations
@@ -24,168 +32,153 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
-from upipe.comm import group_size, head_to_seq, seq_to_head
+from upipe.comm import group_size, head_to_seq_start, seq_to_head, seq_to_head_start
 from upipe.documents import RingDocuments, documents
 from upipe.layout import SeqLayout
 from upipe.module import ContextParallelAttention, check_ulysses_heads
-from upipe.norm import norm_params, rms_norm, rms_norm_backward
-from upipe.pure import metadata_pure
+from upipe.norm import norm_params
+from upipe.projections import OutputGrad, projections
 from upipe.registry import register_method
 from upipe.ring import SequenceAttention
-from upipe.rope import apply_rope, apply_rope_inverse
-from upipe.staging import StagePlan, check_heads_per_stage, make_stage_plan
+from upipe.staging import StagePlan, check_heads_per_stage, make_stage_plan, stage_heads
 
 
-def _rows(w: torch.Tensor, heads: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The projection rows of ``heads`` from w (n*head_dim, dim) -> (len(heads)*head_dim, dim)."""
-    return w.view(-1, head_dim, w.shape[-1]).index_select(0, heads).flatten(0, 1)
+def _order(plan: StagePlan) -> list[tuple[int, int]]:
+    """(block, stage) of every stage, in execution order."""
+    return [(b, s) for b, block in enumerate(plan.blocks) for s in range(len(block.stages))]
 
 
-class _Proj:
-    """One of the q/k/v projections of a head subset, and its hand-written backward.
+def _forward_stages(x, pq, pk, pv, cos, sin, plan, group, core, overlap, out) -> list:
+    """Run every stage, writing its heads into ``out`` (B, L, H, D); returns the per-stage LSEs.
 
-    w (n*D, dim) head-major rows; optional bias b (n*D,) (Qwen2) and per-head RMSNorm weight
-    (D,) applied before RoPE (Qwen3). Without bias or norm this is ``x @ rows^T`` (+ RoPE)
-    exactly, allocating nothing more.
+    With ``overlap`` the next stage's Q all-to-all is issued before this stage's attention, and
+    this stage's output all-to-all is waited on after the next stage's attention: both run beside
+    the kernel (the first stage's Q and the last one's output, with no kernel beside them,
+    block). A KV block's K/V are all-to-all'd when it opens, blocking: prefetching them too would
+    hold a second block's K/V beside the first. Without ``overlap``, each all-to-all runs where
+    its tensor is made and is waited on at once (the paper's schedule).
     """
+    dev = x.device
 
-    def __init__(self, w, b, norm_w, eps: float, rope: bool, head_dim: int):
-        self.w, self.b, self.norm_w, self.eps, self.rope, self.d = w, b, norm_w, eps, rope, head_dim
-        self.dw = self.db = self.dnorm = None  # gradient accumulators, made by the backward
+    def q_in(b, s, ov):
+        q_idx = torch.tensor(plan.blocks[b].stages[s], device=dev)
+        return seq_to_head_start(pq(x, q_idx, cos, sin), group, ov)
 
-    def rows(self, heads: torch.Tensor) -> torch.Tensor:
-        return _rows(self.w, heads, self.d)
-
-    def pre_norm(self, x, heads, w_rows) -> torch.Tensor:
-        """x (B, L, dim) -> (B, L, n, D): the linear part (bias included)."""
-        y = x @ w_rows.t()
-        if self.b is not None:
-            y += self.b.view(-1, self.d).index_select(0, heads).flatten()
-        return y.unflatten(-1, (-1, self.d))
-
-    def finish(self, pre, cos, sin) -> torch.Tensor:
-        """Norm (if any) and RoPE (if ``rope``) of the linear part."""
-        y = pre if self.norm_w is None else rms_norm(pre, self.norm_w, self.eps)
-        return apply_rope(y, cos, sin) if self.rope else y
-
-    def __call__(self, x, heads, cos, sin, w_rows=None) -> torch.Tensor:
-        """(B, L, n, D) projection of x for ``heads``: linear, norm, RoPE."""
-        return _project(x, heads, cos, sin, w_rows, self.w, self.b, self.norm_w, self.eps,
-                        self.rope, self.d)
-
-    def unrotate(self, dy: torch.Tensor, cos, sin) -> torch.Tensor:
-        """The gradient before RoPE (the inverse rotation), or dy for V."""
-        return apply_rope_inverse(dy, cos, sin) if self.rope else dy
-
-    def backward(self, dy, x, x2, heads, w_rows, dx2) -> None:
-        """Accumulate the gradients of ``self(x, heads)`` for dy (B, L, n, D), already unrotated.
-
-        dw[heads] += g^T x; db[heads] += sum g; dx += g @ rows, with g the gradient before the
-        norm (its weight's gradient summed into ``dnorm``). ``index_add_`` sums KV replicas'
-        rows; ``addmm_`` accumulates dx without an (L, dim) temporary.
-        """
-        if self.norm_w is not None:  # recompute the stage's linear part for the norm backward
-            dy, dnorm = rms_norm_backward(self.pre_norm(x, heads, w_rows), self.norm_w,
-                                          self.eps, dy)
-            # summed over stages in fp32, as one autograd reduction over all heads would be
-            self.dnorm = dnorm.float() if self.dnorm is None else self.dnorm.add_(dnorm)
-        if self.db is None and self.b is not None:
-            self.db = torch.zeros_like(self.b)
-        dy2 = dy.reshape(x2.shape[0], -1)
-        if self.db is not None:
-            self.db.view(-1, self.d).index_add_(0, heads, dy2.sum(0).view(-1, self.d))
-        _accumulate_rows(dy2, x2, heads, w_rows, self.dw, dx2, self.d)
-
-    def grads(self) -> tuple:
-        """(dw, db, dnorm) for the autograd Function's return (every head was visited)."""
-        dnorm = None if self.dnorm is None else self.dnorm.to(self.norm_w.dtype)
-        return self.dw, self.db, dnorm
+    order, lses = _order(plan), []
+    next_q = out_in_flight = k = v = None
+    for i, (b, s) in enumerate(order):
+        if s == 0:
+            kv_idx = torch.tensor(plan.blocks[b].kv_heads, device=dev)
+            k = seq_to_head(pk(x, kv_idx, cos, sin), group)
+            v = seq_to_head(pv(x, kv_idx, cos, sin), group)
+        q = (next_q or q_in(b, s, False)).wait()
+        last = i + 1 == len(order)
+        next_q = q_in(*order[i + 1], True) if overlap and not last else None
+        o, lse = core.forward(q, k, v)
+        del q  # free before the all-to-all back allocates
+        if out_in_flight is not None:
+            out_in_flight.wait()
+        out_in_flight = head_to_seq_start(o, group, overlap and not last,
+                                          into=stage_heads(out, plan, b, s))
+        lses.append(lse)
+        del o
+        if s == len(plan.blocks[b].stages) - 1:
+            k = v = None
+    out_in_flight.wait()
+    return lses
 
 
-# The per-stage pieces below run once per head stage with the same shapes in every stage:
-# marked metadata-pure (upipe.pure), so the emulator replays them instead of dispatching their
-# ops again (they are most of an emulated UPipe layer's ops once the ring loop is replayed).
+class _BlockGrads:
+    """A KV block's recomputed K/V (head layout) and their gradients summed over its stages."""
+
+    def __init__(self, kv_idx, wk_rows, wv_rows, k, v):
+        self.kv_idx, self.wk_rows, self.wv_rows, self.k, self.v = kv_idx, wk_rows, wv_rows, k, v
+        self.dk = self.dv = None
+
+    def add(self, dk_s, dv_s, acc) -> None:
+        """Sum a stage's dK, dV in ``acc`` (its first stage's converted, not added to zeros)."""
+        self.dk = dk_s.to(acc) if self.dk is None else self.dk.add_(dk_s)
+        self.dv = dv_s.to(acc) if self.dv is None else self.dv.add_(dv_s)
 
 
-@metadata_pure
-def _project(x, heads, cos, sin, w_rows, w, b, norm_w, eps: float, rope: bool,
-             head_dim: int) -> torch.Tensor:
-    """``_Proj(w, b, norm_w, eps, rope, head_dim)(x, heads, cos, sin, w_rows)``: x (B, L, dim)
-    -> (B, L, n, D) for ``heads`` (n,), with w's rows of those heads unless ``w_rows``
-    (n*D, dim) is given."""
-    p = _Proj(w, b, norm_w, eps, rope, head_dim)
-    return p.finish(p.pre_norm(x, heads, p.rows(heads) if w_rows is None else w_rows), cos, sin)
+def _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, group, core, overlap, out, dout,
+                     lses) -> None:
+    """Walk the stages again, accumulating dx (``dx2``, (B*L, dim)) and the projections'
+    weight gradients. With ``overlap`` the next stage's Q, O, dO all-to-alls run beside this
+    stage's attention backward, and this stage's dQ all-to-all back runs beside the next one's;
+    it is then finished (RoPE undone, rows and dx accumulated). A block's K/V (in) and dK/dV
+    (out) are blocking, as in the forward: in flight they would hold a second block's."""
+    dev, acc = x.device, _accumulator_dtype(x.dtype)
+
+    def stage_in(b, s, ov):
+        q_idx = torch.tensor(plan.blocks[b].stages[s], device=dev)
+        wq_rows = pq.rows(q_idx)
+        return (q_idx, wq_rows,
+                seq_to_head_start(pq(x, q_idx, cos, sin, wq_rows), group, ov),
+                seq_to_head_start(stage_heads(out, plan, b, s), group, ov),
+                seq_to_head_start(dout.stage(q_idx), group, ov))
+
+    def block_in(b):
+        kv_idx = torch.tensor(plan.blocks[b].kv_heads, device=dev)
+        wk_rows, wv_rows = pk.rows(kv_idx), pv.rows(kv_idx)
+        return (kv_idx, wk_rows, wv_rows, seq_to_head(pk(x, kv_idx, cos, sin, wk_rows), group),
+                seq_to_head(pv(x, kv_idx, cos, sin, wv_rows), group))
+
+    def finish(p, transfer, idx, rows):
+        p.backward(p.unrotate(transfer.wait(), cos, sin), x, x2, idx, rows, dx2)
+
+    in_flight = []  # (projection, transfer, head index, weight rows) of gradients going back
+
+    def send_back(p, grad, idx, rows, ov):
+        in_flight.append((p, head_to_seq_start(grad, group, ov), idx, rows))
+        if not ov:
+            finish(*in_flight.pop())
+
+    order = _order(plan)
+    next_stage = blk = None
+    for i, (b, s) in enumerate(order):
+        if s == 0:
+            blk = _BlockGrads(*block_in(b))
+        q_idx, wq_rows, *transfers = next_stage or stage_in(b, s, False)
+        q, o, do = (t.wait() for t in transfers)
+        ov = overlap and i + 1 < len(order)  # the last stage's dQ has no kernel beside it
+        next_stage = stage_in(*order[i + 1], True) if ov else None
+        dq, dk_s, dv_s = core.backward(do, q, blk.k, blk.v, o, lses[i])
+        del q, o, do
+        blk.add(dk_s, dv_s, acc)
+        del dk_s, dv_s
+        while in_flight:  # the previous stage's gradients, sent back beside this kernel
+            finish(*in_flight.pop(0))
+        send_back(pq, dq, q_idx, wq_rows, ov)
+        del dq
+        if s == len(plan.blocks[b].stages) - 1:
+            dk, dv, blk.dk, blk.dv, blk.k, blk.v = blk.dk, blk.dv, None, None, None, None
+            send_back(pk, dk.to(x.dtype), blk.kv_idx, blk.wk_rows, False)
+            del dk
+            send_back(pv, dv.to(x.dtype), blk.kv_idx, blk.wv_rows, False)
+            del dv
+    while in_flight:
+        finish(*in_flight.pop(0))
 
 
-@metadata_pure
-def _accumulate_rows(dy2, x2, heads, w_rows, dw, dx2, head_dim: int) -> None:
-    """dw[heads] += dy2^T x2 and dx2 += dy2 @ w_rows, in place: dy2 (B*L, n*D), x2, dx2
-    (B*L, dim), w_rows (n*D, dim), dw (N*D, dim); ``index_add_`` sums KV replicas' rows,
-    ``addmm_`` accumulates dx without an (L, dim) temporary."""
-    dw.view(-1, head_dim, dw.shape[-1]).index_add_(
-        0, heads, (dy2.t() @ x2).view(-1, head_dim, x2.shape[-1]))
-    dx2.addmm_(dy2, w_rows)
-
-
-@metadata_pure
-def _wo_heads(grad2, wo, heads, head_dim: int) -> torch.Tensor:
-    """grad2 (B*L, dim) @ wo's columns of ``heads`` (n,) -> (B*L, n*D)."""
-    cols = wo.view(wo.shape[0], -1, head_dim).index_select(1, heads).flatten(1)
-    return grad2 @ cols
-
-
-class _OutputGrad:
-    """Per-stage slices of the attention output's gradient, (B, L, U, D) for a head subset.
-
-    With the output projection fused (``wo`` given), they are dy @ wo[:, heads] computed stage by
-    stage, and dwo = dy^T @ out; otherwise the caller's gradient of the (B, L, H, D) output is
-    sliced.
-    """
-
-    def __init__(self, grad, out, wo, head_dim):
-        self.grad, self.wo, self.d = grad, wo, head_dim
-        if wo is None:
-            self.dwo = None
-        else:
-            self.grad2 = grad.reshape(-1, grad.shape[-1])  # (B*L, dim)
-            self.dwo = self.grad2.t() @ out.reshape(self.grad2.shape[0], -1)  # (dim, H*D)
-
-    def stage(self, heads: torch.Tensor) -> torch.Tensor:
-        if self.wo is None:
-            return self.grad.index_select(2, heads)
-        return _wo_heads(self.grad2, self.wo, heads, self.d).view(*self.grad.shape[:-1], -1,
-                                                                  self.d)
-
-
-def _projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, eps, d):
-    return (_Proj(wq, bq, q_norm, eps, True, d), _Proj(wk, bk, k_norm, eps, True, d),
-            _Proj(wv, bv, None, eps, False, d))
+def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dK/dV sum over a block's stages along the full sequence: fp32 for low-precision inputs
+    ("bf16 with fp32 reductions"); they are only U/C heads wide. dx and the weight rows are
+    accumulated in the input dtype, as autograd would, to keep dx a single (L, dim) tensor."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 class _UPipeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, cos, sin, plan, group, core,
-                eps):
+                eps, overlap):
         b, l, _ = x.shape
         d = wq.shape[0] // plan.n_heads
-        pq, pk, pv = _projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, eps, d)
+        pq, pk, pv = projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, eps, d)
         out = x.new_empty(b, l, plan.n_heads, d)
-        lses = []
-        for block in plan.blocks:
-            kv_idx = torch.tensor(block.kv_heads, device=x.device)
-            k = seq_to_head(pk(x, kv_idx, cos, sin), group)
-            v = seq_to_head(pv(x, kv_idx, cos, sin), group)
-            for stage in block.stages:
-                q_idx = torch.tensor(stage, device=x.device)
-                q = seq_to_head(pq(x, q_idx, cos, sin), group)
-                o, lse = core.forward(q, k, v)
-                del q  # free before the all-to-all back allocates
-                out.index_copy_(2, q_idx, head_to_seq(o, group))
-                lses.append(lse)
-                del o
-            del k, v
+        lses = _forward_stages(x, pq, pk, pv, cos, sin, plan, group, core, overlap, out)
         ctx.save_for_backward(x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, cos, sin, out, *lses)
-        ctx.plan, ctx.group, ctx.core, ctx.eps = plan, group, core, eps
+        ctx.plan, ctx.group, ctx.core, ctx.eps, ctx.overlap = plan, group, core, eps, overlap
         if wo is None:
             return out
         return out.flatten(2) @ wo.t()
@@ -193,50 +186,19 @@ class _UPipeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, cos, sin, out, *lses = ctx.saved_tensors
-        plan, group = ctx.plan, ctx.group
+        plan = ctx.plan
         d = wq.shape[0] // plan.n_heads
-        pq, pk, pv = _projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, ctx.eps, d)
-        dout = _OutputGrad(grad, out, wo, d)
-        # dK/dV sum over a block's stages along the full sequence: fp32 for low-precision inputs
-        # ("bf16 with fp32 reductions"); they are only U/C heads wide. dx and the weight rows are
-        # accumulated in the input dtype, as autograd would, to keep dx a single (L, dim) tensor.
-        acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        pq, pk, pv = projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, ctx.eps, d)
+        dout = OutputGrad(grad, out, wo, d)
         x2 = x.reshape(-1, x.shape[-1])
         dx2 = torch.zeros_like(x2)
         for p in (pq, pk, pv):
             p.dw = torch.zeros_like(p.w)
-        lse_it = iter(lses)
-        for block in plan.blocks:
-            kv_idx = torch.tensor(block.kv_heads, device=x.device)
-            wk_rows, wv_rows = pk.rows(kv_idx), pv.rows(kv_idx)
-            k = seq_to_head(pk(x, kv_idx, cos, sin, wk_rows), group)
-            v = seq_to_head(pv(x, kv_idx, cos, sin, wv_rows), group)
-            dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-            dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-            for stage in block.stages:
-                q_idx = torch.tensor(stage, device=x.device)
-                wq_rows = pq.rows(q_idx)
-                q = seq_to_head(pq(x, q_idx, cos, sin, wq_rows), group)
-                o = seq_to_head(out.index_select(2, q_idx), group)
-                do = seq_to_head(dout.stage(q_idx), group)
-                dq, dk_s, dv_s = ctx.core.backward(do, q, k, v, o, next(lse_it))
-                del q, o, do
-                dk.add_(dk_s)
-                dv.add_(dv_s)
-                del dk_s, dv_s
-                dq = pq.unrotate(head_to_seq(dq, group), cos, sin)
-                pq.backward(dq, x, x2, q_idx, wq_rows, dx2)
-                del dq
-            del k, v
-            dk = pk.unrotate(head_to_seq(dk.to(x.dtype), group), cos, sin)
-            pk.backward(dk, x, x2, kv_idx, wk_rows, dx2)
-            del dk
-            dv = head_to_seq(dv.to(x.dtype), group)
-            pv.backward(dv, x, x2, kv_idx, wv_rows, dx2)
-            del dv
+        _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, ctx.group, ctx.core,
+                         ctx.overlap, out, dout, lses)
         (dwq, dbq, dqn), (dwk, dbk, dkn), (dwv, dbv, _) = pq.grads(), pk.grads(), pv.grads()
         return (dx2.view(x.shape), dwq, dwk, dwv, dout.dwo, dbq, dbk, dbv, dqn, dkn,
-                *([None] * 6))
+                *([None] * 7))
 
 
 def upipe_attention(
@@ -263,6 +225,7 @@ def upipe_attention(
     k_norm: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
     cu_seqlens=None,
+    overlap: bool = False,
 ) -> torch.Tensor:
     """UPipe attention for callers that keep their own projection weights.
 
@@ -284,6 +247,9 @@ def upipe_attention(
             on every rank; ``upipe.documents``): attention stays inside each document. RoPE is
             the caller's: pass ``cos``/``sin`` at each token's position *within its document*
             (``Documents.positions`` of this rank's layout segments).
+        overlap: run each stage's all-to-alls beside the neighbouring stage's attention
+            (asynchronous, ``async_op=True``), holding one more stage's all-to-all buffers;
+            False (default): the paper's blocking schedule.
 
     Returns:
         (B, L, dim_out) when ``wo`` is given, else the (B, L, n_heads, D) attention output before
@@ -301,7 +267,7 @@ def upipe_attention(
         x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, cos, sin, plan, group,
         SequenceAttention(causal=causal, scale=scale, kernel=kernel, ring_group=ring_group,
                           docs=ring_docs),
-        norm_eps,
+        norm_eps, overlap,
     )
 
 
@@ -309,9 +275,14 @@ def upipe_attention(
 class UPipeAttention(ContextParallelAttention):
     """UPipe attention module, a drop-in for the reference Llama attention under CP.
 
-    Extra option: ``heads_per_stage`` (U), default the CP degree; it must be a multiple of the CP
-    degree and divide ``n_heads``. forward(x_local (B, L, dim), cu_seqlens=None) -> (B, L, dim);
-    with packed documents every stage's attention stays inside them.
+    Extra options: ``heads_per_stage`` (U), default the CP degree; it must be a multiple of the CP
+    degree and divide ``n_heads``. ``overlap`` (default False): the stages' all-to-alls run beside
+    the neighbouring stages' attention kernels (the module docstring) -- faster where the
+    all-to-alls are a visible part of the step (short contexts, across nodes), at one more
+    stage's all-to-all buffers (8U heads over the local tokens at the backward's peak: 6 GiB
+    per rank for Llama3-8B at 3M tokens on 8 GPUs), which costs the longest contexts their fit.
+    forward(x_local (B, L, dim), cu_seqlens=None) -> (B, L, dim); with packed documents every
+    stage's attention stays inside them.
 
     With ``mesh`` (2-D, axes ``ring`` x ``ulysses``; the paper's multi-node 8 x 2) the stages'
     all-to-alls run over the ulysses axis, U is a multiple of its size, and each stage's attention
@@ -321,8 +292,9 @@ class UPipeAttention(ContextParallelAttention):
 
     supports_mesh = True
 
-    def __init__(self, *args, heads_per_stage: int | None = None, **kwargs):
-        self.heads_per_stage = heads_per_stage
+    def __init__(self, *args, heads_per_stage: int | None = None, overlap: bool = False,
+                 **kwargs):
+        self.heads_per_stage, self.overlap = heads_per_stage, overlap
         super().__init__(*args, **kwargs)
         # None is the default (U = C); 0 is not, and is refused by make_stage_plan
         self.heads_per_stage = self.ulysses_degree if heads_per_stage is None else heads_per_stage
@@ -331,7 +303,7 @@ class UPipeAttention(ContextParallelAttention):
         )
 
     def options(self) -> dict:
-        return {"heads_per_stage": self.heads_per_stage}
+        return {"heads_per_stage": self.heads_per_stage, "overlap": self.overlap}
 
     @classmethod
     def check_heads(cls, n_heads, n_kv_heads, ulysses_degree, *, heads_per_stage=None, **_):
@@ -353,9 +325,10 @@ class UPipeAttention(ContextParallelAttention):
             cos, sin, self.plan, self.group,
             SequenceAttention(causal=self.causal, kernel=self.kernel, ring_group=self.ring_group,
                               docs=self.ring_documents(docs)),
-            eps,
+            eps, self.overlap,
         )
         return y if self.wo.bias is None else y + self.wo.bias
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", heads_per_stage={self.heads_per_stage}"
+        return (super().extra_repr()
+                + f", heads_per_stage={self.heads_per_stage}, overlap={self.overlap}")

@@ -70,6 +70,9 @@ class Cell:
     """tokens per packed document: the sequence is cut into seq_len // doc_len documents, the
     last one holding the remainder; attention stays inside each document, RoPE positions
     restart and no label crosses a boundary. None: one unpacked sequence"""
+    overlap: bool | None = None
+    """upipe: run the stages' all-to-alls beside the neighbouring stages' attention kernels
+    (``upipe.untied``); None: the method's default"""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """free-form labels carried into the row (e.g. the sweep's ``rep``); not part of the id"""
 
@@ -178,13 +181,14 @@ class Cell:
         scope = "" if self.workload == "step" else f"-{self.workload}"
         dp = "" if self.dp == 1 else f"-D{self.dp}"
         docs = "" if self.doc_len is None else f"-d{format_size(self.doc_len)}"
-        return (f"{self.method}{u}{r}{c}-{self.model}-{format_size(self.seq_len)}{docs}"
+        ov = {None: "", True: "-ov", False: "-noov"}[self.overlap]
+        return (f"{self.method}{u}{r}{c}{ov}-{self.model}-{format_size(self.seq_len)}{docs}"
                 f"-p{self.nproc}{dp}-{self.stack}-{self.dtype}{scope}{rep}-{digest}")
 
 
 # Method-specific constructor options a cell can set; each applies to the methods whose
 # constructor takes a keyword of that name.
-METHOD_OPTIONS = ("heads_per_stage", "chunk_size")
+METHOD_OPTIONS = ("heads_per_stage", "chunk_size", "overlap")
 
 # What a cell runs: a training step of the whole model, or one attention layer (forward and
 # backward), the benchmark of one method's attention alone.
@@ -193,7 +197,7 @@ WORKLOADS = ("step", "attention")
 # Cell fields added after the first committed results, with their defaults: they enter a cell's
 # id only when they differ from these (see cell_id), so ids stay stable as fields are added.
 _LATER_FIELDS = {"ring_degree": 1, "chunk_size": None, "workload": "step", "dp": 1,
-                 "doc_len": None}
+                 "doc_len": None, "overlap": None}
 
 
 def takes_option(method_cls: type, name: str) -> bool:

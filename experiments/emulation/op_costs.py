@@ -23,8 +23,10 @@ window's ``Counter``:
 The mechanism says how the code runs it, which decides its overlap (``time_model``):
 
 - collectives: ``fsdp`` (FSDP2's all-gathers and reduce-scatters), ``p2p`` (send / recv: the
-  ring rotation, ``upipe/ring.py``), ``blocking`` (everything else: the Ulysses and UPipe
-  all-to-alls, ``upipe/comm.py``, issued and waited on the compute stream);
+  ring rotation, ``upipe/ring.py``), ``overlap`` (all-to-alls issued with ``async_op=True`` by
+  ``upipe.comm._all_to_all_async``: UPipe's overlapped stages, waited on after the next
+  stage's attention kernel), ``blocking`` (everything else: the Ulysses all-to-alls and UPipe's
+  without overlap, ``upipe/comm.py``, issued and waited on the compute stream);
 - copies: ``side`` (``upipe.host.HostStore.write`` / ``prefetch``, on its side stream), ``sync``
   (the ALST stack's offloaded checkpoints, ``upipe/stack/offload.py``, and
   ``HostStore.get`` without prefetch: on the compute stream).
@@ -41,11 +43,11 @@ from collections import Counter, defaultdict
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from experiments.emulation.profile import attention_flops
 from experiments.instruments.collectives import COLLECTIVE_NAMESPACES, describe_collective
 from experiments.instruments.memory import HOST, MemoryTracker, plain_tensors, tensor_leaves
+from experiments.instruments.op_flops import flop_formula
 
 Window = tuple[str, int | None]
 
@@ -73,7 +75,8 @@ _TORCH_RING_FILE = "tensor/experimental/_context_parallel/_attention.py"
 
 _aten = torch.ops.aten
 _MATMUL = {_aten.mm.default: (0, 1), _aten.addmm.default: (1, 2), _aten.bmm.default: (0, 1),
-           _aten.baddbmm.default: (1, 2)}  # op -> positions of its two factors
+           _aten.baddbmm.default: (1, 2), _aten.addmm_.default: (1, 2),
+           _aten.baddbmm_.default: (1, 2)}  # op -> positions of its two factors
 # Allocation-only ops: the caching allocator hands out memory, no kernel runs.
 _NO_KERNEL = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
               _aten.new_empty.default, _aten.new_empty_strided.default,
@@ -237,7 +240,13 @@ class StepWork(TorchDispatchMode):
         else:
             beside = op == "p2p" or (func.namespace == "_c10d_functional"
                                      and _called_from(_TORCH_RING_FILE))
-            mechanism, w = ("p2p" if beside else "blocking"), self._window()
+            if beside:
+                mechanism = "p2p"
+            elif _called_from("upipe/comm.py", ("_all_to_all_async",)):
+                mechanism = "overlap"
+            else:
+                mechanism = "blocking"
+            w = self._window()
         scope = self._scope(call.group, call.peer)
         w["comm", mechanism, op, scope] += call.sent
         if call.sent or op != "p2p":  # a ring step's send and receive are one transfer
@@ -261,7 +270,7 @@ class StepWork(TorchDispatchMode):
             i, j = _MATMUL[func]
             a, b = args[i], args[j]
             m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-            flops = flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
+            flops = flop_formula(func)(*args, **kwargs, out_val=out)
             w["matmul", DTYPE_NAMES.get(a.dtype, str(a.dtype)), (m, n, k)] += flops
         else:
             w["memory",] += _nbytes(ins) + _nbytes(outs)

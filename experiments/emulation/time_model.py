@@ -17,6 +17,14 @@ streams (CUDA); without them (a CPU) everything runs one after the other:
 - ring P2P (``upipe/ring.py``: the next block's K/V are sent with ``batch_isend_irecv`` before
   the current block's attention, waited on after it) runs beside the window's attention kernels:
   only what exceeds them is exposed;
+- UPipe's overlapped all-to-alls (``upipe/untied.py``, ``overlap=True``: the next stage's inputs
+  are issued before the current stage's attention kernel, the previous stage's outputs waited
+  on after it) also run beside the window's attention kernels, which they share with the ring's
+  P2P (the two are summed: conservative where they use different links, the ring across nodes
+  and the all-to-all inside one). The window's sums stand for the stages': exact when every
+  stage's transfers fit under its kernel or none do. A layer's first stage's inputs and last
+  stage's outputs have no kernel beside them and run blocking. Contention for the SMs between
+  NCCL's kernels and the attention kernel is not modelled;
 - ``side`` copies (``upipe/host.py``: FPDT's chunk offload and prefetch on a side stream) run
   beside the window's compute: only what exceeds it is exposed;
 - FSDP2 (``torch.distributed.fsdp``, separate all-gather and reduce-scatter streams): a unit's
@@ -49,6 +57,7 @@ class WindowTime:
     overhead: float = 0.0  # launch overhead of the window's kernels
     blocking: float = 0.0  # collectives on the compute stream
     p2p: float = 0.0  # ring rotation
+    overlap: float = 0.0  # UPipe's all-to-alls issued beside the attention kernels
     fsdp_gather: float = 0.0
     fsdp_reduce: float = 0.0
     copy_sync: float = 0.0
@@ -92,7 +101,7 @@ def price(work: Counter, profile: Profile, pinned: bool) -> WindowTime:
             _, mechanism, op, scope = key
             bandwidth, latency = profile.collective(op, scope)
             seconds = amount / bandwidth if kind == "comm" else amount * latency
-            slot = {"p2p": "p2p", "blocking": "blocking"}.get(mechanism)
+            slot = {"p2p": "p2p", "blocking": "blocking", "overlap": "overlap"}.get(mechanism)
             if slot is None:  # fsdp
                 slot = "fsdp_gather" if op == "all_gather" else "fsdp_reduce"
             t[slot] += seconds
@@ -107,10 +116,10 @@ def price(work: Counter, profile: Profile, pinned: bool) -> WindowTime:
 def _stream_time(w: WindowTime, overlap: bool) -> tuple[float, float, float]:
     """(compute-stream seconds, exposed comm, exposed copies) of one window, FSDP aside."""
     if not overlap:
-        comm = w.blocking + w.p2p
+        comm = w.blocking + w.p2p + w.overlap
         copies = w.copy_sync + w.copy_side
     else:
-        comm = w.blocking + max(0.0, w.p2p - w.attention)
+        comm = w.blocking + max(0.0, w.p2p + w.overlap - w.attention)
         copies = w.copy_sync + max(0.0, w.copy_side - (w.compute + w.overhead))
     return w.compute + w.overhead + comm + copies, comm, copies
 

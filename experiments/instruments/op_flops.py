@@ -6,8 +6,20 @@ rank are counted without running it; recomputation is counted as it runs.
 
 from __future__ import annotations
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
+
+_aten = torch.ops.aten
+# In-place products: the same FLOPs as their out-of-place op, whose formula torch registers
+# (``flop_registry`` has ``addmm``, not ``addmm_``: ``dx.addmm_(g, w)`` would count nothing).
+_IN_PLACE = {_aten.addmm_: _aten.addmm, _aten.baddbmm_: _aten.baddbmm}
+
+
+def flop_formula(func):
+    """Torch's FLOPs formula of an op (``formula(*args, **kwargs, out_val=out)``), or None."""
+    packet = func._overloadpacket
+    return flop_registry.get(_IN_PLACE.get(packet, packet))
 
 
 class CountedFlops(TorchDispatchMode):
@@ -31,7 +43,7 @@ class CountedFlops(TorchDispatchMode):
 
     def observe(self, func, args, kwargs, out) -> None:
         """Add one op's FLOPs (as a mode, or as a ``MemoryTracker`` observer)."""
-        formula = flop_registry.get(func._overloadpacket)
+        formula = flop_formula(func)
         if formula is not None:
             self.total += int(formula(*args, **kwargs, out_val=out))
 

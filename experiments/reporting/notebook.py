@@ -37,7 +37,8 @@ from experiments.reporting.plots import memory_unit  # noqa: F401  (the notebook
 from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
 
 SCALES = {"paper": "", "cpu": "-cpu", "emulated": "-emulated"}  # scale -> sweep-name suffix
-VARIANT_COLUMNS = ["method", "heads_per_stage", "ring_degree", "chunk_size", "nproc", "doc_len"]
+VARIANT_COLUMNS = ["method", "heads_per_stage", "ring_degree", "chunk_size", "nproc", "doc_len",
+                   "overlap"]
 # columns of rows.csv the notebooks read beyond ROW_COLUMNS (absent ones load as NaN)
 ROW_EXTRA = ["iters", "workload", "model_n_heads", "attention_peak_bytes"]
 
@@ -173,15 +174,20 @@ def inventory(results: Path) -> pd.DataFrame:
 
 
 def relative_variant(method: str, heads_per_stage: float, ring_degree: float,
-                     nproc: float, doc_len: float | None = None) -> str:
+                     nproc: float, doc_len: float | None = None,
+                     overlap: bool | None = None) -> str:
     """A variant's name that reads the same at every scale: U in units of the Ulysses degree
     C = nproc / ring_degree ('upipe U=2C'), hybrids by their ring degree ('usp ring=2'), FPDT
-    without its chunk size ('fpdt'), packed documents without their length ('upipe packed')."""
+    without its chunk size ('fpdt'), packed documents without their length ('upipe packed'),
+    UPipe's overlap when set ('upipe no-overlap')."""
     label = method if ring_degree == 1 else f"{method} ring={ring_degree:g}"
     if pd.notna(heads_per_stage):
         k = heads_per_stage / (nproc / ring_degree)
         label += " U=C" if k == 1 else f" U={k:g}C"
-    return label + (" packed" if pd.notna(doc_len) else "")
+    label += " packed" if pd.notna(doc_len) else ""
+    if overlap is not None and pd.notna(overlap):
+        label += " overlap" if bool(overlap) else " no-overlap"
+    return label
 
 
 def variant_order(df: pd.DataFrame) -> list[str]:
@@ -216,7 +222,7 @@ def load(dirs: Mapping[str, Path] | Iterable[Path], table: str = ROWS,
                                                 "ladder"])))
     if relative:
         options = (df[c] for c in ["method", "heads_per_stage", "ring_degree", "nproc",
-                                   "doc_len"])
+                                   "doc_len", "overlap"])
         df["variant"] = [relative_variant(*v) for v in zip(*options, strict=True)]
     else:
         options = (df[c] for c in VARIANT_COLUMNS)

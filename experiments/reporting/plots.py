@@ -56,13 +56,15 @@ METHOD_NAMES = {"fpdt": "fpdt (upipe's, ALST stack)", "ds-fpdt": "ds-fpdt (DeepS
 
 def variant_label(method: str, heads_per_stage: float | None = None,
                   ring_degree: float | None = None, chunk_size: float | None = None,
-                  nproc: float | None = None, doc_len: float | None = None) -> str:
+                  nproc: float | None = None, doc_len: float | None = None,
+                  overlap: bool | None = None) -> str:
     """A method and the options that make it a distinct variant (NaN/None: not set).
 
     ('upipe', 8.0) -> 'upipe U=8'; ('ulysses', nan) -> 'ulysses'; hybrids as Ulysses x ring
     degrees, the paper's notation: ('usp', nan, 2, nan, 16) -> 'usp 8x2'; FPDT's chunk in
     tokens: ('fpdt', nan, 1, 1024) -> 'fpdt c=1K'; packed documents by their length:
-    ('upipe', nan, 1, nan, 4, 2048) -> 'upipe doc=2K'.
+    ('upipe', nan, 1, nan, 4, 2048) -> 'upipe doc=2K'; UPipe's blocking schedule:
+    ('upipe', nan, 1, nan, 8, nan, False) -> 'upipe no-overlap'.
     """
     parts = [METHOD_NAMES.get(str(method), str(method))]
     if _given(ring_degree) and ring_degree > 1:
@@ -74,12 +76,14 @@ def variant_label(method: str, heads_per_stage: float | None = None,
         parts.append(f"c={format_tokens(chunk_size)}")
     if _given(doc_len):
         parts.append(f"doc={format_tokens(doc_len)}")
+    if _given(overlap):
+        parts.append("overlap" if bool(overlap) else "no-overlap")
     return " ".join(parts)
 
 
 # what variant_label reads, in its order (nproc between: a setting, not a variant's option)
 VARIANT = ("method", "heads_per_stage", "ring_degree", "chunk_size")
-VARIANT_LAST = ("nproc", "doc_len")
+VARIANT_LAST = ("nproc", "doc_len", "overlap")
 
 
 def _column(df: pd.DataFrame, col: str) -> pd.Series:

@@ -26,16 +26,16 @@ from experiments.store import read_row, read_search, write_text
 ROWS, MAXCTX = "rows.csv", "max_context.csv"
 # first columns of rows.csv; the rest follow in the order the rows first name them
 ROW_COLUMNS = ["sweep", "cell_id", "method", "heads_per_stage", "ring_degree", "chunk_size",
-               "doc_len", "model", "seq_len", "nproc", "stack", "dtype", "kernel", "budget_mib",
-               "overrides", "status", "mode", "emulation", "time_median_s", "time_p20_s",
-               "time_p80_s", "step_time_s", "tokens_per_s_per_gpu", "mfu", "hardware_profile",
-               "time_compute_s", "time_comm_exposed_s", "time_offload_exposed_s",
-               "time_overhead_s", "peak_device_bytes", "peak_host_bytes",
+               "doc_len", "overlap", "model", "seq_len", "nproc", "stack", "dtype", "kernel",
+               "budget_mib", "overrides", "status", "mode", "emulation", "time_median_s",
+               "time_p20_s", "time_p80_s", "step_time_s", "tokens_per_s_per_gpu", "mfu",
+               "hardware_profile", "time_compute_s", "time_comm_exposed_s",
+               "time_offload_exposed_s", "time_overhead_s", "peak_device_bytes", "peak_host_bytes",
                "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes",
                "device_memory_bytes", "device_budget_bytes", "host_budget_bytes",
                "rank_flops_per_step", "comm_bytes_per_step", "comm_bytes_by_op", "device", "error"]
 MAXCTX_COLUMNS = ["sweep", "method", "heads_per_stage", "ring_degree", "chunk_size", "doc_len",
-                  "model",
+                  "overlap", "model",
                   "nproc", "stack", "dtype", "budget_mib", "status", "mode", "max_seq_len",
                   "first_failing_seq_len", "granularity", "n_probes", "peak_device_bytes",
                   "peak_host_bytes", "peak_model_bytes", "peak_attention_bytes",

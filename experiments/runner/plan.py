@@ -2,7 +2,10 @@
 
 Every configuration a cluster of ``gpus`` GPUs can run a model with at one sequence length:
 each registered method, on each stack level, with each valid mesh (hybrids: ring degree x
-Ulysses degree) and, for UPipe, each valid number of heads per stage U; each emulated on the
+Ulysses degree) and, for UPipe, each valid number of heads per stage U, and its overlapped
+stages (``overlap=True``: faster where the all-to-alls show, one more stage's all-to-all
+buffers) at the default U (the Ulysses degree; the others would double UPipe's share of the
+plan for a trade-off the default U already shows); each emulated on the
 hardware (memory and time, ``emulation.emulate_cell``) and ranked: the configurations that fit
 first, fastest first (tokens/s per GPU), then those that do not fit (and why: device or host),
 then those that cannot be emulated here.
@@ -107,11 +110,14 @@ def _variants(spec: PlanSpec, method: str) -> list[Cell]:
         if takes_option(get_method(method), "heads_per_stage"):
             uly = spec.cp // ring
             us = list(range(uly, cfg.n_heads + 1, uly))
-        for u in us:
+        options = [{"heads_per_stage": u} for u in us]
+        if takes_option(get_method(method), "overlap") and spec.cp // ring > 1:
+            options.append({"heads_per_stage": us[0], "overlap": True})
+        for opts in options:
             cell = Cell(method=method, model=spec.model, overrides=spec.overrides,
                         seq_len=spec.seq_len, nproc=spec.cp, dp=spec.dp, ring_degree=ring,
-                        heads_per_stage=u, dtype=spec.dtype, kernel=spec.kernel, stack="alst",
-                        extra={"plan_model": spec.label or spec.model})
+                        dtype=spec.dtype, kernel=spec.kernel, stack="alst",
+                        extra={"plan_model": spec.label or spec.model}, **opts)
             try:
                 cell.validate()
             except ValueError:
@@ -217,7 +223,7 @@ def _cost(cell: Cell) -> tuple[bool, int]:
 
 def _family(cell: Cell) -> tuple:
     """What configurations that differ only in UPipe's heads per stage share."""
-    return cell.method, cell.ring_degree
+    return cell.method, cell.ring_degree, cell.overlap
 
 
 def _over_by_u(cell: Cell, over_at: dict[tuple, int]) -> dict[str, int]:

@@ -120,8 +120,8 @@ def run_search(executor, base: Cell, spec: SearchSpec, on_probe: Probe | None = 
 PEAK_KEYS = ("peak_device_bytes", "peak_host_bytes", "peak_model_bytes", "peak_attention_bytes",
              "peak_other_bytes")
 EMULATED_KEYS = ("peak_phase", "device_budget_bytes", "host_budget_bytes", "emulation")
-IDENTITY = ("method", "heads_per_stage", "ring_degree", "chunk_size", "model", "nproc", "dp",
-            "stack", "dtype", "budget_mib")
+IDENTITY = ("method", "heads_per_stage", "ring_degree", "chunk_size", "overlap", "model",
+            "nproc", "dp", "stack", "dtype", "budget_mib")
 
 
 def summarize(base: Cell, res: dict, hardware: Hardware | None = None) -> dict:

@@ -27,6 +27,7 @@ from experiments.sweeps import (
     table3_llama3_8b_h100x8,
     table4_qwen3_32b_h100x16,
     time_validation_cpu,
+    upipe_overlap,
 )
 
 # the paper's attention kernel: FlashAttention-3 (the official repository's README: "required to
@@ -34,7 +35,7 @@ from experiments.sweeps import (
 PAPER_KERNEL = "fa3"
 
 _MODULES = (table3_llama3_8b_h100x8, table4_qwen3_32b_h100x16, memory_ladder,
-            ablation_heads_per_stage, bench_attention, time_validation_cpu)
+            ablation_heads_per_stage, bench_attention, time_validation_cpu, upipe_overlap)
 
 
 def emulated_twin(paper: Sweep) -> Sweep:

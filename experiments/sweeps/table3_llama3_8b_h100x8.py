@@ -19,6 +19,7 @@ METHODS = [
     {"method": "fpdt", "chunk_size": "64K"},
     {"method": "ds-fpdt", "chunk_size": "64K", "stack": "megatron-ds"},
     {"method": "upipe"},
+    {"method": "upipe", "overlap": True},  # beyond the paper: upipe_overlap.py
 ]
 # CPU: the FPDTs' chunks scaled with the lengths (1K of 2K-8K tokens: 2-8 chunks, 256 per rank).
 CPU_METHODS = [

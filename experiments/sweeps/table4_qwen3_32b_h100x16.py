@@ -16,7 +16,9 @@ METHODS = [
     {"method": "ds-fpdt", "chunk_size": "64K", "stack": "megatron-ds"},
     {"method": "usp", "ring_degree": 2},
     {"method": "upipe"},
+    {"method": "upipe", "overlap": True},  # beyond the paper: upipe_overlap.py
     {"method": "upipe", "ring_degree": 2},
+    {"method": "upipe", "ring_degree": 2, "overlap": True},
 ]
 CPU_METHODS = [
     {"method": "torch-cp", "stack": "native"},

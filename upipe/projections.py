@@ -1,0 +1,141 @@
+"""UPipe's projections of a head subset, and their hand-written backward (``upipe.untied``).
+
+Each stage projects only its own heads from the layer input (``_Proj``: linear, optional bias
+and per-head RMSNorm, RoPE), and its backward accumulates the weight rows' gradients and dx in
+place; the output projection's gradient is formed stage by stage (``OutputGrad``), so no
+all-heads (B, L, H, D) tensor but the output buffer ever exists.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from upipe.norm import rms_norm, rms_norm_backward
+from upipe.pure import metadata_pure
+from upipe.rope import apply_rope, apply_rope_inverse
+
+
+def _rows(w: torch.Tensor, heads: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The projection rows of ``heads`` from w (n*head_dim, dim) -> (len(heads)*head_dim, dim)."""
+    return w.view(-1, head_dim, w.shape[-1]).index_select(0, heads).flatten(0, 1)
+
+
+class _Proj:
+    """One of the q/k/v projections of a head subset, and its hand-written backward.
+
+    w (n*D, dim) head-major rows; optional bias b (n*D,) (Qwen2) and per-head RMSNorm weight
+    (D,) applied before RoPE (Qwen3). Without bias or norm this is ``x @ rows^T`` (+ RoPE)
+    exactly, allocating nothing more.
+    """
+
+    def __init__(self, w, b, norm_w, eps: float, rope: bool, head_dim: int):
+        self.w, self.b, self.norm_w, self.eps, self.rope, self.d = w, b, norm_w, eps, rope, head_dim
+        self.dw = self.db = self.dnorm = None  # gradient accumulators, made by the backward
+
+    def rows(self, heads: torch.Tensor) -> torch.Tensor:
+        return _rows(self.w, heads, self.d)
+
+    def pre_norm(self, x, heads, w_rows) -> torch.Tensor:
+        """x (B, L, dim) -> (B, L, n, D): the linear part (bias included)."""
+        y = x @ w_rows.t()
+        if self.b is not None:
+            y += self.b.view(-1, self.d).index_select(0, heads).flatten()
+        return y.unflatten(-1, (-1, self.d))
+
+    def finish(self, pre, cos, sin) -> torch.Tensor:
+        """Norm (if any) and RoPE (if ``rope``) of the linear part."""
+        y = pre if self.norm_w is None else rms_norm(pre, self.norm_w, self.eps)
+        return apply_rope(y, cos, sin) if self.rope else y
+
+    def __call__(self, x, heads, cos, sin, w_rows=None) -> torch.Tensor:
+        """(B, L, n, D) projection of x for ``heads``: linear, norm, RoPE."""
+        return _project(x, heads, cos, sin, w_rows, self.w, self.b, self.norm_w, self.eps,
+                        self.rope, self.d)
+
+    def unrotate(self, dy: torch.Tensor, cos, sin) -> torch.Tensor:
+        """The gradient before RoPE (the inverse rotation), or dy for V."""
+        return apply_rope_inverse(dy, cos, sin) if self.rope else dy
+
+    def backward(self, dy, x, x2, heads, w_rows, dx2) -> None:
+        """Accumulate the gradients of ``self(x, heads)`` for dy (B, L, n, D), already unrotated.
+
+        dw[heads] += g^T x; db[heads] += sum g; dx += g @ rows, with g the gradient before the
+        norm (its weight's gradient summed into ``dnorm``). ``index_add_`` sums KV replicas'
+        rows; ``addmm_`` accumulates dx without an (L, dim) temporary.
+        """
+        if self.norm_w is not None:  # recompute the stage's linear part for the norm backward
+            dy, dnorm = rms_norm_backward(self.pre_norm(x, heads, w_rows), self.norm_w,
+                                          self.eps, dy)
+            # summed over stages in fp32, as one autograd reduction over all heads would be
+            self.dnorm = dnorm.float() if self.dnorm is None else self.dnorm.add_(dnorm)
+        if self.db is None and self.b is not None:
+            self.db = torch.zeros_like(self.b)
+        dy2 = dy.reshape(x2.shape[0], -1)
+        if self.db is not None:
+            self.db.view(-1, self.d).index_add_(0, heads, dy2.sum(0).view(-1, self.d))
+        _accumulate_rows(dy2, x2, heads, w_rows, self.dw, dx2, self.d)
+
+    def grads(self) -> tuple:
+        """(dw, db, dnorm) for the autograd Function's return (every head was visited)."""
+        dnorm = None if self.dnorm is None else self.dnorm.to(self.norm_w.dtype)
+        return self.dw, self.db, dnorm
+
+
+# The per-stage pieces below run once per head stage with the same shapes in every stage:
+# marked metadata-pure (upipe.pure), so the emulator replays them instead of dispatching their
+# ops again (they are most of an emulated UPipe layer's ops once the ring loop is replayed).
+
+
+@metadata_pure
+def _project(x, heads, cos, sin, w_rows, w, b, norm_w, eps: float, rope: bool,
+             head_dim: int) -> torch.Tensor:
+    """``_Proj(w, b, norm_w, eps, rope, head_dim)(x, heads, cos, sin, w_rows)``: x (B, L, dim)
+    -> (B, L, n, D) for ``heads`` (n,), with w's rows of those heads unless ``w_rows``
+    (n*D, dim) is given."""
+    p = _Proj(w, b, norm_w, eps, rope, head_dim)
+    return p.finish(p.pre_norm(x, heads, p.rows(heads) if w_rows is None else w_rows), cos, sin)
+
+
+@metadata_pure
+def _accumulate_rows(dy2, x2, heads, w_rows, dw, dx2, head_dim: int) -> None:
+    """dw[heads] += dy2^T x2 and dx2 += dy2 @ w_rows, in place: dy2 (B*L, n*D), x2, dx2
+    (B*L, dim), w_rows (n*D, dim), dw (N*D, dim); ``index_add_`` sums KV replicas' rows,
+    ``addmm_`` accumulates dx without an (L, dim) temporary."""
+    dw.view(-1, head_dim, dw.shape[-1]).index_add_(
+        0, heads, (dy2.t() @ x2).view(-1, head_dim, x2.shape[-1]))
+    dx2.addmm_(dy2, w_rows)
+
+
+@metadata_pure
+def _wo_heads(grad2, wo, heads, head_dim: int) -> torch.Tensor:
+    """grad2 (B*L, dim) @ wo's columns of ``heads`` (n,) -> (B*L, n*D)."""
+    cols = wo.view(wo.shape[0], -1, head_dim).index_select(1, heads).flatten(1)
+    return grad2 @ cols
+
+
+class OutputGrad:
+    """Per-stage slices of the attention output's gradient, (B, L, U, D) for a head subset.
+
+    With the output projection fused (``wo`` given), they are dy @ wo[:, heads] computed stage by
+    stage, and dwo = dy^T @ out; otherwise the caller's gradient of the (B, L, H, D) output is
+    sliced.
+    """
+
+    def __init__(self, grad, out, wo, head_dim):
+        self.grad, self.wo, self.d = grad, wo, head_dim
+        if wo is None:
+            self.dwo = None
+        else:
+            self.grad2 = grad.reshape(-1, grad.shape[-1])  # (B*L, dim)
+            self.dwo = self.grad2.t() @ out.reshape(self.grad2.shape[0], -1)  # (dim, H*D)
+
+    def stage(self, heads: torch.Tensor) -> torch.Tensor:
+        if self.wo is None:
+            return self.grad.index_select(2, heads)
+        return _wo_heads(self.grad2, self.wo, heads, self.d).view(*self.grad.shape[:-1], -1,
+                                                                  self.d)
+
+
+def projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, eps, d):
+    return (_Proj(wq, bq, q_norm, eps, True, d), _Proj(wk, bk, k_norm, eps, True, d),
+            _Proj(wv, bv, None, eps, False, d))

@@ -129,8 +129,9 @@ def _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, group, core, overla
 
     in_flight = []  # (projection, transfer, head index, weight rows) of gradients going back
 
-    def send_back(p, grad, idx, rows, ov):
-        in_flight.append((p, head_to_seq_start(grad, group, ov), idx, rows))
+    def send_back(p, transfer, idx, rows, ov):
+        # the caller drops its gradient first: only the transfer holds it (or its result)
+        in_flight.append((p, transfer, idx, rows))
         if not ov:
             finish(*in_flight.pop())
 
@@ -149,14 +150,18 @@ def _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, group, core, overla
         del dk_s, dv_s
         while in_flight:  # the previous stage's gradients, sent back beside this kernel
             finish(*in_flight.pop(0))
-        send_back(pq, dq, q_idx, wq_rows, ov)
+        transfer = head_to_seq_start(dq, group, ov)
         del dq
+        send_back(pq, transfer, q_idx, wq_rows, ov)
         if s == len(plan.blocks[b].stages) - 1:
-            dk, dv, blk.dk, blk.dv, blk.k, blk.v = blk.dk, blk.dv, None, None, None, None
-            send_back(pk, dk.to(x.dtype), blk.kv_idx, blk.wk_rows, False)
-            del dk
-            send_back(pv, dv.to(x.dtype), blk.kv_idx, blk.wv_rows, False)
-            del dv
+            blk.k = blk.v = None
+            transfer = head_to_seq_start(blk.dk.to(x.dtype), group, False)
+            blk.dk = None
+            send_back(pk, transfer, blk.kv_idx, blk.wk_rows, False)
+            transfer = head_to_seq_start(blk.dv.to(x.dtype), group, False)
+            blk.dv = None
+            send_back(pv, transfer, blk.kv_idx, blk.wv_rows, False)
+        del transfer
     while in_flight:
         finish(*in_flight.pop(0))
 

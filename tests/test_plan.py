@@ -28,6 +28,9 @@ def test_configurations_cover_every_mesh_and_heads_per_stage():
                      | {(4, u) for u in (1, 2, 4, 8, 16)})
     assert {(r, u) for m, r, u in got if m == "usp"} == {(1, None), (2, None), (4, None)}
     assert {(r, u) for m, r, u in got if m == "ring"} == {(1, None)}
+    # UPipe's overlapped stages: once, on the plain Ulysses mesh at the default U
+    overlapped = [(c.method, c.ring_degree, c.heads_per_stage) for c in cells if c.overlap]
+    assert overlapped == [("upipe", 1, 4)]
     assert invalid == []
 
 

@@ -4,8 +4,9 @@ Every configuration a cluster of ``gpus`` GPUs can run a model with at one seque
 each registered method, on each stack level, with each valid mesh (hybrids: ring degree x
 Ulysses degree) and, for UPipe, each valid number of heads per stage U, and its overlapped
 stages (``overlap=True``: faster where the all-to-alls show, one more stage's all-to-all
-buffers) at the default U (the Ulysses degree; the others would double UPipe's share of the
-plan for a trade-off the default U already shows); each emulated on the
+buffers) on the plain Ulysses mesh at the default U (the Ulysses degree): the trade-off shows
+there, and a variant per mesh and U would add as many UPipe fits again to every plan; each
+emulated on the
 hardware (memory and time, ``emulation.emulate_cell``) and ranked: the configurations that fit
 first, fastest first (tokens/s per GPU), then those that do not fit (and why: device or host),
 then those that cannot be emulated here.
@@ -111,7 +112,7 @@ def _variants(spec: PlanSpec, method: str) -> list[Cell]:
             uly = spec.cp // ring
             us = list(range(uly, cfg.n_heads + 1, uly))
         options = [{"heads_per_stage": u} for u in us]
-        if takes_option(get_method(method), "overlap") and spec.cp // ring > 1:
+        if takes_option(get_method(method), "overlap") and ring == 1 and spec.cp > 1:
             options.append({"heads_per_stage": us[0], "overlap": True})
         for opts in options:
             cell = Cell(method=method, model=spec.model, overrides=spec.overrides,
@@ -171,7 +172,8 @@ def plan_configuration(alst: Cell, hw: Hardware, stacks: tuple[str, ...],
             rows[stack] = unrun(cell, None, Status.SKIPPED,
                                 f"not emulated: {over[stack]} heads per stage do not fit the "
                                 "device on this stack and mesh, and more heads per stage keep "
-                                "more on it", "emulated")
+                                "more on it" + (", as overlapped stages do" if alst.overlap
+                                                else ""), "emulated")
             rows[stack]["plan_inferred_from"] = f"heads_per_stage={over[stack]}"
         elif blocking:
             rows[stack] = unrun(cell, None, Status.SKIPPED,
@@ -208,17 +210,18 @@ def rank(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=_order)
 
 
-def _cost(cell: Cell) -> tuple[bool, int]:
+def _cost(cell: Cell) -> tuple[bool, int, bool]:
     """A configuration's relative emulation cost, to start the longest first (no long tail on
     the last worker). Methods with sequence chunks first: their fits take the most samples (the
     window moves until the chunk loop's regimes settle) and each sample runs every pair of
     chunks (measured, Llama3-8B on 8 GPUs at 4M: ds-fpdt 69 s and fpdt 26 s of emulation over
     their stacks, no other configuration above 20 s); then UPipe's head stages times the ring
-    steps each runs."""
+    steps each runs. UPipe's overlapped stages right after their blocking twins (last, they
+    would leave one worker alone at the end)."""
     stages = 1
     if cell.heads_per_stage:
         stages = resolve_model(cell.model, cell.overrides).n_heads // cell.heads_per_stage
-    return sequence_chunk(cell) is not None, stages * cell.ring_degree
+    return sequence_chunk(cell) is not None, stages * cell.ring_degree, not cell.overlap
 
 
 def _family(cell: Cell) -> tuple:
@@ -230,12 +233,18 @@ def _over_by_u(cell: Cell, over_at: dict[tuple, int]) -> dict[str, int]:
     """stack -> the smallest heads per stage of ``cell``'s family found over the device on that
     stack, where it is below ``cell``'s. A UPipe stage's buffers (its heads' Q, K, V, output
     and their gradients) grow with the heads it processes and nothing else does, so the peak
-    never falls as U grows (tests/test_plan.py checks it on exact emulations)."""
+    never falls as U grows (tests/test_plan.py checks it on exact emulations). Overlapped stages
+    hold one more stage's buffers than the blocking schedule at the same U: where that does not
+    fit (at U or below), neither do they."""
     if not cell.heads_per_stage:
         return {}
-    fam = _family(cell)
-    return {stack: u for (f, stack), u in over_at.items()
-            if f == fam and u < cell.heads_per_stage}
+    fam, u_cell = _family(cell), cell.heads_per_stage
+    twin = (cell.method, cell.ring_degree, None) if cell.overlap else None
+    out: dict[str, int] = {}
+    for (f, stack), u in over_at.items():
+        if (f == fam and u < u_cell) or (f == twin and u <= u_cell):
+            out[stack] = min(u, out.get(stack, u))
+    return out
 
 
 def _record_over(cell: Cell, rows: list[dict], over_at: dict[tuple, int]) -> None:

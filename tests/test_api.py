@@ -61,3 +61,10 @@ def test_function_form_with_own_projections():
     torch.testing.assert_close(y_fused, y, atol=1e-12, rtol=1e-12)
     (gx_fused,) = torch.autograd.grad(y_fused.sum(), x)
     torch.testing.assert_close(gx_fused, gx, atol=1e-12, rtol=1e-12)
+
+
+def test_upipe_overlap_must_be_a_bool():
+    """A truthy string is not silently taken for True: refused before any communication."""
+    with pytest.raises(ValueError, match="overlap must be True or False, got 'yes'"):
+        build_method("upipe", 32, 4, 2, 8, overlap="yes")
+    assert build_method("upipe", 32, 4, 2, 8, overlap=True).options()["overlap"] is True

@@ -103,6 +103,9 @@ def test_cell_validation_names_field_and_rule(fields, msg):
     # chunk_size: FPDT's only, positive
     ({"method": "ulysses", "chunk_size": 1024}, r"chunk_size applies to .*only, not 'ulysses'"),
     ({"method": "upipe", "chunk_size": 0}, r"chunk_size must be positive"),
+    # overlap: UPipe's only, a bool
+    ({"method": "ulysses", "overlap": True}, r"overlap applies to upipe only, not 'ulysses'"),
+    ({"method": "upipe", "overlap": "yes"}, r"overlap must be true, false or unset, got 'yes'"),
     # zigzag: two chunks per rank
     ({"method": "zigzag-ring", "seq_len": 4100},
      r"seq_len \(4100\) must be divisible by 2 x the CP degree \(8\)"),

@@ -299,6 +299,8 @@ class UPipeAttention(ContextParallelAttention):
 
     def __init__(self, *args, heads_per_stage: int | None = None, overlap: bool = False,
                  **kwargs):
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
         self.heads_per_stage, self.overlap = heads_per_stage, overlap
         super().__init__(*args, **kwargs)
         # None is the default (U = C); 0 is not, and is refused by make_stage_plan

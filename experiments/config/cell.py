@@ -107,6 +107,8 @@ class Cell:
             raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
         if self.heads_per_stage is not None and self.heads_per_stage < 1:
             raise ValueError(f"heads_per_stage must be positive, got {self.heads_per_stage}")
+        if self.overlap is not None and not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be true, false or unset, got {self.overlap!r}")
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {list(WORKLOADS)}, got {self.workload!r}")
         if self.dp != 1 and self.workload != "step":

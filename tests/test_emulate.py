@@ -46,7 +46,6 @@ CASES = [
     ("zigzag-ring", "alst", {}),
     ("usp", "alst", {"ring_degree": 2}),
     ("upipe", "alst", {"ring_degree": 2}),
-    ("upipe", "alst", {"overlap": True}),  # its asynchronous all-to-alls, on gloo's threads
     ("fpdt", "alst", {"chunk_size": 1024}),
     ("ds-fpdt", "alst", {"chunk_size": 1024}),  # FPDT with its CPU stand-ins (ds_fpdt_portable)
     ("torch-cp", "native", {}),

@@ -79,6 +79,7 @@ from experiments.config import (
     GiB,
     MiB,
     Status,
+    format_size,
     takes_option,
 )
 from experiments.emulation.calibrate import calibrate, write_profile
@@ -213,7 +214,7 @@ def cmd_max_context(a) -> int:
 
 PLAN_COLUMNS = {  # row key -> column title of the plan table
     "method": "method", "mesh": "mesh", "heads_per_stage": "U", "overlap": "overlap",
-    "stack": "stack",
+    "chunk_size": "chunk", "stack": "stack",
     "fits": "fits", "peak_device_gib": "device GiB", "peak_host_gib": "host GiB/rank",
     "tokens_per_s_per_gpu": "tokens/s/GPU", "mfu": "MFU", "step_time_s": "step s",
     "why": "why not",
@@ -240,7 +241,9 @@ def _plan_line(row: dict) -> dict:
     mesh = f"{row['nproc'] // row.get('ring_degree', 1)}x{row.get('ring_degree', 1)}"
     return {"method": row["method"], "mesh": mesh if dp == 1 else f"{mesh} dp{dp}",
             "heads_per_stage": "-" if u is None else u,
-            "overlap": "yes" if row.get("overlap") else "-", "stack": row["stack"], "fits": fits,
+            "overlap": "yes" if row.get("overlap") else "-",
+            "chunk_size": format_size(row["chunk_size"]) if row.get("chunk_size") else "-",
+            "stack": row["stack"], "fits": fits,
             "peak_device_gib": gib["peak_device_bytes"], "peak_host_gib": gib["peak_host_bytes"],
             "tokens_per_s_per_gpu": row.get("tokens_per_s_per_gpu"), "mfu": row.get("mfu"),
             "step_time_s": row.get("step_time_s"),
@@ -256,7 +259,8 @@ def cmd_plan(a) -> int:
         done.extend(rows)
         if _progress(a):
             r = rows[0]
-            ov = " overlap" if r.get("overlap") else ""
+            ov = (" overlap" if r.get("overlap") else "") + (
+                f" chunk {format_size(r['chunk_size'])}" if r.get("chunk_size") else "")
             print(f"[plan] {r['method']} {_plan_line(r)['mesh']} U={r.get('heads_per_stage')}{ov}: "
                   + ", ".join(f"{x['stack']} {x['status']}" for x in rows), file=sys.stderr)
 

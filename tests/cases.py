@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from upipe import LlamaAttention, build_method
+from upipe.norm import rms_norm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -28,6 +30,9 @@ class Case:
     options: dict = field(default_factory=dict)
     docs: tuple[int, ...] | None = None
     """packed documents' cu_seqlens (global); the reference then runs document by document"""
+    input_norm: bool = False
+    """an RMSNorm before the attention (weight ``norm.weight``), handed to the method as its
+    fused ``input_norm`` and applied by the reference before it"""
 
     @property
     def dim(self) -> int:
@@ -35,7 +40,32 @@ class Case:
 
     def __hash__(self):
         return hash((self.method, self.n_heads, self.n_kv_heads, self.seq, self.causal,
-                     self.dtype, repr(sorted(self.options.items())), self.docs))
+                     self.dtype, repr(sorted(self.options.items())), self.docs, self.input_norm))
+
+
+class RMSNorm(nn.Module):
+    """The harness's pre-norm (``experiments.harness.model.RMSNorm``), a random weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class PreNorm(nn.Module):
+    """``attn(norm(x))``; with ``fused`` the norm goes to the attention as ``input_norm``."""
+
+    def __init__(self, norm: nn.Module, attn: nn.Module, fused: bool = False):
+        super().__init__()
+        self.norm, self.attn, self.fused = norm, attn, fused
+
+    def forward(self, x, **kw):
+        if self.fused:
+            return self.attn(x, input_norm=self.norm, **kw)
+        return self.attn(self.norm(x), **kw)
 
 
 _MESHES: dict = {}
@@ -81,13 +111,15 @@ def compare_with_reference(case: Case, pass_docs: bool = True) -> dict[str, floa
     torch.manual_seed(1234)
     dtype = DTYPES[case.dtype]
     ref = LlamaAttention(case.dim, case.n_heads, case.n_kv_heads, case.head_dim,
-                         causal=case.causal).double()
+                         causal=case.causal)
+    ref = (PreNorm(RMSNorm(case.dim), ref) if case.input_norm else ref).double()
     x = torch.randn(case.batch, case.seq, case.dim, dtype=torch.float64)
     dy = torch.randn_like(x)
     y64, dx64, dw64 = _reference_grads(ref, x, dy, case.docs)
 
     ref_lp = LlamaAttention(case.dim, case.n_heads, case.n_kv_heads, case.head_dim,
-                            causal=case.causal).to(dtype)
+                            causal=case.causal)
+    ref_lp = (PreNorm(RMSNorm(case.dim), ref_lp) if case.input_norm else ref_lp).to(dtype)
     ref_lp.load_state_dict(ref.state_dict())
     y_lp, dx_lp, dw_lp = _reference_grads(ref_lp, x.to(dtype), dy.to(dtype), case.docs)
 
@@ -95,13 +127,14 @@ def compare_with_reference(case: Case, pass_docs: bool = True) -> dict[str, floa
     group = dist.group.WORLD
     if "mesh" in options:  # (ring, ulysses) degrees; the mesh itself is built on the rank
         options["mesh"], group = cp_mesh(*options["mesh"]), None
-    m = build_method(case.method, case.dim, case.n_heads, case.n_kv_heads, case.head_dim,
-                     group=group, causal=case.causal, **options).to(dtype)
+    attn = build_method(case.method, case.dim, case.n_heads, case.n_kv_heads, case.head_dim,
+                        group=group, causal=case.causal, **options)
+    m = (PreNorm(RMSNorm(case.dim), attn, fused=True) if case.input_norm else attn).to(dtype)
     m.load_state_dict(ref.state_dict())
-    x_loc = m.shard(x.to(dtype)).detach().requires_grad_(True)
+    x_loc = attn.shard(x.to(dtype)).detach().requires_grad_(True)
     packed = case.docs is not None and pass_docs
     y_loc = m(x_loc, cu_seqlens=list(case.docs)) if packed else m(x_loc)
-    y_loc.backward(m.shard(dy.to(dtype)))
+    y_loc.backward(attn.shard(dy.to(dtype)))
     # fp32 reduction, as FSDP reduce-scatters gradients (bf16 partial sums would add rounding)
     dw = {n: p.grad.float() for n, p in m.named_parameters()}
     for g in dw.values():
@@ -109,14 +142,15 @@ def compare_with_reference(case: Case, pass_docs: bool = True) -> dict[str, floa
 
     err = lambda a, b: (a.double() - b.double()).abs().max().item()  # noqa: E731
     out = {
-        "y": err(y_loc, m.shard(y64)), "ref_y": err(y_lp, y64),
-        "dx": err(x_loc.grad, m.shard(dx64)), "ref_dx": err(dx_lp, dx64),
+        "y": err(y_loc, attn.shard(y64)), "ref_y": err(y_lp, y64),
+        "dx": err(x_loc.grad, attn.shard(dx64)), "ref_dx": err(dx_lp, dx64),
         "scale_y": y64.abs().max().item(), "scale_dx": dx64.abs().max().item(),
     }
     for n in dw64:
-        out[n] = err(dw[n], dw64[n])
-        out["ref_" + n] = err(dw_lp[n], dw64[n])
-        out["scale_" + n] = dw64[n].abs().max().item()
+        q = n.removeprefix("attn.")  # PreNorm's attention: the same names as without
+        out[q] = err(dw[n], dw64[n])
+        out["ref_" + q] = err(dw_lp[n], dw64[n])
+        out["scale_" + q] = dw64[n].abs().max().item()
     return out
 
 

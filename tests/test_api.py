@@ -63,6 +63,20 @@ def test_function_form_with_own_projections():
     torch.testing.assert_close(gx_fused, gx, atol=1e-12, rtol=1e-12)
 
 
+def test_upipe_long_context_options_are_checked():
+    """chunk_size a positive int; input_norm a norm over dim: refused before any communication."""
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="chunk_size must be a positive number of tokens"):
+            build_method("upipe", 32, 4, 2, 8, chunk_size=bad)
+    m = build_method("upipe", 32, 4, 2, 8, chunk_size=16)
+    assert m.options()["chunk_size"] == 16
+    x = torch.randn(1, 8, 32)
+    with pytest.raises(ValueError, match=r"input_norm must be an RMSNorm over dim \(32\)"):
+        m(x, input_norm=torch.nn.LayerNorm(16))
+    with pytest.raises(ValueError, match="input_norm must be an RMSNorm module with a `weight`"):
+        m(x, input_norm=torch.nn.Identity())
+
+
 def test_upipe_overlap_must_be_a_bool():
     """A truthy string is not silently taken for True: refused before any communication."""
     with pytest.raises(ValueError, match="overlap must be True or False, got 'yes'"):

@@ -76,7 +76,8 @@ def test_overrides_are_typed_and_checked():
     ({"method": "nope"}, r"method must be one of \[.*'upipe'"),
     ({"model": "gpt5"}, r"model must be one of \[.*'tiny'"),
     ({"stack": "zero3"},
-     r"stack must be one of \['none', 'ac', 'offload', 'alst', 'native', 'megatron-ds'\]"),
+     r"stack must be one of \['none', 'ac', 'offload', 'alst', 'native', 'megatron-ds', "
+     r"'long'\]"),
     ({"seq_len": 1001}, r"seq_len \(1001\) must be >= 2 and divisible by nproc \(4\)"),
     ({"nproc": 3, "seq_len": 3072}, r"n_heads \(16\) must be divisible by the CP degree \(3\)"),
     ({"heads_per_stage": 6}, r"heads_per_stage"),
@@ -100,9 +101,11 @@ def test_cell_validation_names_field_and_rule(fields, msg):
     ({"method": "usp", "nproc": 12, "ring_degree": 2, "seq_len": 3072},
      r"n_heads \(16\) must be divisible by the CP degree \(6\)"),
     ({"method": "upipe", "nproc": 8, "ring_degree": 2, "heads_per_stage": 2}, r"heads_per_stage"),
-    # chunk_size: FPDT's only, positive
+    # chunk_size: FPDT's and UPipe's (its chunked backward) only, positive
     ({"method": "ulysses", "chunk_size": 1024}, r"chunk_size applies to .*only, not 'ulysses'"),
     ({"method": "upipe", "chunk_size": 0}, r"chunk_size must be positive"),
+    ({"method": "upipe", "nproc": 8, "ring_degree": 2, "chunk_size": 1024},
+     r"chunk_size .* needs the plain Ulysses mesh \(ring_degree 1\)"),
     # overlap: UPipe's only, a bool
     ({"method": "ulysses", "overlap": True}, r"overlap applies to upipe only, not 'ulysses'"),
     ({"method": "upipe", "overlap": "yes"}, r"overlap must be true, false or unset, got 'yes'"),

@@ -77,15 +77,37 @@ MESH_CASES = [
 ]
 
 
-def _params(world, method, h, hkv, seq, options, tag):
+# UPipe's long-context options (issue 17): the chunked attention backward (chunks of an odd
+# size that does not divide the sequence: the last chunk is shorter) and the fused input norm,
+# alone and together, with overlap on meshes of 2 and 4; (world, heads, kv heads, seq, chunk).
+# The fused norm works in tiles of dim (48) rows of B x L: 74 rows on one rank and 110 on two
+# give two and three tiles (the last shorter).
+LONG_CASES = [(1, 8, 2, 37, 7), (2, 8, 2, 30, 7), (2, 4, 1, 110, 23), (4, 16, 4, 44, 12)]
+
+
+def _long_cases() -> list:
+    out = []
+    for world, h, hkv, seq, chunk in LONG_CASES:
+        ov = {"overlap": True} if world > 1 else {}
+        for o, norm in (({"chunk_size": chunk}, False), ({}, True),
+                        ({"chunk_size": chunk} | ov, True)):
+            out += _params(world, "upipe", h, hkv, seq, [{"heads_per_stage": world} | o], "",
+                           input_norm=norm)
+    return out
+
+
+def _params(world, method, h, hkv, seq, options, tag, input_norm=False):
     out = []
     for o in options:
         for causal in (True, False):
             for dtype in ("fp32", "bf16"):
-                case = Case(method, h, hkv, seq, causal=causal, dtype=dtype, options=o)
+                case = Case(method, h, hkv, seq, causal=causal, dtype=dtype, options=o,
+                            input_norm=input_norm)
                 u = f"-U{o['heads_per_stage']}" if "heads_per_stage" in o else ""
                 u += f"-{o['rotate_method']}" if "rotate_method" in o else ""
                 u += "-overlap" if o.get("overlap") else ""
+                u += f"-chunk{o['chunk_size']}" if "chunk_size" in o else ""
+                u += "-input-norm" if input_norm else ""
                 cid = f"{method}{u}{tag}-w{world}-h{h}kv{hkv}-s{seq}-" + (
                     "causal" if causal else "full") + f"-{dtype}"
                 out.append(pytest.param(world, case, id=cid))
@@ -106,12 +128,12 @@ def _cases() -> list:
         out += _params(world, "usp", h, hkv, seq, [mesh], tag)
         stages = [mesh | o for o in _stage_options(uly, h)]
         out += _params(world, "upipe", h, hkv, seq, stages, tag)
-    return out + _fpdt_cases()
+    return out + _long_cases() + _fpdt_cases()
 
 
 def assert_close_to_reference(results: list[dict], case: Case) -> None:
     failures = []
-    for q in QUANTITIES:
+    for q in QUANTITIES + (("norm.weight",) if case.input_norm else ()):
         err = max(r[q] for r in results)
         ref = max(r["ref_" + q] for r in results)
         tol = 2 * ref + FLOOR[case.dtype] * max(r["scale_" + q] for r in results)

@@ -55,6 +55,9 @@ CASES = [
     ("upipe", "offload", {}),
     ("ulysses", "native", {}),
     ("ds-fpdt", "megatron-ds", {"chunk_size": 1024}),  # reentrant, every block input offloaded
+    # beyond the paper: the long level (first input offloaded, residual FFN tiled in place,
+    # UPipe's fused input norm) with UPipe's chunked attention backward (8 chunks of 256)
+    ("upipe", "long", {"chunk_size": 256}),
 ]
 
 
@@ -83,12 +86,15 @@ FIT_CASES = [
     ("upipe", {}),
     ("usp", {"ring_degree": 2}),
     ("fpdt", {"chunk_size": 1024}),
+    ("upipe", {"stack": "long", "chunk_size": 512}),
 ]
 
 
 @pytest.mark.slow  # 6 emulations (5 samples and the target) with counters: 7-15 s each
 @pytest.mark.parametrize("method,options", FIT_CASES,
-                         ids=[m + ("-R2" if o.get("ring_degree") else "") for m, o in FIT_CASES])
+                         ids=[m + ("-R2" if o.get("ring_degree") else "")
+                              + ("-long" if o.get("stack") == "long" else "")
+                              for m, o in FIT_CASES])
 def test_fit_predicts_the_exact_emulation(method, options):
     """tiny with 8 layers at 7K tokens (lattice quantum 1K on 4 ranks), emulated as a GPU (kernel
     models and 512-byte rounding): the fit's samples are 2K-4K tokens at 4 and 5 layers."""

@@ -367,11 +367,12 @@ class Shape:
     seq_local: int = 512
     dtype: torch.dtype = torch.float32
     overlap: bool = False  # UPipe's overlapped stages (upipe/untied.py)
+    chunk_size: int | None = None  # UPipe's chunked attention backward (upipe/chunked.py)
 
 
 def _build(method: str, s: Shape, group):
-    opts = ({"heads_per_stage": s.heads_per_stage, "overlap": s.overlap} if method == "upipe"
-            else {})
+    opts = ({"heads_per_stage": s.heads_per_stage, "overlap": s.overlap,
+             "chunk_size": s.chunk_size} if method == "upipe" else {})
     # construct in the target dtype: Module.to() cannot swap fake parameters
     old = torch.get_default_dtype()
     torch.set_default_dtype(s.dtype)
@@ -415,8 +416,10 @@ def measure_fake(method: str, s: Shape) -> dict[str, int]:
 def test_fake_equals_real_gloo(dist_pool):
     """Emulation predicts the real CPU run to the byte (DESIGN.md §8), for both methods, UPipe
     with and without overlapped stages (whose asynchronous all-to-alls gloo runs on its worker
-    threads while the fake group completes them at once: the bytes are the same)."""
-    for method, s in (("ulysses", Shape()), ("upipe", Shape()), ("upipe", Shape(overlap=True))):
+    threads while the fake group completes them at once: the bytes are the same), and with its
+    chunked backward (2048 tokens per stage in chunks of 300: seven, the last shorter)."""
+    for method, s in (("ulysses", Shape()), ("upipe", Shape()), ("upipe", Shape(overlap=True)),
+                      ("upipe", Shape(chunk_size=300))):
         real = dist_pool(s.cp).run(measure_layer, method, s)
         assert all(r == real[0] for r in real), (method, real)  # every rank is symmetric
         (fake,) = dist_pool(s.cp, fake=True).run(measure_fake, method, s)

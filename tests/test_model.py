@@ -38,18 +38,24 @@ def test_shifted_labels():
     assert shifted_labels(t).tolist() == [[6, 7, 8, IGNORE_INDEX]]
 
 
-@pytest.mark.parametrize("stack", ["ac", "offload", "alst"])
-def test_stack_levels_compute_the_same_step(stack):
-    """Checkpointing and offload are exact (same ops replayed); tiling and the chunked loss
+@pytest.mark.parametrize("stack,method", [("ac", "ulysses"), ("offload", "ulysses"),
+                                          ("alst", "ulysses"), ("long", "ulysses"),
+                                          ("long", "upipe")])
+def test_stack_levels_compute_the_same_step(stack, method):
+    """Checkpointing and offload are exact (same ops replayed); tiling, the chunked loss and the
+    fused input norm (``long`` with UPipe: it normalises tile by tile inside the projections)
     change only fp32 summation order: errors at fp32 round-off of sums over <= 300 tokens."""
     ref_loss, ref_grads = _loss_and_grads("none")
-    loss, grads = _loss_and_grads(stack)
+    loss, grads = _loss_and_grads(stack, method)
     exact = not STACKS[stack].tiled
     torch.testing.assert_close(loss, ref_loss, rtol=0 if exact else 1e-6,
                                atol=0 if exact else 1e-4)
     for name, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[name], rtol=0 if exact else 1e-4,
-                                   atol=0 if exact else 1e-6, msg=name)
+        # the CPU embedding backward sums a repeated token's rows in thread order, which varies
+        # from run to run: that gradient is exact only to fp32 round-off even without tiling
+        bitwise = exact and name != "tok_embeddings.weight"
+        torch.testing.assert_close(g, ref_grads[name], rtol=0 if bitwise else 1e-4,
+                                   atol=0 if bitwise else 1e-6, msg=name)
 
 
 def test_upipe_model_matches_reference_attention_model():
@@ -110,16 +116,20 @@ def test_offload_moves_saved_input_to_host_and_back():
     torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
 
 
-def test_offloaded_model_holds_host_bytes_for_middle_blocks():
-    model = Transformer(CFG, "ulysses", STACKS["offload"])
+@pytest.mark.parametrize("stack,method,offloaded", [("offload", "ulysses", 3),
+                                                    ("long", "upipe", 4)])
+def test_offloaded_model_holds_host_bytes_for_middle_blocks(stack, method, offloaded):
+    """Blocks 1..3 of 5 offload their (1, SEQ, dim) fp32 input, the first and last stay on the
+    device; ``offload_first`` (the ``long`` level) moves the first block's input (the embedding
+    output) to host too."""
+    model = Transformer(CFG, method, STACKS[stack])
     tokens = torch.randint(0, CFG.vocab_size, (1, SEQ))
     with MemoryTracker() as mt:
         model.set_offload(host_context=mt.host)
         loss = model(tokens, shifted_labels(tokens))
         host = mt.current_host_bytes
         loss.backward()
-    # blocks 1..3 of 5 offload their (1, SEQ, dim) fp32 input; first and last stay on device
-    assert host == mt.peak_host_bytes == 3 * SEQ * CFG.dim * 4
+    assert host == mt.peak_host_bytes == offloaded * SEQ * CFG.dim * 4
 
 
 def test_set_offload_reaches_attention_that_offloads_itself():

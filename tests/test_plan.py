@@ -31,7 +31,21 @@ def test_configurations_cover_every_mesh_and_heads_per_stage():
     # UPipe's overlapped stages: once, on the plain Ulysses mesh at the default U
     overlapped = [(c.method, c.ring_degree, c.heads_per_stage) for c in cells if c.overlap]
     assert overlapped == [("upipe", 1, 4)]
+    # beyond the paper: UPipe on the long level with its chunked backward, likewise once
+    long = [(c.method, c.ring_degree, c.heads_per_stage, c.chunk_size) for c in cells
+            if c.stack == "long"]
+    assert long == [("upipe", 1, 4, plan_mod.LONG_CHUNK)]
     assert invalid == []
+
+
+def test_the_long_variant_is_planned_on_its_level_only_and_when_asked(monkeypatch):
+    monkeypatch.setattr(plan_mod, "emulate_cell", _fake_emulation({"long": "ok"}))
+    spec = PlanSpec("tiny", 4, 4096, methods=("upipe",))
+    (cell,) = [c for c in configurations(spec)[0] if c.stack == "long"]
+    rows = plan_mod.plan_configuration(cell, Hardware(), spec.stacks)
+    assert [(r["stack"], r["status"]) for r in rows] == [("long", Status.OK)]
+    without = PlanSpec("tiny", 4, 4096, methods=("upipe",), stacks=("alst",))
+    assert all(c.stack == "alst" for c in configurations(without)[0])
 
 
 def test_a_cluster_a_method_cannot_use_is_an_invalid_row_naming_the_rule():

@@ -176,7 +176,8 @@ def test_cli_list_and_dry_run(capsys):
     cat = json.loads(capsys.readouterr().out)
     assert {"upipe", "ulysses"} <= set(cat["methods"]) and "llama3-8b" in cat["presets"]
     assert cat["methods"]["ulysses"]["available"] and cat["methods"]["ulysses"]["reason"] is None
-    assert cat["methods"]["upipe"]["options"] == ["heads_per_stage", "overlap", "ring_degree"]
+    assert cat["methods"]["upipe"]["options"] == ["heads_per_stage", "chunk_size", "overlap",
+                                                  "ring_degree"]
     if "rfa-zigzag" in cat["methods"] and cat["methods"]["rfa-zigzag"]["device"] == "cpu":
         assert not cat["methods"]["rfa-zigzag"]["available"]
         assert "CUDA" in cat["methods"]["rfa-zigzag"]["reason"]

@@ -427,7 +427,7 @@ def _sdpa_cuda_forward(q, k, v, causal, scale):
 
 
 def _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale):
-    hq, s, n_kv = q.shape[2], q.shape[1], k.shape[2]
+    hq, s_q, s_k, n_kv = q.shape[2], q.shape[1], k.shape[1], k.shape[2]
     t = lambda x: x.transpose(1, 2)  # noqa: E731
     kh, vh = _expand_kv(k, hq), _expand_kv(v, hq)
     no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout is 0: unused
@@ -437,7 +437,7 @@ def _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale):
             # inputs: a defined (even empty) tensor selects the varlen kernel, which then fails
             # with "batch size must be positive".
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                t(dout), t(q), kh, vh, t(out), lse, None, None, s, s, 0.0, causal, no_rng,
+                t(dout), t(q), kh, vh, t(out), lse, None, None, s_q, s_k, 0.0, causal, no_rng,
                 no_rng, scale=scale,
             )
         else:

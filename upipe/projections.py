@@ -4,12 +4,19 @@ Each stage projects only its own heads from the layer input (``_Proj``: linear, 
 and per-head RMSNorm, RoPE), and its backward accumulates the weight rows' gradients and dx in
 place; the output projection's gradient is formed stage by stage (``OutputGrad``), so no
 all-heads (B, L, H, D) tensor but the output buffer ever exists.
+
+With a fused input norm (``in_w``: the block's pre-attention RMSNorm weight over dim), the
+layer input is the block's *un-normalised* x and every product with it normalises x tile by tile
+(``dim`` tokens per tile, the tiled MLP's rule): the normalised (L, dim) input is never stored,
+at the cost of recomputing the norm per stage. dx is then accumulated as the gradient of the
+normalised input and turned into x's by ``input_norm_backward`` at the end.
 """
 
 from __future__ import annotations
 
 import torch
 
+from upipe.chunked import chunk_spans
 from upipe.norm import rms_norm, rms_norm_backward
 from upipe.pure import metadata_pure
 from upipe.rope import apply_rope, apply_rope_inverse
@@ -28,8 +35,10 @@ class _Proj:
     exactly, allocating nothing more.
     """
 
-    def __init__(self, w, b, norm_w, eps: float, rope: bool, head_dim: int):
+    def __init__(self, w, b, norm_w, eps: float, rope: bool, head_dim: int, in_w=None,
+                 in_eps: float = 0.0):
         self.w, self.b, self.norm_w, self.eps, self.rope, self.d = w, b, norm_w, eps, rope, head_dim
+        self.in_w, self.in_eps = in_w, in_eps  # the fused input norm (module docstring), or None
         self.dw = self.db = self.dnorm = None  # gradient accumulators, made by the backward
 
     def rows(self, heads: torch.Tensor) -> torch.Tensor:
@@ -37,7 +46,7 @@ class _Proj:
 
     def pre_norm(self, x, heads, w_rows) -> torch.Tensor:
         """x (B, L, dim) -> (B, L, n, D): the linear part (bias included)."""
-        y = x @ w_rows.t()
+        y = input_matmul(x, w_rows, self.in_w, self.in_eps)
         if self.b is not None:
             y += self.b.view(-1, self.d).index_select(0, heads).flatten()
         return y.unflatten(-1, (-1, self.d))
@@ -50,7 +59,7 @@ class _Proj:
     def __call__(self, x, heads, cos, sin, w_rows=None) -> torch.Tensor:
         """(B, L, n, D) projection of x for ``heads``: linear, norm, RoPE."""
         return _project(x, heads, cos, sin, w_rows, self.w, self.b, self.norm_w, self.eps,
-                        self.rope, self.d)
+                        self.rope, self.d, self.in_w, self.in_eps)
 
     def unrotate(self, dy: torch.Tensor, cos, sin) -> torch.Tensor:
         """The gradient before RoPE (the inverse rotation), or dy for V."""
@@ -73,7 +82,7 @@ class _Proj:
         dy2 = dy.reshape(x2.shape[0], -1)
         if self.db is not None:
             self.db.view(-1, self.d).index_add_(0, heads, dy2.sum(0).view(-1, self.d))
-        _accumulate_rows(dy2, x2, heads, w_rows, self.dw, dx2, self.d)
+        _accumulate_rows(dy2, x2, heads, w_rows, self.dw, dx2, self.d, self.in_w, self.in_eps)
 
     def grads(self) -> tuple:
         """(dw, db, dnorm) for the autograd Function's return (every head was visited)."""
@@ -86,23 +95,67 @@ class _Proj:
 # ops again (they are most of an emulated UPipe layer's ops once the ring loop is replayed).
 
 
+def _tiles(n: int, dim: int) -> list[tuple[int, int]]:
+    """Row tiles of the fused input norm: ``dim`` tokens each (the tiled MLP's shard size)."""
+    return chunk_spans(n, dim)
+
+
+def input_matmul(x, w_rows, in_w, in_eps: float) -> torch.Tensor:
+    """x (B, L, dim) @ w_rows^T -> (B, L, m); with ``in_w``, of rms_norm(x) tile by tile into
+    one output (no normalised (L, dim) tensor)."""
+    if in_w is None:
+        return x @ w_rows.t()
+    x2 = x.reshape(-1, x.shape[-1])
+    y = x2.new_empty(x2.shape[0], w_rows.shape[0])
+    for a, b in _tiles(x2.shape[0], x2.shape[1]):
+        torch.mm(rms_norm(x2[a:b], in_w, in_eps), w_rows.t(), out=y[a:b])
+    return y.view(*x.shape[:-1], -1)
+
+
+def _input_t_matmul(dy2, x2, in_w, in_eps: float) -> torch.Tensor:
+    """dy2^T @ x2 (m, dim); with ``in_w``, of rms_norm(x2), tile by tile summed in fp32."""
+    if in_w is None:
+        return dy2.t() @ x2
+    acc = None
+    for a, b in _tiles(x2.shape[0], x2.shape[1]):
+        part = dy2[a:b].t() @ rms_norm(x2[a:b], in_w, in_eps)
+        acc = part.float() if acc is None else acc.add_(part)
+        del part
+    return acc.to(dy2.dtype)
+
+
+@metadata_pure
+def input_norm_backward(x2, in_w, in_eps: float, dx2) -> torch.Tensor:
+    """Turn dx2 (B*L, dim), the gradient of rms_norm(x2), into x2's, tile by tile in place;
+    returns the norm weight's gradient (summed over tiles in fp32, in the weight's dtype)."""
+    dw = None
+    for a, b in _tiles(x2.shape[0], x2.shape[1]):
+        dx_t, dw_t = rms_norm_backward(x2[a:b], in_w, in_eps, dx2[a:b])
+        dx2[a:b] = dx_t
+        dw = dw_t.float() if dw is None else dw.add_(dw_t)
+        del dx_t, dw_t
+    return dw.to(in_w.dtype)
+
+
 @metadata_pure
 def _project(x, heads, cos, sin, w_rows, w, b, norm_w, eps: float, rope: bool,
-             head_dim: int) -> torch.Tensor:
-    """``_Proj(w, b, norm_w, eps, rope, head_dim)(x, heads, cos, sin, w_rows)``: x (B, L, dim)
-    -> (B, L, n, D) for ``heads`` (n,), with w's rows of those heads unless ``w_rows``
-    (n*D, dim) is given."""
-    p = _Proj(w, b, norm_w, eps, rope, head_dim)
+             head_dim: int, in_w=None, in_eps: float = 0.0) -> torch.Tensor:
+    """``_Proj(w, b, norm_w, eps, rope, head_dim, in_w, in_eps)(x, heads, cos, sin, w_rows)``:
+    x (B, L, dim) -> (B, L, n, D) for ``heads`` (n,), with w's rows of those heads unless
+    ``w_rows`` (n*D, dim) is given."""
+    p = _Proj(w, b, norm_w, eps, rope, head_dim, in_w, in_eps)
     return p.finish(p.pre_norm(x, heads, p.rows(heads) if w_rows is None else w_rows), cos, sin)
 
 
 @metadata_pure
-def _accumulate_rows(dy2, x2, heads, w_rows, dw, dx2, head_dim: int) -> None:
+def _accumulate_rows(dy2, x2, heads, w_rows, dw, dx2, head_dim: int, in_w=None,
+                     in_eps: float = 0.0) -> None:
     """dw[heads] += dy2^T x2 and dx2 += dy2 @ w_rows, in place: dy2 (B*L, n*D), x2, dx2
     (B*L, dim), w_rows (n*D, dim), dw (N*D, dim); ``index_add_`` sums KV replicas' rows,
-    ``addmm_`` accumulates dx without an (L, dim) temporary."""
+    ``addmm_`` accumulates dx without an (L, dim) temporary. With ``in_w`` x2 is normalised
+    tile by tile for dw, and dx2 is the normalised input's gradient."""
     dw.view(-1, head_dim, dw.shape[-1]).index_add_(
-        0, heads, (dy2.t() @ x2).view(-1, head_dim, x2.shape[-1]))
+        0, heads, _input_t_matmul(dy2, x2, in_w, in_eps).view(-1, head_dim, x2.shape[-1]))
     dx2.addmm_(dy2, w_rows)
 
 
@@ -136,6 +189,7 @@ class OutputGrad:
                                                                   self.d)
 
 
-def projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, eps, d):
-    return (_Proj(wq, bq, q_norm, eps, True, d), _Proj(wk, bk, k_norm, eps, True, d),
-            _Proj(wv, bv, None, eps, False, d))
+def projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, eps, d, in_w=None, in_eps=0.0):
+    return (_Proj(wq, bq, q_norm, eps, True, d, in_w, in_eps),
+            _Proj(wk, bk, k_norm, eps, True, d, in_w, in_eps),
+            _Proj(wv, bv, None, eps, False, d, in_w, in_eps))

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from upipe.chunked import check_chunk, chunked_attention_backward
 from upipe.comm import group_rank, group_size
 from upipe.documents import DocBlocks, RingDocuments
 from upipe.kernels import (
@@ -276,13 +277,20 @@ class SequenceAttention:
     "full" sequence is only the ring rank's zigzag pair and the step is zigzag ring attention
     over the ring group. ``forward`` -> (out, lse); ``backward`` from the saved out and lse.
     ``docs``: packed documents (``RingDocuments``: with a ring, the ring axis's tokens; without,
-    only its ``docs`` is read: the full sequence holds every document).
+    only its ``docs`` is read: the full sequence holds every document). ``chunk``: run the
+    backward over sequence chunks of that many tokens (``backward_into``, ``upipe.chunked``;
+    local kernel only), None: one kernel call.
     """
 
     def __init__(self, *, causal: bool, scale: float | None = None, kernel: str = "auto",
-                 ring_group: ProcessGroup | None = None, docs: RingDocuments | None = None):
+                 ring_group: ProcessGroup | None = None, docs: RingDocuments | None = None,
+                 chunk: int | None = None):
+        check_chunk(chunk)
+        if chunk is not None and ring_group is not None:
+            raise ValueError("chunk_size (a chunked attention backward) needs the plain Ulysses "
+                             "mesh: with a ring axis the ring's blocks are the chunks")
         self.kw = dict(causal=causal, scale=scale, kernel=check_kernel(kernel))
-        self.ring_group, self.docs = ring_group, docs
+        self.ring_group, self.docs, self.chunk = ring_group, docs, chunk
         self.blocks = None if docs is None else docs.docs.full_blocks()
 
     def forward(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,3 +305,10 @@ class SequenceAttention:
         return ring_attention_backward(
             dout, q, k, v, out, lse, self.ring_group, zigzag=True, docs=self.docs, **self.kw
         )
+
+    def backward_into(self, dout, q, k, v, out, lse, dk_acc, dv_acc) -> torch.Tensor:
+        """The chunked backward (``chunk`` set): dq, with dk/dv added into the fp32
+        ``dk_acc``/``dv_acc`` (k's and v's shapes)."""
+        return chunked_attention_backward(
+            dout, q, k, v, out, lse, dk_acc, dv_acc, chunk=self.chunk,
+            docs=None if self.docs is None else self.docs.docs, **self.kw)

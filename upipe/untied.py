@@ -25,6 +25,13 @@ worker thread on CPU, NCCL's own stream on CUDA) that the loop waits on before i
 buffers; each in-flight ``upipe.comm.Transfer`` holds its buffers until then, so the caching
 allocator never recycles one early and no ``record_stream`` is needed. Exact: the same kernels
 on the same values, only issued earlier; it holds one more stage's all-to-all buffers.
+
+Longer contexts (also beyond the paper): ``chunk_size`` runs each stage's attention backward over
+sequence chunks (``upipe.chunked``), its blocks' dK/dV added straight into the KV block's fp32
+sums, so the kernel's full-sequence dq/dk/dv and fp32 dq accumulator are never allocated; a fused
+input norm (``input_norm``: the block's pre-attention RMSNorm) makes x the block's un-normalised
+input, normalised tile by tile inside each projection (``upipe.projections``), so the saved
+input is the block's own and no normalised (L, dim) copy is kept.
 """
 
 from __future__ import annotations
@@ -32,12 +39,13 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
+from upipe.chunked import check_chunk
 from upipe.comm import group_size, head_to_seq_start, seq_to_head, seq_to_head_start
 from upipe.documents import RingDocuments, documents
 from upipe.layout import SeqLayout
 from upipe.module import ContextParallelAttention, check_ulysses_heads
 from upipe.norm import norm_params
-from upipe.projections import OutputGrad, projections
+from upipe.projections import OutputGrad, input_norm_backward, projections
 from upipe.registry import register_method
 from upipe.ring import SequenceAttention
 from upipe.staging import StagePlan, check_heads_per_stage, make_stage_plan, stage_heads
@@ -144,10 +152,17 @@ def _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, group, core, overla
         q, o, do = (t.wait() for t in transfers)
         ov = overlap and i + 1 < len(order)  # the last stage's dQ has no kernel beside it
         next_stage = stage_in(*order[i + 1], True) if ov else None
-        dq, dk_s, dv_s = core.backward(do, q, blk.k, blk.v, o, lses[i])
-        del q, o, do
-        blk.add(dk_s, dv_s, acc)
-        del dk_s, dv_s
+        if core.chunk is None:
+            dq, dk_s, dv_s = core.backward(do, q, blk.k, blk.v, o, lses[i])
+            del q, o, do
+            blk.add(dk_s, dv_s, acc)
+            del dk_s, dv_s
+        else:  # sequence chunks: each block's dK/dV go straight into the block's sums
+            if blk.dk is None:
+                blk.dk, blk.dv = (torch.zeros(t.shape, dtype=acc, device=dev)
+                                  for t in (blk.k, blk.v))
+            dq = core.backward_into(do, q, blk.k, blk.v, o, lses[i], blk.dk, blk.dv)
+            del q, o, do
         while in_flight:  # the previous stage's gradients, sent back beside this kernel
             finish(*in_flight.pop(0))
         transfer = head_to_seq_start(dq, group, ov)
@@ -175,25 +190,29 @@ def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _UPipeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, cos, sin, plan, group, core,
-                eps, overlap):
+    def forward(ctx, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, in_w, cos, sin, plan, group,
+                core, eps, in_eps, overlap):
         b, l, _ = x.shape
         d = wq.shape[0] // plan.n_heads
-        pq, pk, pv = projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, eps, d)
+        pq, pk, pv = projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, eps, d, in_w, in_eps)
         out = x.new_empty(b, l, plan.n_heads, d)
         lses = _forward_stages(x, pq, pk, pv, cos, sin, plan, group, core, overlap, out)
-        ctx.save_for_backward(x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, cos, sin, out, *lses)
+        ctx.save_for_backward(x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, in_w, cos, sin, out,
+                              *lses)
         ctx.plan, ctx.group, ctx.core, ctx.eps, ctx.overlap = plan, group, core, eps, overlap
+        ctx.in_eps = in_eps
         if wo is None:
             return out
         return out.flatten(2) @ wo.t()
 
     @staticmethod
     def backward(ctx, grad):
-        x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, cos, sin, out, *lses = ctx.saved_tensors
+        (x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, in_w, cos, sin, out,
+         *lses) = ctx.saved_tensors
         plan = ctx.plan
         d = wq.shape[0] // plan.n_heads
-        pq, pk, pv = projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, ctx.eps, d)
+        pq, pk, pv = projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, ctx.eps, d, in_w,
+                                 ctx.in_eps)
         dout = OutputGrad(grad, out, wo, d)
         x2 = x.reshape(-1, x.shape[-1])
         dx2 = torch.zeros_like(x2)
@@ -202,8 +221,9 @@ class _UPipeFunction(torch.autograd.Function):
         _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, ctx.group, ctx.core,
                          ctx.overlap, out, dout, lses)
         (dwq, dbq, dqn), (dwk, dbk, dkn), (dwv, dbv, _) = pq.grads(), pk.grads(), pv.grads()
-        return (dx2.view(x.shape), dwq, dwk, dwv, dout.dwo, dbq, dbk, dbv, dqn, dkn,
-                *([None] * 7))
+        d_in = None if in_w is None else input_norm_backward(x2, in_w, ctx.in_eps, dx2)
+        return (dx2.view(x.shape), dwq, dwk, dwv, dout.dwo, dbq, dbk, dbv, dqn, dkn, d_in,
+                *([None] * 8))
 
 
 def upipe_attention(
@@ -231,6 +251,9 @@ def upipe_attention(
     norm_eps: float = 1e-6,
     cu_seqlens=None,
     overlap: bool = False,
+    chunk_size: int | None = None,
+    input_norm: torch.Tensor | None = None,
+    input_norm_eps: float = 1e-5,
 ) -> torch.Tensor:
     """UPipe attention for callers that keep their own projection weights.
 
@@ -255,6 +278,12 @@ def upipe_attention(
         overlap: run each stage's all-to-alls beside the neighbouring stage's attention
             (asynchronous, ``async_op=True``), holding one more stage's all-to-all buffers;
             False (default): the paper's blocking schedule.
+        chunk_size: run each stage's attention backward over sequence chunks of this many
+            tokens (``upipe.chunked``; plain Ulysses mesh only); None (default): one kernel call.
+        input_norm: optional (dim,) weight of the block's pre-attention RMSNorm (epsilon
+            ``input_norm_eps``): x is then the block's un-normalised input, normalised tile by
+            tile inside every projection (``upipe.projections``), so the normalised input is
+            never stored; the gradient is x's and the weight's.
 
     Returns:
         (B, L, dim_out) when ``wo`` is given, else the (B, L, n_heads, D) attention output before
@@ -268,12 +297,20 @@ def upipe_attention(
     docs = documents(cu_seqlens, x.shape[1] * cp * ring)
     ring_docs = None if docs is None else RingDocuments(
         docs, SeqLayout("zigzag") if ring_group is not None else SeqLayout(), ring)
+    check_input_norm(input_norm, x.shape[-1])
     return _UPipeFunction.apply(
-        x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, cos, sin, plan, group,
+        x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, input_norm, cos, sin, plan, group,
         SequenceAttention(causal=causal, scale=scale, kernel=kernel, ring_group=ring_group,
-                          docs=ring_docs),
-        norm_eps, overlap,
+                          docs=ring_docs, chunk=chunk_size),
+        norm_eps, input_norm_eps, overlap,
     )
+
+
+def check_input_norm(weight: torch.Tensor | None, dim: int) -> None:
+    """A fused input norm's weight must be (dim,), else a ValueError naming it."""
+    if weight is not None and tuple(weight.shape) != (dim,):
+        raise ValueError(f"input_norm must be an RMSNorm over dim ({dim}) with a weight of shape "
+                         f"({dim},), got a weight of shape {tuple(weight.shape)}")
 
 
 @register_method("upipe")
@@ -281,13 +318,19 @@ class UPipeAttention(ContextParallelAttention):
     """UPipe attention module, a drop-in for the reference Llama attention under CP.
 
     Extra options: ``heads_per_stage`` (U), default the CP degree; it must be a multiple of the CP
-    degree and divide ``n_heads``. ``overlap`` (default False): the stages' all-to-alls run beside
+    degree and divide ``n_heads``. ``chunk_size`` (default None, beyond the paper): each stage's
+    attention backward runs over sequence chunks of that many tokens (``upipe.chunked``), so the
+    kernel's dq/dk/dv and its fp32 dq accumulator scale with the chunk, not the sequence (plain
+    Ulysses mesh only). ``overlap`` (default False): the stages' all-to-alls run beside
     the neighbouring stages' attention kernels (the module docstring) -- faster where the
     all-to-alls are a visible part of the step (short contexts, across nodes), at one more
     stage's all-to-all buffers (8U heads over the local tokens at the backward's peak: 6 GiB
     per rank for Llama3-8B at 3M tokens on 8 GPUs), which costs the longest contexts their fit.
-    forward(x_local (B, L, dim), cu_seqlens=None) -> (B, L, dim); with packed documents every
-    stage's attention stays inside them.
+    forward(x_local (B, L, dim), cu_seqlens=None, input_norm=None) -> (B, L, dim); with packed
+    documents every stage's attention stays inside them. ``input_norm``: the block's
+    pre-attention RMSNorm module (a ``weight`` of shape (dim,) and ``eps`` or
+    ``variance_epsilon``); x is then the block's un-normalised input and the norm runs tile by
+    tile inside the projections (``fuses_input_norm``; the harness's ``fuse_norm`` stack option).
 
     With ``mesh`` (2-D, axes ``ring`` x ``ulysses``; the paper's multi-node 8 x 2) the stages'
     all-to-alls run over the ulysses axis, U is a multiple of its size, and each stage's attention
@@ -296,13 +339,18 @@ class UPipeAttention(ContextParallelAttention):
     """
 
     supports_mesh = True
+    fuses_input_norm = True
 
     def __init__(self, *args, heads_per_stage: int | None = None, overlap: bool = False,
-                 **kwargs):
+                 chunk_size: int | None = None, **kwargs):
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
-        self.heads_per_stage, self.overlap = heads_per_stage, overlap
+        check_chunk(chunk_size)
+        self.heads_per_stage, self.overlap, self.chunk_size = heads_per_stage, overlap, chunk_size
         super().__init__(*args, **kwargs)
+        if chunk_size is not None and self.ring_group is not None:
+            raise ValueError("chunk_size (a chunked attention backward) needs the plain Ulysses "
+                             "mesh: with a ring axis the ring's blocks are the chunks")
         # None is the default (U = C); 0 is not, and is refused by make_stage_plan
         self.heads_per_stage = self.ulysses_degree if heads_per_stage is None else heads_per_stage
         self.plan: StagePlan = make_stage_plan(
@@ -310,7 +358,19 @@ class UPipeAttention(ContextParallelAttention):
         )
 
     def options(self) -> dict:
-        return {"heads_per_stage": self.heads_per_stage, "overlap": self.overlap}
+        return {"heads_per_stage": self.heads_per_stage, "overlap": self.overlap,
+                "chunk_size": self.chunk_size}
+
+    @classmethod
+    def check_config(cls, n_heads, n_kv_heads, *, cp, ring_degree=1, seq_len=None, **options):
+        chunk = options.get("chunk_size")
+        check_chunk(chunk)
+        if chunk is not None and ring_degree > 1:
+            raise ValueError("chunk_size (a chunked attention backward) needs the plain Ulysses "
+                             "mesh (ring_degree 1): with a ring axis the ring's blocks are the "
+                             "chunks")
+        super().check_config(n_heads, n_kv_heads, cp=cp, ring_degree=ring_degree,
+                             seq_len=seq_len, **options)
 
     @classmethod
     def check_heads(cls, n_heads, n_kv_heads, ulysses_degree, *, heads_per_stage=None, **_):
@@ -318,8 +378,17 @@ class UPipeAttention(ContextParallelAttention):
         check_heads_per_stage(n_heads, ulysses_degree,
                               ulysses_degree if heads_per_stage is None else heads_per_stage)
 
-    def forward(self, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens=None, input_norm=None) -> torch.Tensor:
         self.check_input(x)
+        in_w, in_eps = None, 0.0
+        if input_norm is not None:
+            in_w = getattr(input_norm, "weight", None)
+            in_eps = getattr(input_norm, "variance_epsilon", getattr(input_norm, "eps", None))
+            if in_w is None or in_eps is None:
+                raise ValueError(f"input_norm must be an RMSNorm module with a `weight` and an "
+                                 f"epsilon (`eps` or `variance_epsilon`), got "
+                                 f"{type(input_norm).__name__}")
+            check_input_norm(in_w, x.shape[-1])
         docs = self.documents(cu_seqlens, x)
         cos, sin = self.rope(x.shape[1], x, docs)
         d = self.head_dim
@@ -329,13 +398,14 @@ class UPipeAttention(ContextParallelAttention):
         y = _UPipeFunction.apply(
             x, self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight,
             self.wq.bias, self.wk.bias, self.wv.bias, *(None if n is None else n[0] for n in norms),
-            cos, sin, self.plan, self.group,
+            in_w, cos, sin, self.plan, self.group,
             SequenceAttention(causal=self.causal, kernel=self.kernel, ring_group=self.ring_group,
-                              docs=self.ring_documents(docs)),
-            eps, self.overlap,
+                              docs=self.ring_documents(docs), chunk=self.chunk_size),
+            eps, float(in_eps), self.overlap,
         )
         return y if self.wo.bias is None else y + self.wo.bias
 
     def extra_repr(self) -> str:
         return (super().extra_repr()
-                + f", heads_per_stage={self.heads_per_stage}, overlap={self.overlap}")
+                + f", heads_per_stage={self.heads_per_stage}, overlap={self.overlap}"
+                + ("" if self.chunk_size is None else f", chunk_size={self.chunk_size}"))

@@ -22,6 +22,18 @@ class StackConfig:
     reentrant: bool = False
     """checkpoint reentrantly (forward under no_grad, recomputed in backward) instead of
     non-reentrantly; methods that need it ask for it themselves (``checkpoint_reentrant``)"""
+    offload_first: bool = False
+    """with ``offload``: the first block's checkpointed input (the embedding output) too, which
+    ALST keeps on the device for the whole backward; the last block's stays (its backward
+    starts as its forward ends)"""
+    residual_ffn: bool = False
+    """with ``tiled``: a block's ``h + mlp(norm(h))`` as one tiled op (``upipe.stack.
+    tiled_residual``) that saves only h and writes its output and h's gradient in place, instead
+    of a tiled norm, a tiled MLP (each concatenating its shards' outputs) and an add"""
+    fuse_norm: bool = False
+    """the attention's pre-norm computed inside the attention where the method supports it
+    (``fuses_input_norm``: UPipe), tile by tile, so the normalised (L, dim) input is never kept;
+    other methods keep the tiled norm"""
 
 
 STACKS: dict[str, StackConfig] = {
@@ -55,6 +67,11 @@ STACKS: dict[str, StackConfig] = {
     #   4 for the fp32 gradient shard, and the bf16 all-gathered unit while in use, as ZeRO-3's
     #   gathered fp16 parameters): the same bytes, so FSDP2 stays.
     "megatron-ds": StackConfig(True, True, False, True, offload_all=True, reentrant=True),
+    # Beyond the paper (issue 17): ALST plus the mechanisms that remove what binds UPipe on the
+    # way to 8M tokens on one node (the ladder in README "One node to 8M tokens"): the first
+    # block's input offloaded, the residual FFN tiled in place, the attention's pre-norm fused.
+    "long": StackConfig(True, True, True, True, offload_first=True, residual_ffn=True,
+                        fuse_norm=True),
 }
 
 DTYPES = ("fp32", "bf16")

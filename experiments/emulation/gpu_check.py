@@ -7,6 +7,7 @@ real CUDA tensors (collectives are shape-correct no-ops, the memory is real; one
 ``<out>/rows.csv`` and ``<out>/env.json``:
 
     python -m experiments.emulation.gpu_check --out results/emulate_vs_allocator     # needs a GPU
+    python -m experiments.emulation.gpu_check --set beyond --out results/emulate_vs_allocator_beyond
 
 Before each real run the previous cell's tensors are collected and the allocator must hold
 nothing: a leftover (a reference cycle not yet collected) would inflate the peak.
@@ -36,6 +37,14 @@ CELLS = [
     ("fpdt", 8, 2**17, {"chunk_size": 2**15}), ("usp", 8, 2**17, {"ring_degree": 2}),
     ("upipe", 8, 2**18, {}), ("ulysses", 8, 2**18, {}),
 ]
+#: UPipe beyond the paper, beside its paper schedule at the same cell: overlapped stages, and the
+#: ``long`` level (first block input offloaded, residual FFN tiled in place, fused input norm)
+#: with the chunked attention backward (64K-token chunks, 8 per stage at 512K tokens)
+BEYOND_CELLS = [
+    ("upipe", 8, 2**19, {}), ("upipe", 8, 2**19, {"overlap": True}),
+    ("upipe", 8, 2**19, {"stack": "long", "chunk_size": 2**16}),
+]
+SETS = {"paper": CELLS, "beyond": BEYOND_CELLS}
 
 
 def _cell(method: str, nproc: int, seq_len: int, extra: dict) -> Cell:
@@ -86,11 +95,14 @@ def compare(cell: Cell) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("results/emulate_vs_allocator"))
+    p.add_argument("--set", choices=sorted(SETS), default="paper",
+                   help="the cells: the paper's methods (default), or UPipe's options beyond "
+                        "the paper")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA device (none present)")
     rows = []
-    for method, nproc, seq_len, extra in CELLS:
+    for method, nproc, seq_len, extra in SETS[args.set]:
         cell = _cell(method, nproc, seq_len, extra)
         try:
             rows.append(compare(cell))
@@ -106,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         pd.DataFrame(rows).to_csv(args.out / "rows.csv", index=False)
     write_json(args.out / "env.json", {"command": "python -m experiments.emulation.gpu_check "
-                                       f"--out {args.out}", **provenance()})
+                                       f"--set {args.set} --out {args.out}", **provenance()})
     return 0
 
 

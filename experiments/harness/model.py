@@ -18,7 +18,11 @@ each level changes how the forward runs:
 - ``tiled``: MLP and RMSNorm through DeepSpeed's ``TiledMLP`` in ceil(L / dim) sequence shards
   (ALST, ``upipe.stack.tiled``); it recomputes each shard in backward and accumulates the input
   gradient in place;
-- ``chunked_loss``: ``upipe.stack.loss.chunked_linear_cross_entropy``.
+- ``chunked_loss``: ``upipe.stack.loss.chunked_linear_cross_entropy``;
+- beyond ALST (the ``long`` level): ``offload_first`` offloads the first block's input too;
+  ``residual_ffn`` runs ``h + mlp(norm(h))`` as one tiled op (``upipe.stack.tiled_residual``);
+  ``fuse_norm`` hands the attention's pre-norm to an attention that fuses it
+  (``fuses_input_norm``: UPipe), so the normalised input is never a saved (L, dim) tensor.
 
 Shapes: tokens and labels (B, L) int64 (this rank's shard); hidden states (B, L, dim).
 """
@@ -44,6 +48,7 @@ from upipe.stack import (
     loss_chunk_tokens,
     offload_saved_inputs,
     tiled,
+    tiled_residual,
 )
 
 
@@ -97,8 +102,16 @@ class Block(nn.Module):
     def _per_token(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return tiled(module, x) if self.stack.tiled else module(x)
 
+    def _ffn(self, h: torch.Tensor) -> torch.Tensor:
+        return self.feed_forward(self.ffn_norm(h))
+
     def _forward(self, x: torch.Tensor, cu_seqlens: list[int] | None) -> torch.Tensor:
-        h = x + self.attention(self._per_token(self.attention_norm, x), cu_seqlens=cu_seqlens)
+        if self.stack.fuse_norm and getattr(self.attention, "fuses_input_norm", False):
+            h = x + self.attention(x, cu_seqlens=cu_seqlens, input_norm=self.attention_norm)
+        else:  # (no local for the attention's output: it would live through the MLP)
+            h = x + self.attention(self._per_token(self.attention_norm, x), cu_seqlens=cu_seqlens)
+        if self.stack.residual_ffn:
+            return tiled_residual(self._ffn, h)
         return h + self._per_token(self.feed_forward, self._per_token(self.ffn_norm, h))
 
     @property
@@ -144,7 +157,8 @@ class Transformer(nn.Module):
             Block(cfg, build_method(method, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                     causal=True, rope_theta=cfg.rope_theta, kernel=kernel,
                                     **where, **(method_options or {})),
-                  stack, offload=stack.offload and (stack.offload_all or 0 < i < n - 1))
+                  stack, offload=stack.offload and (stack.offload_all or (
+                      (0 < i or stack.offload_first) and i < n - 1)))
             for i in range(n)
         )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)

@@ -164,7 +164,8 @@ def inventory(results: Path) -> pd.DataFrame:
             "rows": len(df),
             # emulate_vs_allocator/ has no mode: each of its rows is both measured and emulated
             "mode": ", ".join(sorted(df["mode"].dropna().unique())) if "mode" in df else "",
-            "status": _counts(df["status"]),
+            # chunked_backward_gpu/ is a benchmark's table: no status column
+            "status": _counts(df["status"]) if "status" in df else "",
             "git_rev": env.get("git_rev"), "date_utc": env.get("date_utc"),
             "command": _command(env)})
     return pd.DataFrame.from_records(records).set_index("table")

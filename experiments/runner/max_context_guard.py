@@ -3,7 +3,9 @@
 Rows: every registered method x the paper's two settings, emulated on 80 GiB GPUs with the
 paper's stack for the method (DESIGN.md §6) -- Llama3-8B on 8 ranks, Qwen3-32B on 16 (the
 hybrids on the 8 (Ulysses) x 2 (ring) mesh, UPipe also on all 16 ranks as one Ulysses group;
-on 8 ranks the hybrids run 4 x 2) -- searched to a 64K-token granularity; plus one real CPU
+on 8 ranks the hybrids run 4 x 2) -- searched to a 64K-token granularity; beyond the paper,
+UPipe on the ``long`` stack level with its chunked backward in both settings (the configuration
+that reaches 8M tokens on one node: ``runner.plan.LONG``); plus one real CPU
 run: UPipe on the tiny preset, 4 gloo ranks, under a 39.5 MiB tracked budget (1K-token
 granularity, from 4K tokens: it fits 4K at 38.5 MiB, not 5K at 40.5 MiB). A method that cannot
 run or be emulated here is a row with its status and no length.
@@ -38,6 +40,7 @@ from experiments.config import (
 )
 from experiments.provenance import provenance
 from experiments.runner.executor import Emulator, Launcher
+from experiments.runner.plan import LONG, LONG_CHUNK
 from experiments.runner.search import run_search
 from upipe.registry import available_methods, get_method
 
@@ -82,6 +85,9 @@ def entries() -> list[Entry]:
                             stack=paper_stack(method), dtype="bf16", **v)
                 mesh = f"-{world // 2}x2" if v else ""
                 out.append(Entry(f"{method}{mesh}-{model}-{label}", cell, spec))
+        long = Cell(method="upipe", model=model, nproc=world, seq_len=spec.start, stack=LONG,
+                    chunk_size=LONG_CHUNK, dtype="bf16")
+        out.append(Entry(f"upipe-{LONG}-{model}-{label}", long, spec))
     # 4K tokens, not longer: each probe is a 4-rank step on 2 cores (about 10 s at 4K, 20 s at
     # 8K), and the guard runs in every CI run
     tiny = Cell(method="upipe", model="tiny", nproc=4, seq_len=4096, dtype="fp32",
@@ -141,7 +147,8 @@ def _expected_cost(entry: Entry) -> int:
     chunked methods' searches are the longest (search_s in results/baselines/max_context.json:
     ds-fpdt on Qwen3-32B about 64 s, a third of all emulated work), so they start first."""
     c = entry.base
-    return 2 * (c.method in ("fpdt", "ds-fpdt")) + (c.ring_degree > 1) + (c.model == "qwen3-32b")
+    return (2 * (c.method in ("fpdt", "ds-fpdt")) + (c.ring_degree > 1) + (c.model == "qwen3-32b")
+            + (c.stack == LONG))
 
 
 def read(path: Path = PATH) -> pd.DataFrame:

@@ -5,8 +5,9 @@ each registered method, on each stack level, with each valid mesh (hybrids: ring
 Ulysses degree) and, for UPipe, each valid number of heads per stage U, and its overlapped
 stages (``overlap=True``: faster where the all-to-alls show, one more stage's all-to-all
 buffers) on the plain Ulysses mesh at the default U (the Ulysses degree): the trade-off shows
-there, and a variant per mesh and U would add as many UPipe fits again to every plan; each
-emulated on the
+there, and a variant per mesh and U would add as many UPipe fits again to every plan; and,
+beyond the paper, UPipe on the ``long`` level with its chunked backward (``LONG``) at the same
+mesh and U; each emulated on the
 hardware (memory and time, ``emulation.emulate_cell``) and ranked: the configurations that fit
 first, fastest first (tokens/s per GPU), then those that do not fit (and why: device or host),
 then those that cannot be emulated here.
@@ -46,9 +47,16 @@ LADDER: dict[str, tuple[str, ...]] = {
     "megatron-ds": (),
 }
 
+# Beyond the paper: the ``long`` level (config.stack) with UPipe's chunked attention backward,
+# what takes UPipe to 8M tokens on one 8-GPU node (README, "One node to 8M tokens"). Planned as
+# one more UPipe configuration (plain Ulysses mesh, default U), on that level only: its fused
+# input norm is UPipe's, and the other methods gain little from the level's other mechanisms.
+LONG = "long"
+LONG_CHUNK = 2**16  # tokens per chunk of the backward: FPDT's chunk in the paper's FPDT runs
+
 # by default the stacks a user chooses between; megatron-ds reproduces the paper's FPDT runs
 # (DeepSpeed's on Megatron-DeepSpeed) and is planned when asked for by name
-DEFAULT_STACKS = tuple(s for s in LADDER if s != "megatron-ds")
+DEFAULT_STACKS = tuple(s for s in LADDER if s != "megatron-ds") + (LONG,)
 
 
 @dataclass(frozen=True)
@@ -89,9 +97,9 @@ class PlanSpec:
         unknown = [m for m in self.methods or () if m not in available_methods()]
         if unknown:
             raise ValueError(f"methods must be among {available_methods()}, got {unknown}")
-        bad = [s for s in self.stacks if s not in LADDER]
+        bad = [s for s in self.stacks if s not in LADDER and s != LONG]
         if bad:
-            raise ValueError(f"stacks must be among {list(LADDER)}, got {bad}")
+            raise ValueError(f"stacks must be among {[*LADDER, LONG]}, got {bad}")
 
 
 def _meshes(method: str, cp: int) -> list[int]:
@@ -114,10 +122,14 @@ def _variants(spec: PlanSpec, method: str) -> list[Cell]:
         options = [{"heads_per_stage": u} for u in us]
         if takes_option(get_method(method), "overlap") and ring == 1 and spec.cp > 1:
             options.append({"heads_per_stage": us[0], "overlap": True})
+        if getattr(get_method(method), "fuses_input_norm", False) and ring == 1 and (
+                LONG in spec.stacks):
+            options.append({"heads_per_stage": us[0], "chunk_size": LONG_CHUNK, "stack": LONG})
         for opts in options:
+            stack = opts.pop("stack", "alst")
             cell = Cell(method=method, model=spec.model, overrides=spec.overrides,
                         seq_len=spec.seq_len, nproc=spec.cp, dp=spec.dp, ring_degree=ring,
-                        dtype=spec.dtype, kernel=spec.kernel, stack="alst",
+                        dtype=spec.dtype, kernel=spec.kernel, stack=stack,
                         extra={"plan_model": spec.label or spec.model}, **opts)
             try:
                 cell.validate()
@@ -161,7 +173,10 @@ def plan_configuration(alst: Cell, hw: Hardware, stacks: tuple[str, ...],
     """Rows of one configuration on each stack of ``stacks``, walking the ladder (see the
     module): a level is emulated unless a lighter level it depends on is over the device.
     ``over``: stack -> a smaller number of UPipe heads per stage already over the device on that
-    stack (``_over_by_u``): this configuration is too, on it."""
+    stack (``_over_by_u``): this configuration is too, on it. A configuration on the ``long``
+    level (UPipe's variant) is emulated on that level only."""
+    if alst.stack == LONG:
+        return [emulate_cell(alst, hw, exact=exact, bound_first=True)]
     rows: dict[str, dict] = {}
     for stack in LADDER:  # lightest first
         if stack not in stacks:
@@ -226,7 +241,7 @@ def _cost(cell: Cell) -> tuple[bool, int, bool]:
 
 def _family(cell: Cell) -> tuple:
     """What configurations that differ only in UPipe's heads per stage share."""
-    return cell.method, cell.ring_degree, cell.overlap
+    return cell.method, cell.ring_degree, cell.overlap, cell.chunk_size, cell.stack
 
 
 def _over_by_u(cell: Cell, over_at: dict[tuple, int]) -> dict[str, int]:
@@ -239,7 +254,7 @@ def _over_by_u(cell: Cell, over_at: dict[tuple, int]) -> dict[str, int]:
     if not cell.heads_per_stage:
         return {}
     fam, u_cell = _family(cell), cell.heads_per_stage
-    twin = (cell.method, cell.ring_degree, None) if cell.overlap else None
+    twin = (cell.method, cell.ring_degree, None, None, "alst") if cell.overlap else None
     out: dict[str, int] = {}
     for (f, stack), u in over_at.items():
         if (f == fam and u < u_cell) or (f == twin and u <= u_cell):

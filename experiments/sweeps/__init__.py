@@ -23,6 +23,7 @@ from experiments.config import (
 from experiments.sweeps import (
     ablation_heads_per_stage,
     bench_attention,
+    long_context,
     memory_ladder,
     table3_llama3_8b_h100x8,
     table4_qwen3_32b_h100x16,
@@ -35,7 +36,8 @@ from experiments.sweeps import (
 PAPER_KERNEL = "fa3"
 
 _MODULES = (table3_llama3_8b_h100x8, table4_qwen3_32b_h100x16, memory_ladder,
-            ablation_heads_per_stage, bench_attention, time_validation_cpu, upipe_overlap)
+            ablation_heads_per_stage, bench_attention, time_validation_cpu, upipe_overlap,
+            long_context)
 
 
 def emulated_twin(paper: Sweep) -> Sweep:

@@ -1,0 +1,102 @@
+"""Attention backward over sequence chunks of a full (head-sharded) sequence (UPipe's option).
+
+An all-to-all method's attention kernel sees every token of its heads: its backward allocates
+dq, dk and dv over the full sequence and, on GPU, FlashAttention's fp32 dq accumulator (with
+the recv buffers and UPipe's fp32 dK/dV sums, most of UPipe's attention working set at long
+contexts). Here the backward runs block by block over sequence chunks of ``chunk`` tokens, the
+blockwise decomposition of ring attention (``upipe.ring``) without the ring: query chunk i
+against key chunk j <= i (all j when not causal), the diagonal block causal, the others full,
+each from the final ``out`` and ``lse`` (FlashAttention-2's backward needs only those, so no
+block is rescaled). dq of a query chunk is summed over its key chunks in fp32 and written to
+the chunk's rows of one dq; each block's dk/dv are added into the caller's fp32 accumulators.
+The kernel's scratch then scales with the chunk, not with the sequence; the forward is
+unchanged (its working set is the output and the LSE, which the backward needs whole anyway).
+
+Packed documents (``docs``): each (query chunk, key chunk) pair is restricted to the documents
+both contain (``Documents.blocks``), as the ring does; pairs sharing none are skipped.
+
+Written by hand: the fused kernels have no chunked backward, and this must run on CPU and
+under fake tensors. The per-block step is metadata-pure (``upipe.pure``), so the emulator
+replays the many blocks of a long sequence instead of dispatching each one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from upipe.documents import Documents
+from upipe.kernels import attention_blocks_backward
+from upipe.pure import metadata_pure
+
+
+def chunk_spans(n: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, end) of consecutive chunks of ``chunk`` tokens over n tokens (the last shorter)."""
+    return [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
+
+
+def check_chunk(chunk: int | None, name: str = "chunk_size") -> None:
+    """None (not chunked) or a positive int, else a ValueError naming ``name``."""
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                              or chunk < 1):
+        raise ValueError(f"{name} must be a positive number of tokens or None, got {chunk!r}")
+
+
+@metadata_pure
+def _block(dout, q, k, v, out, lse, dq_acc, dk_acc, dv_acc, blocks, causal: bool,
+           scale, kernel: str, first: bool) -> None:
+    """One (query chunk, key chunk) pair: its document blocks' gradients added in place.
+
+    Tensors are the chunks' views: dout, q, out (B, c_q, H, D), lse (B, H, c_q), k, v
+    (B, c_k, Hkv, D); dq_acc (B, c_q, H, D) fp32 (``first``: the chunk's first pair, which
+    copies instead of adding); dk_acc, dv_acc (B, c_k, Hkv, D) fp32.
+    """
+    for (qa, qb, ka, kb), dq_b, dk_b, dv_b in attention_blocks_backward(
+            dout, q, k, v, out, lse, causal=causal, scale=scale, kernel=kernel, blocks=blocks):
+        target = dq_acc[:, qa:qb]
+        if first:
+            target.copy_(dq_b)
+        else:
+            target.add_(dq_b)
+        dk_acc[:, ka:kb].add_(dk_b)
+        dv_acc[:, ka:kb].add_(dv_b)
+        del dq_b, dk_b, dv_b
+
+
+def chunked_attention_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor, *, chunk: int, causal: bool,
+    scale: float | None = None, kernel: str = "auto", docs: Documents | None = None,
+) -> torch.Tensor:
+    """dq of full-sequence attention, and its dk/dv added into ``dk_acc``/``dv_acc``.
+
+    Args:
+        dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) fp32 -- the forward's
+            (``upipe.kernels.attention_forward`` on the whole sequence).
+        dk_acc, dv_acc: (B, S, Hkv, D) fp32 accumulators (zero, or earlier stages' sums).
+        chunk: tokens per sequence chunk; docs: packed documents over the S tokens, or None.
+    Returns:
+        dq (B, S, H, D) in q's dtype; rows that see no key (outside every document) are 0.
+    """
+    spans = chunk_spans(q.shape[1], chunk)
+    dq = torch.empty_like(q)
+    for i, (qa, qb) in enumerate(spans):
+        dq_acc = None
+        for j, (ka, kb) in enumerate(spans[:i + 1] if causal else spans):
+            blocks = ((0, qb - qa, 0, kb - ka),) if docs is None else docs.blocks(
+                [(qa, qb - qa)], [(ka, kb - ka)])
+            if not blocks:
+                continue
+            first = dq_acc is None
+            if first:
+                shape = (q.shape[0], qb - qa, *q.shape[2:])
+                dq_acc = (torch.empty if docs is None else torch.zeros)(
+                    shape, dtype=torch.float32, device=q.device)
+            _block(dout[:, qa:qb], q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], out[:, qa:qb],
+                   lse[:, :, qa:qb], dq_acc, dk_acc[:, ka:kb], dv_acc[:, ka:kb], blocks,
+                   causal and i == j, scale, kernel, first and docs is None)
+        if dq_acc is None:  # no key visible to these queries (packed documents only)
+            dq[:, qa:qb] = 0
+        else:
+            dq[:, qa:qb] = dq_acc
+        del dq_acc
+    return dq

@@ -7,7 +7,8 @@ contexts). Here the backward runs block by block over sequence chunks of ``chunk
 blockwise decomposition of ring attention (``upipe.ring``) without the ring: query chunk i
 against key chunk j <= i (all j when not causal), the diagonal block causal, the others full,
 each from the final ``out`` and ``lse`` (FlashAttention-2's backward needs only those, so no
-block is rescaled). dq of a query chunk is summed over its key chunks in fp32 and written to
+block is rescaled). dq of a query chunk is summed over its key chunks in fp32 (the input's
+dtype if wider: ``accumulator_dtype``) and written to
 the chunk's rows of one dq; each block's dk/dv are added into the caller's fp32 accumulators.
 The kernel's scratch then scales with the chunk, not with the sequence; the forward is
 unchanged (its working set is the output and the LSE, which the backward needs whole anyway).
@@ -34,6 +35,12 @@ def chunk_spans(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
 
 
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where gradients are summed over blocks or stages: fp32 for low-precision inputs ("bf16
+    with fp32 reductions"), else the input's own dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def check_chunk(chunk: int | None, name: str = "chunk_size") -> None:
     """None (not chunked) or a positive int, else a ValueError naming ``name``."""
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
@@ -47,8 +54,8 @@ def _block(dout, q, k, v, out, lse, dq_acc, dk_acc, dv_acc, blocks, causal: bool
     """One (query chunk, key chunk) pair: its document blocks' gradients added in place.
 
     Tensors are the chunks' views: dout, q, out (B, c_q, H, D), lse (B, H, c_q), k, v
-    (B, c_k, Hkv, D); dq_acc (B, c_q, H, D) fp32 (``first``: the chunk's first pair, which
-    copies instead of adding); dk_acc, dv_acc (B, c_k, Hkv, D) fp32.
+    (B, c_k, Hkv, D); dq_acc (B, c_q, H, D) (``first``: the chunk's first pair, which copies
+    instead of adding); dk_acc, dv_acc (B, c_k, Hkv, D), all in ``accumulator_dtype``.
     """
     for (qa, qb, ka, kb), dq_b, dk_b, dv_b in attention_blocks_backward(
             dout, q, k, v, out, lse, causal=causal, scale=scale, kernel=kernel, blocks=blocks):
@@ -72,7 +79,8 @@ def chunked_attention_backward(
     Args:
         dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) fp32 -- the forward's
             (``upipe.kernels.attention_forward`` on the whole sequence).
-        dk_acc, dv_acc: (B, S, Hkv, D) fp32 accumulators (zero, or earlier stages' sums).
+        dk_acc, dv_acc: (B, S, Hkv, D) accumulators in ``accumulator_dtype`` (zero, or earlier
+            stages' sums).
         chunk: tokens per sequence chunk; docs: packed documents over the S tokens, or None.
     Returns:
         dq (B, S, H, D) in q's dtype; rows that see no key (outside every document) are 0.
@@ -90,7 +98,7 @@ def chunked_attention_backward(
             if first:
                 shape = (q.shape[0], qb - qa, *q.shape[2:])
                 dq_acc = (torch.empty if docs is None else torch.zeros)(
-                    shape, dtype=torch.float32, device=q.device)
+                    shape, dtype=accumulator_dtype(q.dtype), device=q.device)
             _block(dout[:, qa:qb], q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], out[:, qa:qb],
                    lse[:, :, qa:qb], dq_acc, dk_acc[:, ka:kb], dv_acc[:, ka:kb], blocks,
                    causal and i == j, scale, kernel, first and docs is None)

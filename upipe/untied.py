@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
-from upipe.chunked import check_chunk
+from upipe.chunked import accumulator_dtype, check_chunk
 from upipe.comm import group_size, head_to_seq_start, seq_to_head, seq_to_head_start
 from upipe.documents import RingDocuments, documents
 from upipe.layout import SeqLayout
@@ -116,7 +116,9 @@ def _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, group, core, overla
     stage's attention backward, and this stage's dQ all-to-all back runs beside the next one's;
     it is then finished (RoPE undone, rows and dx accumulated). A block's K/V (in) and dK/dV
     (out) are blocking, as in the forward: in flight they would hold a second block's."""
-    dev, acc = x.device, _accumulator_dtype(x.dtype)
+    # dK/dV are summed over a block's stages in accumulator_dtype (only U/C heads wide); dx and
+    # the weight rows in the input dtype, as autograd would, to keep dx one (L, dim) tensor
+    dev, acc = x.device, accumulator_dtype(x.dtype)
 
     def stage_in(b, s, ov):
         q_idx = torch.tensor(plan.blocks[b].stages[s], device=dev)
@@ -179,13 +181,6 @@ def _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, group, core, overla
         del transfer
     while in_flight:
         finish(*in_flight.pop(0))
-
-
-def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    """dK/dV sum over a block's stages along the full sequence: fp32 for low-precision inputs
-    ("bf16 with fp32 reductions"); they are only U/C heads wide. dx and the weight rows are
-    accumulated in the input dtype, as autograd would, to keep dx a single (L, dim) tensor."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 class _UPipeFunction(torch.autograd.Function):

@@ -43,9 +43,11 @@ CASES = [
     (4, "ring", 8, 2, 44, {}), (4, "zigzag-ring", 8, 2, 40, {}),
     (4, "fpdt", 8, 2, 44, {"chunk_size": 12}),
     (4, "usp", 8, 2, 40, {"mesh": (2, 2)}), (4, "upipe", 8, 2, 40, {"mesh": (2, 2)}),
+    # UPipe's chunked backward: chunks of 7 cut across the documents of the 44 tokens
+    (4, "upipe", 16, 4, 44, {"chunk_size": 7}),
 ]
 # full (non-causal) attention exercises the ring's and FPDT's skipped pairs in both directions
-FULL = {(2, "ring"), (4, "zigzag-ring"), (2, "fpdt"), (4, "usp")}
+FULL = {(2, "ring"), (4, "zigzag-ring"), (2, "fpdt"), (4, "usp"), (4, "upipe")}
 
 
 def _params() -> list:

@@ -7,13 +7,16 @@ input offloaded, the residual FFN tiled in place, the attention's pre-norm fused
 chunks: ``upipe/chunked.py``), from 3M tokens up; max context, peak memory, tokens/s and MFU per
 GPU. Qwen3-32B also on the paper's 8 x 2 mesh (the chunked backward needs the plain Ulysses
 mesh). Scripts/long_ladder.py adds the mechanisms one at a time (the ladder in README, "One node
-to 8M tokens").
+to 8M tokens"). The CPU counterparts keep the comparison at CPU size (gloo, 4 ranks, 512-token
+chunks), with a measured max-context search under Table 3's CPU budget.
 """
 
 from experiments.config import SearchSpec, Sweep
 
 PAPER = {"method": "upipe"}
 LONG = {"method": "upipe", "stack": "long", "chunk_size": "64K"}
+# CPU scale: chunks of 512 tokens, 4 to 16 per stage at 2K-8K tokens
+CPU_LONG = {"method": "upipe", "stack": "long", "chunk_size": "512"}
 PLOTS = ("max_context", "memory_vs_seq", "throughput_vs_seq")
 
 SWEEPS = [
@@ -36,5 +39,28 @@ SWEEPS = [
               "seq_len": ["3M", "4M", "5M", "6M"]},
         search=SearchSpec(start=2**20, block=2**13, limit=2**24),
         plots=PLOTS,
+    ),
+    Sweep(
+        name="long_context_llama3_8b_h100x8-cpu",
+        description="CPU counterpart: tiny preset, 4 gloo ranks, UPipe on ALST vs the long stack "
+                    "with 512-token chunks, max context under 48 MiB per rank",
+        scale="cpu",
+        base={"model": "tiny", "nproc": 4, "dtype": "fp32", "warmup": 1, "iters": 2},
+        axes={"variant": [PAPER, CPU_LONG], "seq_len": ["2K", "4K"]},
+        # Table 3's CPU budget and granularity (1K tokens); the long stack goes further
+        search=SearchSpec(start=4096, block=256, limit=16384),
+        search_base={"budget_mib": 48},
+        plots=PLOTS,
+        timeout_s=900,
+    ),
+    Sweep(
+        name="long_context_qwen3_32b_h100x16-cpu",
+        description="CPU counterpart: tiny-wide preset (16 heads, 2 KV), 4 gloo ranks, UPipe on "
+                    "ALST (also on 2x2) vs the long stack with 512-token chunks",
+        scale="cpu",
+        base={"model": "tiny-wide", "nproc": 4, "dtype": "fp32", "warmup": 1, "iters": 2},
+        axes={"variant": [PAPER, PAPER | {"ring_degree": 2}, CPU_LONG], "seq_len": ["2K", "4K"]},
+        plots=("memory_vs_seq", "throughput_vs_seq"),
+        timeout_s=900,
     ),
 ]

@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from upipe.chunked import chunk_spans
+
 
 def _call_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
@@ -74,8 +76,7 @@ class _TiledResidual(torch.autograd.Function):
 
 def _spans(n: int, shards: int) -> list[tuple[int, int]]:
     """``torch.chunk``'s split of n rows into ``shards`` parts, as (start, end)."""
-    step = math.ceil(n / shards)
-    return [(a, min(n, a + step)) for a in range(0, n, step)]
+    return chunk_spans(n, math.ceil(n / shards))
 
 
 def tiled_residual(fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:

@@ -41,11 +41,17 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def check_chunk(chunk: int | None, name: str = "chunk_size") -> None:
-    """None (not chunked) or a positive int, else a ValueError naming ``name``."""
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
-                              or chunk < 1):
+def check_chunk(chunk: int | None, ring: bool = False, name: str = "chunk_size") -> None:
+    """None (not chunked) or a positive int, and no ring axis (``ring``: the attention is ring
+    attention over one, whose blocks are already the chunks), else a ValueError naming
+    ``name``."""
+    if chunk is None:
+        return
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"{name} must be a positive number of tokens or None, got {chunk!r}")
+    if ring:
+        raise ValueError(f"{name} (a chunked attention backward) needs the plain Ulysses mesh "
+                         "(ring_degree 1): with a ring axis the ring's blocks are the chunks")
 
 
 @metadata_pure

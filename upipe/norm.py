@@ -35,14 +35,16 @@ def rms_norm_backward(
     return dx, dw
 
 
-def norm_params(norm: nn.Module, head_dim: int, name: str) -> tuple[torch.Tensor, float]:
-    """(weight, eps) of an RMSNorm module over ``head_dim``, read at call time (FSDP2 swaps
-    parameters), or a ValueError naming ``name`` and the rule."""
+def norm_params(norm: nn.Module, size: int, name: str,
+                over: str = "head_dim") -> tuple[torch.Tensor, float]:
+    """(weight, eps) of an RMSNorm module over ``size`` features (``over`` names them: a head's
+    ``head_dim``, or a block's ``dim`` for UPipe's fused input norm), read at call time (FSDP2
+    swaps parameters), or a ValueError naming ``name`` and the rule."""
     weight = getattr(norm, "weight", None)
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    if weight is None or eps is None or tuple(weight.shape) != (head_dim,):
+    if weight is None or eps is None or tuple(weight.shape) != (size,):
         raise ValueError(
-            f"{name} must be an RMSNorm over head_dim ({head_dim}) with a `weight` of shape "
-            f"({head_dim},) and an epsilon (`variance_epsilon` or `eps`), got {type(norm).__name__}"
+            f"{name} must be an RMSNorm over {over} ({size}) with a `weight` of shape "
+            f"({size},) and an epsilon (`variance_epsilon` or `eps`), got {type(norm).__name__}"
         )
     return weight, float(eps)

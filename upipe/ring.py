@@ -285,10 +285,7 @@ class SequenceAttention:
     def __init__(self, *, causal: bool, scale: float | None = None, kernel: str = "auto",
                  ring_group: ProcessGroup | None = None, docs: RingDocuments | None = None,
                  chunk: int | None = None):
-        check_chunk(chunk)
-        if chunk is not None and ring_group is not None:
-            raise ValueError("chunk_size (a chunked attention backward) needs the plain Ulysses "
-                             "mesh: with a ring axis the ring's blocks are the chunks")
+        check_chunk(chunk, ring=ring_group is not None)
         self.kw = dict(causal=causal, scale=scale, kernel=check_kernel(kernel))
         self.ring_group, self.docs, self.chunk = ring_group, docs, chunk
         self.blocks = None if docs is None else docs.docs.full_blocks()

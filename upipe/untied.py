@@ -340,12 +340,9 @@ class UPipeAttention(ContextParallelAttention):
                  chunk_size: int | None = None, **kwargs):
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
-        check_chunk(chunk_size)
         self.heads_per_stage, self.overlap, self.chunk_size = heads_per_stage, overlap, chunk_size
         super().__init__(*args, **kwargs)
-        if chunk_size is not None and self.ring_group is not None:
-            raise ValueError("chunk_size (a chunked attention backward) needs the plain Ulysses "
-                             "mesh: with a ring axis the ring's blocks are the chunks")
+        check_chunk(chunk_size, ring=self.ring_group is not None)
         # None is the default (U = C); 0 is not, and is refused by make_stage_plan
         self.heads_per_stage = self.ulysses_degree if heads_per_stage is None else heads_per_stage
         self.plan: StagePlan = make_stage_plan(
@@ -358,12 +355,7 @@ class UPipeAttention(ContextParallelAttention):
 
     @classmethod
     def check_config(cls, n_heads, n_kv_heads, *, cp, ring_degree=1, seq_len=None, **options):
-        chunk = options.get("chunk_size")
-        check_chunk(chunk)
-        if chunk is not None and ring_degree > 1:
-            raise ValueError("chunk_size (a chunked attention backward) needs the plain Ulysses "
-                             "mesh (ring_degree 1): with a ring axis the ring's blocks are the "
-                             "chunks")
+        check_chunk(options.get("chunk_size"), ring=ring_degree > 1)
         super().check_config(n_heads, n_kv_heads, cp=cp, ring_degree=ring_degree,
                              seq_len=seq_len, **options)
 
@@ -375,15 +367,8 @@ class UPipeAttention(ContextParallelAttention):
 
     def forward(self, x: torch.Tensor, cu_seqlens=None, input_norm=None) -> torch.Tensor:
         self.check_input(x)
-        in_w, in_eps = None, 0.0
-        if input_norm is not None:
-            in_w = getattr(input_norm, "weight", None)
-            in_eps = getattr(input_norm, "variance_epsilon", getattr(input_norm, "eps", None))
-            if in_w is None or in_eps is None:
-                raise ValueError(f"input_norm must be an RMSNorm module with a `weight` and an "
-                                 f"epsilon (`eps` or `variance_epsilon`), got "
-                                 f"{type(input_norm).__name__}")
-            check_input_norm(in_w, x.shape[-1])
+        in_w, in_eps = (None, 0.0) if input_norm is None else norm_params(
+            input_norm, x.shape[-1], "input_norm", over="dim")
         docs = self.documents(cu_seqlens, x)
         cos, sin = self.rope(x.shape[1], x, docs)
         d = self.head_dim
@@ -396,7 +381,7 @@ class UPipeAttention(ContextParallelAttention):
             in_w, cos, sin, self.plan, self.group,
             SequenceAttention(causal=self.causal, kernel=self.kernel, ring_group=self.ring_group,
                               docs=self.ring_documents(docs), chunk=self.chunk_size),
-            eps, float(in_eps), self.overlap,
+            eps, in_eps, self.overlap,
         )
         return y if self.wo.bias is None else y + self.wo.bias
 

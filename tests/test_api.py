@@ -81,3 +81,15 @@ def test_upipe_overlap_must_be_a_bool():
     with pytest.raises(ValueError, match="overlap must be True or False, got 'yes'"):
         build_method("upipe", 32, 4, 2, 8, overlap="yes")
     assert build_method("upipe", 32, 4, 2, 8, overlap=True).options()["overlap"] is True
+
+
+def test_upipe_keep_last_stage_follows_overlap_unless_given():
+    """keep_last_stage: None (default) is overlap's value; True/False as given; else refused."""
+    for overlap in (False, True):
+        m = build_method("upipe", 32, 4, 2, 8, overlap=overlap)
+        assert m.options()["keep_last_stage"] is overlap
+        for keep in (False, True):
+            m = build_method("upipe", 32, 4, 2, 8, overlap=overlap, keep_last_stage=keep)
+            assert m.options()["keep_last_stage"] is keep
+    with pytest.raises(ValueError, match="keep_last_stage must be True, False or None, got 1"):
+        build_method("upipe", 32, 4, 2, 8, keep_last_stage=1)

@@ -5,6 +5,8 @@ without (the same all-to-alls, issued earlier):
   forward  = 2 * n_blocks + 2 * n_stages
   backward = 4 * n_blocks + 4 * n_stages   (recompute K, V; per stage Q, out, dout in and dQ
                                             back; per block dK, dV back)
+           - 3 with keep_last_stage (the default with overlap): the backward starts from the
+             forward's last stage, whose Q and K, V are not sent again
 Ulysses: 4 all-to-alls forward (q, k, v, out) and 4 backward, whatever the head count.
 
 Ring over W ranks (P2P, each exchange one send and one recv per tensor):
@@ -54,14 +56,17 @@ def _count(method, h, hkv, options):
         (4, 16, 4, 8, 1, 2),
     ],
 )
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "blocking"])
+@pytest.mark.parametrize("overlap,keep", [(True, False), (False, False), (True, None),
+                                          (False, True)],
+                         ids=["overlap", "blocking", "overlap-keep", "blocking-keep"])
 def test_upipe_all_to_all_count_follows_stage_count(dist_pool, world, h, hkv, u, blocks, stages,
-                                                    overlap):
-    opts = {"heads_per_stage": u, "overlap": overlap}
+                                                    overlap, keep):
+    opts = {"heads_per_stage": u, "overlap": overlap, "keep_last_stage": keep}
+    kept = 3 if (overlap if keep is None else keep) else 0
     for res in dist_pool(world).run(_count, "upipe", h, hkv, opts):
         assert (res["n_blocks"], res["n_stages"]) == (blocks, stages)
         assert res["fwd"] == {"alltoall_base_": 2 * blocks + 2 * stages}
-        assert res["bwd"] == {"alltoall_base_": 4 * blocks + 4 * stages}
+        assert res["bwd"] == {"alltoall_base_": 4 * blocks + 4 * stages - kept}
 
 
 @pytest.mark.parametrize("world,h,hkv", [(2, 8, 2), (4, 16, 4), (4, 8, 2)])

@@ -58,14 +58,20 @@ def _fpdt_cases() -> list:
     return out
 
 
-def _stage_options(world: int, n_heads: int) -> list[dict]:
+def _stage_options(world: int, n_heads: int, n_kv_heads: int) -> list[dict]:
     """UPipe's U values for a head count: C (default), 2C and H when valid and distinct, each
-    with overlapped stages, and U = C with the default (the paper's blocking schedule). On one
-    rank there is no all-to-all to overlap: the default only."""
+    with overlapped stages (which keep the last stage for the backward by default), and U = C
+    with the default (the paper's blocking schedule). On one rank there is no all-to-all to
+    overlap: the default only. With MHA (a KV block per stage: the backward's walk in reverse
+    starts in the last block) also the kept last stage without overlap, and overlap without it."""
     us = sorted({u for u in (world, 2 * world, n_heads) if n_heads % u == 0})
+    keep = [{"heads_per_stage": world, "keep_last_stage": True}] if n_heads == n_kv_heads else []
     if world == 1:
-        return [{"heads_per_stage": u} for u in us]
-    return [{"heads_per_stage": world}] + [{"heads_per_stage": u, "overlap": True} for u in us]
+        return [{"heads_per_stage": u} for u in us] + keep
+    if keep:
+        keep.append({"heads_per_stage": world, "overlap": True, "keep_last_stage": False})
+    return ([{"heads_per_stage": world}] + [{"heads_per_stage": u, "overlap": True} for u in us]
+            + keep)
 
 
 # Hybrids on a (ring, ulysses) mesh: 2x2 on 4 ranks (the paper's 8x2 in small), and the
@@ -106,6 +112,7 @@ def _params(world, method, h, hkv, seq, options, tag, input_norm=False):
                 u = f"-U{o['heads_per_stage']}" if "heads_per_stage" in o else ""
                 u += f"-{o['rotate_method']}" if "rotate_method" in o else ""
                 u += "-overlap" if o.get("overlap") else ""
+                u += {True: "-keep", False: "-nokeep", None: ""}[o.get("keep_last_stage")]
                 u += f"-chunk{o['chunk_size']}" if "chunk_size" in o else ""
                 u += "-input-norm" if input_norm else ""
                 cid = f"{method}{u}{tag}-w{world}-h{h}kv{hkv}-s{seq}-" + (
@@ -118,7 +125,7 @@ def _cases() -> list:
     out = []
     for world, h, hkv, seq in HEADS:
         for method in METHODS:
-            opts = (_stage_options(world, h) if method == "upipe"
+            opts = (_stage_options(world, h, hkv) if method == "upipe"
                     else [{}, {"rotate_method": "allgather"}] if method == "torch-cp" else [{}])
             s = seq - seq % (2 * world) if method in ZIGZAG else seq
             out += _params(world, method, h, hkv, s, opts, "")
@@ -126,7 +133,7 @@ def _cases() -> list:
         mesh = {"mesh": (ring, uly)}
         tag = f"-mesh{ring}x{uly}"
         out += _params(world, "usp", h, hkv, seq, [mesh], tag)
-        stages = [mesh | o for o in _stage_options(uly, h)]
+        stages = [mesh | o for o in _stage_options(uly, h, hkv)]
         out += _params(world, "upipe", h, hkv, seq, stages, tag)
     return out + _long_cases() + _fpdt_cases()
 

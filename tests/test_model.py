@@ -44,7 +44,9 @@ def test_shifted_labels():
 def test_stack_levels_compute_the_same_step(stack, method):
     """Checkpointing and offload are exact (same ops replayed); tiling, the chunked loss and the
     fused input norm (``long`` with UPipe: it normalises tile by tile inside the projections)
-    change only fp32 summation order: errors at fp32 round-off of sums over <= 300 tokens."""
+    change only fp32 summation order (and UPipe's RoPE rounds once per product, not twice:
+    ``upipe.rope.rotate``): errors at fp32 round-off of sums over <= 300 tokens, relative to
+    the gradient's scale (an element that cancels to near zero keeps its terms' round-off)."""
     ref_loss, ref_grads = _loss_and_grads("none")
     loss, grads = _loss_and_grads(stack, method)
     exact = not STACKS[stack].tiled
@@ -54,8 +56,9 @@ def test_stack_levels_compute_the_same_step(stack, method):
         # the CPU embedding backward sums a repeated token's rows in thread order, which varies
         # from run to run: that gradient is exact only to fp32 round-off even without tiling
         bitwise = exact and name != "tok_embeddings.weight"
+        scale = max(1.0, ref_grads[name].abs().max().item())
         torch.testing.assert_close(g, ref_grads[name], rtol=0 if bitwise else 1e-4,
-                                   atol=0 if bitwise else 1e-6, msg=name)
+                                   atol=0 if bitwise else 1e-6 * scale, msg=name)
 
 
 def test_upipe_model_matches_reference_attention_model():

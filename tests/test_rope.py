@@ -1,12 +1,14 @@
-"""RoPE: rotate-half convention against an independent pairwise rotation, and its inverse."""
+"""RoPE: rotate-half convention against an independent pairwise rotation, and its inverse;
+the fused form outside autograd (``rotate``) against it."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from upipe.rope import apply_rope, apply_rope_inverse, rope_tables
+from upipe.rope import apply_rope, apply_rope_inverse, rope_tables, rotate
 
 
 def _rotate_pairs(x, positions, theta):
@@ -36,3 +38,20 @@ def test_inverse_is_transpose_and_undoes_rotation():
     lhs = (apply_rope(x, cos, sin) * y).sum()
     rhs = (x * apply_rope_inverse(y, cos, sin)).sum()
     assert math.isclose(lhs.item(), rhs.item(), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6),
+                                       (torch.bfloat16, 1e-2)])
+def test_fused_rotation_matches_and_is_contiguous_from_a_strided_view(dtype, tol):
+    """``rotate`` is apply_rope (inverse: apply_rope_inverse) to the dtype's rounding, and writes
+    a contiguous tensor when its input is a permuted view (an all-to-all's unpacked receive)."""
+    pos = torch.arange(40, 51)
+    cos, sin = rope_tables(pos, 16, 500000.0, dtype)
+    recv = torch.randn(3, 2, 11, 1, 16, dtype=torch.float64).to(dtype)  # (C, B, L, m, D)
+    x = recv.permute(1, 2, 0, 3, 4).reshape(2, 11, 3, 16)  # a strided view, as comm unpacks
+    assert not x.is_contiguous()
+    for inverse, reference in ((False, apply_rope), (True, apply_rope_inverse)):
+        y = rotate(x, cos, sin, inverse=inverse)
+        assert y.is_contiguous() and y.dtype == dtype
+        want = reference(x.double(), cos.double(), sin.double())
+        torch.testing.assert_close(y.double(), want, atol=tol, rtol=tol)

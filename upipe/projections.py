@@ -19,7 +19,7 @@ import torch
 from upipe.chunked import chunk_spans
 from upipe.norm import rms_norm, rms_norm_backward
 from upipe.pure import metadata_pure
-from upipe.rope import apply_rope, apply_rope_inverse
+from upipe.rope import apply_rope_inverse, rotate
 
 
 def _rows(w: torch.Tensor, heads: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -54,7 +54,7 @@ class _Proj:
     def finish(self, pre, cos, sin) -> torch.Tensor:
         """Norm (if any) and RoPE (if ``rope``) of the linear part."""
         y = pre if self.norm_w is None else rms_norm(pre, self.norm_w, self.eps)
-        return apply_rope(y, cos, sin) if self.rope else y
+        return rotate(y, cos, sin) if self.rope else y
 
     def __call__(self, x, heads, cos, sin, w_rows=None) -> torch.Tensor:
         """(B, L, n, D) projection of x for ``heads``: linear, norm, RoPE."""
@@ -65,10 +65,11 @@ class _Proj:
         """The gradient before RoPE (the inverse rotation), or dy for V."""
         return apply_rope_inverse(dy, cos, sin) if self.rope else dy
 
-    def backward(self, dy, x, x2, heads, w_rows, dx2) -> None:
+    def backward(self, dy, x, x2, heads, w_rows, dx2, overwrite: bool = False) -> None:
         """Accumulate the gradients of ``self(x, heads)`` for dy (B, L, n, D), already unrotated.
 
-        dw[heads] += g^T x; db[heads] += sum g; dx += g @ rows, with g the gradient before the
+        dw[heads] += g^T x; db[heads] += sum g; dx += g @ rows (``overwrite``: dx = g @ rows,
+        the first contribution, so dx2 need not be zeroed), with g the gradient before the
         norm (its weight's gradient summed into ``dnorm``). ``index_add_`` sums KV replicas'
         rows; ``addmm_`` accumulates dx without an (L, dim) temporary.
         """
@@ -82,7 +83,8 @@ class _Proj:
         dy2 = dy.reshape(x2.shape[0], -1)
         if self.db is not None:
             self.db.view(-1, self.d).index_add_(0, heads, dy2.sum(0).view(-1, self.d))
-        _accumulate_rows(dy2, x2, heads, w_rows, self.dw, dx2, self.d, self.in_w, self.in_eps)
+        _accumulate_rows(dy2, x2, heads, w_rows, self.dw, dx2, self.d, self.in_w, self.in_eps,
+                         0.0 if overwrite else 1.0)
 
     def grads(self) -> tuple:
         """(dw, db, dnorm) for the autograd Function's return (every head was visited)."""
@@ -149,14 +151,15 @@ def _project(x, heads, cos, sin, w_rows, w, b, norm_w, eps: float, rope: bool,
 
 @metadata_pure
 def _accumulate_rows(dy2, x2, heads, w_rows, dw, dx2, head_dim: int, in_w=None,
-                     in_eps: float = 0.0) -> None:
-    """dw[heads] += dy2^T x2 and dx2 += dy2 @ w_rows, in place: dy2 (B*L, n*D), x2, dx2
-    (B*L, dim), w_rows (n*D, dim), dw (N*D, dim); ``index_add_`` sums KV replicas' rows,
-    ``addmm_`` accumulates dx without an (L, dim) temporary. With ``in_w`` x2 is normalised
-    tile by tile for dw, and dx2 is the normalised input's gradient."""
+                     in_eps: float = 0.0, dx_beta: float = 1.0) -> None:
+    """dw[heads] += dy2^T x2 and dx2 = dx_beta * dx2 + dy2 @ w_rows, in place: dy2 (B*L, n*D),
+    x2, dx2 (B*L, dim), w_rows (n*D, dim), dw (N*D, dim); ``index_add_`` sums KV replicas'
+    rows, ``addmm_`` accumulates dx without an (L, dim) temporary (``dx_beta`` 0: dx2's
+    contents, uninitialised, are ignored, as ``addmm`` ignores its input at beta 0). With
+    ``in_w`` x2 is normalised tile by tile for dw, and dx2 is the normalised input's gradient."""
     dw.view(-1, head_dim, dw.shape[-1]).index_add_(
         0, heads, _input_t_matmul(dy2, x2, in_w, in_eps).view(-1, head_dim, x2.shape[-1]))
-    dx2.addmm_(dy2, w_rows)
+    dx2.addmm_(dy2, w_rows, beta=dx_beta)
 
 
 @metadata_pure

@@ -11,12 +11,22 @@ On a 2-D (ring, ulysses) mesh the all-to-alls run over the ulysses axis and each
 is zigzag ring attention over the ring axis (``upipe.ring.SequenceAttention``): the paper's
 multi-node configuration; a stage then also holds the K/V block in flight on the ring.
 
-Backward walks the same schedule: recompute K/V and Q from the saved input, form the stage's
-output-gradient heads from dy and the stage's columns of wo (so the full (B, L, H, D) output
-gradient never exists), all-to-all them and the stage's output heads, run the kernel backward
-with the saved LSE, accumulate dK/dV over the block's stages, all-to-all dQ (and, at the end of a
-block, dK/dV) back, undo RoPE, and accumulate dx in place and the weight-row gradients. Peak
+Backward walks the same schedule in reverse: recompute K/V and Q from the saved input, form the
+stage's output-gradient heads from dy and the stage's columns of wo (so the full (B, L, H, D)
+output gradient never exists), all-to-all them and the stage's output heads, run the kernel
+backward with the saved LSE, accumulate dK/dV over the block's stages, all-to-all dQ (and, at the
+end of a block, dK/dV) back, undo RoPE, and accumulate dx in place (the first contribution
+written, not added to zeros) and the weight-row gradients. Peak
 attention memory covers U heads plus three (B, L, ~dim) tensors: x, the buffer, dx.
+
+The kept last stage (``keep_last_stage``, beyond the paper; on by default with overlap): the
+forward saves its last stage's Q and that stage's KV block's K/V (head layout) and the reverse
+walk starts with them, so the backward projects, rotates and all-to-alls one KV block and one
+stage's Q less per layer. Under activation checkpointing (the harness's ALST stack) they live
+from the block's recompute through its MLP's backward into the attention's first stage, which
+would have recomputed them: the attention backward's peak is unchanged and the MLP's grows by
+one stage's inputs. Without checkpointing, autograd frees saved tensors when the layer's
+backward returns, so the kept Q (and, with several KV blocks, the kept K/V) stay through it.
 
 Overlapped stages (``overlap=True``, beyond the paper, whose stated limit is its synchronous
 all-to-alls): the next stage's inputs are all-to-all'd, and the previous stage's outputs sent
@@ -40,7 +50,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from upipe.chunked import accumulator_dtype, check_chunk
-from upipe.comm import group_size, head_to_seq_start, seq_to_head, seq_to_head_start
+from upipe.comm import Transfer, group_size, head_to_seq_start, seq_to_head, seq_to_head_start
 from upipe.documents import RingDocuments, documents
 from upipe.layout import SeqLayout
 from upipe.module import ContextParallelAttention, check_ulysses_heads
@@ -56,8 +66,11 @@ def _order(plan: StagePlan) -> list[tuple[int, int]]:
     return [(b, s) for b, block in enumerate(plan.blocks) for s in range(len(block.stages))]
 
 
-def _forward_stages(x, pq, pk, pv, cos, sin, plan, group, core, overlap, out) -> list:
-    """Run every stage, writing its heads into ``out`` (B, L, H, D); returns the per-stage LSEs.
+def _forward_stages(x, pq, pk, pv, cos, sin, plan, group, core, overlap, out,
+                    keep: bool) -> tuple[list, tuple | None]:
+    """Run every stage, writing its heads into ``out`` (B, L, H, D); returns the per-stage LSEs
+    and, with ``keep``, the last stage's Q and its KV block's K, V (head layout), which the
+    backward starts with instead of recomputing them (else None).
 
     With ``overlap`` the next stage's Q all-to-all is issued before this stage's attention, and
     this stage's output all-to-all is waited on after the next stage's attention: both run beside
@@ -83,6 +96,8 @@ def _forward_stages(x, pq, pk, pv, cos, sin, plan, group, core, overlap, out) ->
         last = i + 1 == len(order)
         next_q = q_in(*order[i + 1], True) if overlap and not last else None
         o, lse = core.forward(q, k, v)
+        if last and keep:
+            kept = q, k, v
         del q  # free before the all-to-all back allocates
         if out_in_flight is not None:
             out_in_flight.wait()
@@ -93,7 +108,7 @@ def _forward_stages(x, pq, pk, pv, cos, sin, plan, group, core, overlap, out) ->
         if s == len(plan.blocks[b].stages) - 1:
             k = v = None
     out_in_flight.wait()
-    return lses
+    return lses, (kept if keep else None)
 
 
 class _BlockGrads:
@@ -110,32 +125,41 @@ class _BlockGrads:
 
 
 def _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, group, core, overlap, out, dout,
-                     lses) -> None:
-    """Walk the stages again, accumulating dx (``dx2``, (B*L, dim)) and the projections'
-    weight gradients. With ``overlap`` the next stage's Q, O, dO all-to-alls run beside this
-    stage's attention backward, and this stage's dQ all-to-all back runs beside the next one's;
-    it is then finished (RoPE undone, rows and dx accumulated). A block's K/V (in) and dK/dV
-    (out) are blocking, as in the forward: in flight they would hold a second block's."""
+                     lses, kept) -> None:
+    """Walk the stages in reverse, accumulating dx (``dx2``, (B*L, dim)) and the projections'
+    weight gradients. The first is the forward's last stage: with ``kept`` (its Q and its KV
+    block's K, V, saved by the forward) they are not projected and all-to-all'd again. With
+    ``overlap`` the next stage's Q, O, dO all-to-alls run beside this stage's attention backward,
+    and this stage's dQ all-to-all back runs beside the next one's; it is then finished (RoPE
+    undone, rows and dx accumulated). A block's K/V (in) and dK/dV (out) are blocking, as in
+    the forward: in flight they would hold a second block's."""
     # dK/dV are summed over a block's stages in accumulator_dtype (only U/C heads wide); dx and
     # the weight rows in the input dtype, as autograd would, to keep dx one (L, dim) tensor
     dev, acc = x.device, accumulator_dtype(x.dtype)
 
-    def stage_in(b, s, ov):
+    def stage_in(b, s, ov, q=None):
         q_idx = torch.tensor(plan.blocks[b].stages[s], device=dev)
         wq_rows = pq.rows(q_idx)
-        return (q_idx, wq_rows,
-                seq_to_head_start(pq(x, q_idx, cos, sin, wq_rows), group, ov),
-                seq_to_head_start(stage_heads(out, plan, b, s), group, ov),
+        q = (seq_to_head_start(pq(x, q_idx, cos, sin, wq_rows), group, ov) if q is None
+             else Transfer(None, q, None, lambda y: y))
+        return (q_idx, wq_rows, q, seq_to_head_start(stage_heads(out, plan, b, s), group, ov),
                 seq_to_head_start(dout.stage(q_idx), group, ov))
 
-    def block_in(b):
+    def block_in(b, kv=None):
         kv_idx = torch.tensor(plan.blocks[b].kv_heads, device=dev)
         wk_rows, wv_rows = pk.rows(kv_idx), pv.rows(kv_idx)
-        return (kv_idx, wk_rows, wv_rows, seq_to_head(pk(x, kv_idx, cos, sin, wk_rows), group),
-                seq_to_head(pv(x, kv_idx, cos, sin, wv_rows), group))
+        if kv is None:
+            kv = (seq_to_head(pk(x, kv_idx, cos, sin, wk_rows), group),
+                  seq_to_head(pv(x, kv_idx, cos, sin, wv_rows), group))
+        return kv_idx, wk_rows, wv_rows, *kv
+
+    dx_written = False  # dx2 is uninitialised until the first gradient is finished into it
 
     def finish(p, transfer, idx, rows):
-        p.backward(p.unrotate(transfer.wait(), cos, sin), x, x2, idx, rows, dx2)
+        nonlocal dx_written
+        p.backward(p.unrotate(transfer.wait(), cos, sin), x, x2, idx, rows, dx2,
+                   overwrite=not dx_written)
+        dx_written = True
 
     in_flight = []  # (projection, transfer, head index, weight rows) of gradients going back
 
@@ -145,17 +169,24 @@ def _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, group, core, overla
         if not ov:
             finish(*in_flight.pop())
 
-    order = _order(plan)
+    forward_order = _order(plan)
+    lse_of = {bs: lse for bs, lse in zip(forward_order, lses, strict=True)}
+    order = forward_order[::-1]
+    q_kept, kv_kept = (None, None) if kept is None else (kept[0], tuple(kept[1:]))
+    if kept is not None:
+        kept.clear()  # the caller's list: these locals are the only references left
     next_stage = blk = None
     for i, (b, s) in enumerate(order):
-        if s == 0:
-            blk = _BlockGrads(*block_in(b))
-        q_idx, wq_rows, *transfers = next_stage or stage_in(b, s, False)
+        if i == 0 or order[i - 1][0] != b:  # the block opens
+            blk = _BlockGrads(*block_in(b, kv_kept if i == 0 else None))
+            kv_kept = None
+        q_idx, wq_rows, *transfers = next_stage or stage_in(b, s, False, q_kept)
+        q_kept = None
         q, o, do = (t.wait() for t in transfers)
         ov = overlap and i + 1 < len(order)  # the last stage's dQ has no kernel beside it
         next_stage = stage_in(*order[i + 1], True) if ov else None
         if core.chunk is None:
-            dq, dk_s, dv_s = core.backward(do, q, blk.k, blk.v, o, lses[i])
+            dq, dk_s, dv_s = core.backward(do, q, blk.k, blk.v, o, lse_of[b, s])
             del q, o, do
             blk.add(dk_s, dv_s, acc)
             del dk_s, dv_s
@@ -163,14 +194,14 @@ def _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, group, core, overla
             if blk.dk is None:
                 blk.dk, blk.dv = (torch.zeros(t.shape, dtype=acc, device=dev)
                                   for t in (blk.k, blk.v))
-            dq = core.backward_into(do, q, blk.k, blk.v, o, lses[i], blk.dk, blk.dv)
+            dq = core.backward_into(do, q, blk.k, blk.v, o, lse_of[b, s], blk.dk, blk.dv)
             del q, o, do
         while in_flight:  # the previous stage's gradients, sent back beside this kernel
             finish(*in_flight.pop(0))
         transfer = head_to_seq_start(dq, group, ov)
         del dq
         send_back(pq, transfer, q_idx, wq_rows, ov)
-        if s == len(plan.blocks[b].stages) - 1:
+        if i + 1 == len(order) or order[i + 1][0] != b:  # the block's last stage
             blk.k = blk.v = None
             transfer = head_to_seq_start(blk.dk.to(x.dtype), group, False)
             blk.dk = None
@@ -186,16 +217,17 @@ def _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, group, core, overla
 class _UPipeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, in_w, cos, sin, plan, group,
-                core, eps, in_eps, overlap):
+                core, eps, in_eps, overlap, keep):
         b, l, _ = x.shape
         d = wq.shape[0] // plan.n_heads
         pq, pk, pv = projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, eps, d, in_w, in_eps)
         out = x.new_empty(b, l, plan.n_heads, d)
-        lses = _forward_stages(x, pq, pk, pv, cos, sin, plan, group, core, overlap, out)
+        lses, kept = _forward_stages(x, pq, pk, pv, cos, sin, plan, group, core, overlap, out,
+                                     keep)
         ctx.save_for_backward(x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, in_w, cos, sin, out,
-                              *lses)
+                              *(kept or ()), *lses)
         ctx.plan, ctx.group, ctx.core, ctx.eps, ctx.overlap = plan, group, core, eps, overlap
-        ctx.in_eps = in_eps
+        ctx.in_eps, ctx.keep = in_eps, keep
         if wo is None:
             return out
         return out.flatten(2) @ wo.t()
@@ -203,22 +235,25 @@ class _UPipeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, in_w, cos, sin, out,
-         *lses) = ctx.saved_tensors
+         *rest) = ctx.saved_tensors
+        # the kept Q, K, V go in a list the walk empties: no reference here outlives their use
+        kept, lses = (list(rest[:3]), rest[3:]) if ctx.keep else (None, rest)
+        del rest
         plan = ctx.plan
         d = wq.shape[0] // plan.n_heads
         pq, pk, pv = projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, ctx.eps, d, in_w,
                                  ctx.in_eps)
         dout = OutputGrad(grad, out, wo, d)
         x2 = x.reshape(-1, x.shape[-1])
-        dx2 = torch.zeros_like(x2)
+        dx2 = torch.empty_like(x2)  # the first stage's finish writes it (beta 0)
         for p in (pq, pk, pv):
             p.dw = torch.zeros_like(p.w)
         _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, ctx.group, ctx.core,
-                         ctx.overlap, out, dout, lses)
+                         ctx.overlap, out, dout, lses, kept)
         (dwq, dbq, dqn), (dwk, dbk, dkn), (dwv, dbv, _) = pq.grads(), pk.grads(), pv.grads()
         d_in = None if in_w is None else input_norm_backward(x2, in_w, ctx.in_eps, dx2)
         return (dx2.view(x.shape), dwq, dwk, dwv, dout.dwo, dbq, dbk, dbv, dqn, dkn, d_in,
-                *([None] * 8))
+                *([None] * 9))
 
 
 def upipe_attention(
@@ -249,6 +284,7 @@ def upipe_attention(
     chunk_size: int | None = None,
     input_norm: torch.Tensor | None = None,
     input_norm_eps: float = 1e-5,
+    keep_last_stage: bool | None = None,
 ) -> torch.Tensor:
     """UPipe attention for callers that keep their own projection weights.
 
@@ -279,6 +315,10 @@ def upipe_attention(
             ``input_norm_eps``): x is then the block's un-normalised input, normalised tile by
             tile inside every projection (``upipe.projections``), so the normalised input is
             never stored; the gradient is x's and the weight's.
+        keep_last_stage: save the forward's last stage's Q and its KV block's K, V (head
+            layout) for the backward, which walks the stages in reverse and starts with them
+            instead of projecting and all-to-all'ing them again (``UPipeAttention``'s docstring
+            says what it holds when); None (default): as ``overlap``.
 
     Returns:
         (B, L, dim_out) when ``wo`` is given, else the (B, L, n_heads, D) attention output before
@@ -293,12 +333,20 @@ def upipe_attention(
     ring_docs = None if docs is None else RingDocuments(
         docs, SeqLayout("zigzag") if ring_group is not None else SeqLayout(), ring)
     check_input_norm(input_norm, x.shape[-1])
+    keep = check_keep(keep_last_stage, overlap)
     return _UPipeFunction.apply(
         x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, input_norm, cos, sin, plan, group,
         SequenceAttention(causal=causal, scale=scale, kernel=kernel, ring_group=ring_group,
                           docs=ring_docs, chunk=chunk_size),
-        norm_eps, input_norm_eps, overlap,
+        norm_eps, input_norm_eps, overlap, keep,
     )
+
+
+def check_keep(keep_last_stage: bool | None, overlap: bool) -> bool:
+    """``keep_last_stage`` resolved (None: as ``overlap``), else a ValueError naming it."""
+    if keep_last_stage is not None and not isinstance(keep_last_stage, bool):
+        raise ValueError(f"keep_last_stage must be True, False or None, got {keep_last_stage!r}")
+    return overlap if keep_last_stage is None else keep_last_stage
 
 
 def check_input_norm(weight: torch.Tensor | None, dim: int) -> None:
@@ -321,6 +369,10 @@ class UPipeAttention(ContextParallelAttention):
     all-to-alls are a visible part of the step (short contexts, across nodes), at one more
     stage's all-to-all buffers (8U heads over the local tokens at the backward's peak: 6 GiB
     per rank for Llama3-8B at 3M tokens on 8 GPUs), which costs the longest contexts their fit.
+    ``keep_last_stage`` (default: as ``overlap``): the backward starts from the forward's last
+    stage, whose Q and K/V the forward saved, instead of recomputing them (the module
+    docstring: free at the attention backward's peak under activation checkpointing; without
+    it the kept tensors stay saved through the layer's backward).
     forward(x_local (B, L, dim), cu_seqlens=None, input_norm=None) -> (B, L, dim); with packed
     documents every stage's attention stays inside them. ``input_norm``: the block's
     pre-attention RMSNorm module (a ``weight`` of shape (dim,) and ``eps`` or
@@ -337,10 +389,11 @@ class UPipeAttention(ContextParallelAttention):
     fuses_input_norm = True
 
     def __init__(self, *args, heads_per_stage: int | None = None, overlap: bool = False,
-                 chunk_size: int | None = None, **kwargs):
+                 chunk_size: int | None = None, keep_last_stage: bool | None = None, **kwargs):
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
         self.heads_per_stage, self.overlap, self.chunk_size = heads_per_stage, overlap, chunk_size
+        self.keep_last_stage = check_keep(keep_last_stage, overlap)
         super().__init__(*args, **kwargs)
         check_chunk(chunk_size, ring=self.ring_group is not None)
         # None is the default (U = C); 0 is not, and is refused by make_stage_plan
@@ -351,7 +404,7 @@ class UPipeAttention(ContextParallelAttention):
 
     def options(self) -> dict:
         return {"heads_per_stage": self.heads_per_stage, "overlap": self.overlap,
-                "chunk_size": self.chunk_size}
+                "chunk_size": self.chunk_size, "keep_last_stage": self.keep_last_stage}
 
     @classmethod
     def check_config(cls, n_heads, n_kv_heads, *, cp, ring_degree=1, seq_len=None, **options):
@@ -381,11 +434,12 @@ class UPipeAttention(ContextParallelAttention):
             in_w, cos, sin, self.plan, self.group,
             SequenceAttention(causal=self.causal, kernel=self.kernel, ring_group=self.ring_group,
                               docs=self.ring_documents(docs), chunk=self.chunk_size),
-            eps, in_eps, self.overlap,
+            eps, in_eps, self.overlap, self.keep_last_stage,
         )
         return y if self.wo.bias is None else y + self.wo.bias
 
     def extra_repr(self) -> str:
         return (super().extra_repr()
                 + f", heads_per_stage={self.heads_per_stage}, overlap={self.overlap}"
+                + f", keep_last_stage={self.keep_last_stage}"
                 + ("" if self.chunk_size is None else f", chunk_size={self.chunk_size}"))

@@ -77,11 +77,14 @@ _aten = torch.ops.aten
 _MATMUL = {_aten.mm.default: (0, 1), _aten.addmm.default: (1, 2), _aten.bmm.default: (0, 1),
            _aten.baddbmm.default: (1, 2), _aten.addmm_.default: (1, 2),
            _aten.baddbmm_.default: (1, 2)}  # op -> positions of its two factors
-# Allocation-only ops: the caching allocator hands out memory, no kernel runs.
+# Allocation-only ops: the caching allocator hands out memory, no kernel runs. And
+# ``_unsafe_view``: a view whose schema does not say so (``func.is_view`` is False), which matmul
+# and reshape return over a tensor they made (ATen's ``_unsafe_view`` is ``view`` without the
+# alias annotation: no copy, no kernel; a copy, where one is needed, is a ``clone`` before it).
 _NO_KERNEL = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
               _aten.new_empty.default, _aten.new_empty_strided.default,
               _aten._local_scalar_dense.default, _aten.lift_fresh.default,
-              _aten.record_stream.default}
+              _aten.record_stream.default, _aten._unsafe_view.default}
 
 
 def _attention_op(func) -> tuple[str, str, bool] | None:

@@ -14,6 +14,8 @@ kernel memory models against the allocations they cite.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -116,6 +118,27 @@ def test_fit_predicts_the_exact_emulation(method, options):
     times = ("step_time_s", "time_compute_s", "time_comm_exposed_s", "time_offload_exposed_s",
              "time_overhead_s")
     assert {k: fit[k] for k in times} == pytest.approx({k: exact[k] for k in times}, rel=0.02)
+
+
+@pytest.mark.slow  # three memory-only emulations of 2 layers at paper scale: ~15 s
+def test_chunked_upipe_attention_backward_stays_affine_far_past_the_fit_window():
+    """The fit extrapolates each phase's peak from three lattice lengths (about 200K-330K tokens
+    here) to millions: UPipe's chunked backward (the long level's 64K chunks, Llama3-8B on 8
+    ranks) must not change which event peaks further on. It did: the stage's dO, O and Q
+    all-to-alls held five stage-sized tensors, which overtook the kernel's four plus its chunk
+    scratch past ~450K tokens, so the fit said 8M tokens fit at 72.1 GiB where the step needs
+    74.0. The inputs now peak at four (upipe.untied: dO, O, then Q rotated into its send
+    buffer): from the fit's window to 1M the attention backward grows by the same bytes per
+    quantum."""
+    q, hw = 65536, Hardware()
+    cell = Cell(method="upipe", model="llama3-8b", seq_len=q, nproc=8, dtype="bf16",
+                kernel="fa3", stack="long", chunk_size=q)
+    cfg = dataclasses.replace(cell.validate(), n_layers=2)
+    peaks = []
+    for s in (3 * q, 4 * q, 16 * q):
+        m = measure_fake(dataclasses.replace(cell, seq_len=s), cfg, hw, count=False)
+        peaks.append(max(v for k, v in m.phase_peaks.items() if k and k[-1] == "attention:bwd"))
+    assert peaks[2] - peaks[1] == 12 * (peaks[1] - peaks[0]) > 0
 
 
 def test_budgets_decide_the_status():

@@ -97,8 +97,10 @@ CASES = [  # (world, family, method, options, mesh)
     (4, "llama", "zigzag-ring", {}, None),
     (4, "llama", "upipe", {}, (2, 2)),
     (2, "qwen2", "upipe", {}, None),
+    (2, "qwen2", "upipe", {"overlap": True}, None),  # biases, with the kept last stage
     (4, "qwen2", "ulysses", {}, None),
     (2, "qwen3", "upipe", {}, None),
+    (2, "qwen3", "upipe", {"overlap": True}, None),  # QK-norm, with the kept last stage
     (4, "qwen3", "upipe", {}, None),
     (2, "qwen3", "ring", {}, None),
     (2, "llama-plain", "fpdt", {"chunk_size": 16}, None),

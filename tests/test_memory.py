@@ -485,15 +485,15 @@ def upipe_terms(s: Shape) -> tuple[dict[str, int], dict[str, int]]:
         "kv_heads (design)": 2 * ukv * hb,  # the block's K, V after the all-to-all
         "head_index": (ukv + U) * 8,  # torch.tensor(kv_heads), torch.tensor(stage): int64
     }
-    # Forward peak: the last stage's Q all-to-all (comm.seq_to_head): the rotated Q in sequence
-    # layout (its argument), the packed send buffer and the receive buffer (rope.rotate writes
-    # one tensor and no temporaries; the stage's weight rows, gathered for x @ rows^T, and the
-    # projection before RoPE are freed by then). With overlap, the second-last stage's kernel:
-    # one LSE fewer than stages, its own Q, its output being made, and two stages' all-to-alls
-    # in flight, each a send and a receive buffer (the earlier stage's output, the kernel's
-    # output of which is the send buffer at batch 1, and the last stage's prefetched Q). The
-    # fused output projection at the end holds out + y (L x dim) instead: lower while
-    # dim < 6U*D.
+    # Forward peak, blocking: the last stage's kernel, with every stage's LSE, its Q and the
+    # output it writes (equal to the output's all-to-all back after it: the output, a view of
+    # which is the send buffer at batch 1, and the receive buffer). Q's all-to-all before it
+    # holds one LSE fewer: Q is rotated straight into the send buffer (rope.rotate's split),
+    # beside the receive buffer. With overlap, the second-last stage's kernel: one LSE fewer
+    # than stages, its own Q, its output being made, and two stages' all-to-alls in flight,
+    # each a send and a receive buffer (the earlier stage's output, the kernel's output of
+    # which is the send buffer at batch 1, and the last stage's prefetched Q). The fused
+    # output projection at the end holds out + y (L x dim) instead: lower while dim < 6U*D.
     assert dim < 6 * U * D, "the forward peak would be the output projection: model it"
     if s.overlap:
         fwd = fixed | {
@@ -501,15 +501,14 @@ def upipe_terms(s: Shape) -> tuple[dict[str, int], dict[str, int]]:
             "q_o (design)": 2 * U * hb,  # the stage's Q and the output its kernel writes
             "next_q (overlap)": 2 * U * hb,  # the last stage's Q in flight: send and receive
             "out_in_flight (overlap)": 2 * U * hb,  # the previous stage's output going back
-            # the block's torch.tensor(kv_heads) only: no stage's index is alive at a kernel
-            "head_index": ukv * 8,
         }
     else:
         fwd = fixed | {
-            "lses_before": (n_stages - 1) * U * L * 4,  # earlier stages' LSEs, fp32
-            "q_rope (design)": U * hb,  # the rotated Q, sequence layout
-            "q_send_recv": 2 * U * hb,  # its all-to-all's send and receive buffers
+            "lses": n_stages * U * L * 4,  # every stage's LSE, fp32
+            "q_o (design)": 2 * U * hb,  # the stage's Q and the output its kernel writes
         }
+    # the block's torch.tensor(kv_heads) only: no stage's index is alive at a kernel
+    fwd["head_index"] = ukv * 8
     # Backward peak: a stage's attention_backward returning dq, dk_s, dv_s. The output gradient
     # exists only per stage (dy @ wo[:, stage], fused output projection), freed by then.
     bwd = fixed | {

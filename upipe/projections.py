@@ -51,15 +51,18 @@ class _Proj:
             y += self.b.view(-1, self.d).index_select(0, heads).flatten()
         return y.unflatten(-1, (-1, self.d))
 
-    def finish(self, pre, cos, sin) -> torch.Tensor:
-        """Norm (if any) and RoPE (if ``rope``) of the linear part."""
+    def finish(self, pre, cos, sin, split: int | None = None) -> torch.Tensor:
+        """Norm (if any) and RoPE (if ``rope``; ``split``: into the all-to-all's send layout,
+        ``upipe.rope.rotate``) of the linear part."""
         y = pre if self.norm_w is None else rms_norm(pre, self.norm_w, self.eps)
-        return rotate(y, cos, sin) if self.rope else y
+        return rotate(y, cos, sin, split=split) if self.rope else y
 
-    def __call__(self, x, heads, cos, sin, w_rows=None) -> torch.Tensor:
-        """(B, L, n, D) projection of x for ``heads``: linear, norm, RoPE."""
+    def __call__(self, x, heads, cos, sin, w_rows=None, split: int | None = None):
+        """(B, L, n, D) projection of x for ``heads``: linear, norm, RoPE; with ``split`` (the
+        CP degree C) a rotated projection is the (B, L, C, n/C, D) view of the sequence-to-head
+        all-to-all's send buffer (``upipe.rope.rotate``), so packing it copies nothing."""
         return _project(x, heads, cos, sin, w_rows, self.w, self.b, self.norm_w, self.eps,
-                        self.rope, self.d, self.in_w, self.in_eps)
+                        self.rope, self.d, self.in_w, self.in_eps, split)
 
     def unrotate(self, dy: torch.Tensor, cos, sin) -> torch.Tensor:
         """The gradient before RoPE (the inverse rotation), or dy for V."""
@@ -141,12 +144,13 @@ def input_norm_backward(x2, in_w, in_eps: float, dx2) -> torch.Tensor:
 
 @metadata_pure
 def _project(x, heads, cos, sin, w_rows, w, b, norm_w, eps: float, rope: bool,
-             head_dim: int, in_w=None, in_eps: float = 0.0) -> torch.Tensor:
-    """``_Proj(w, b, norm_w, eps, rope, head_dim, in_w, in_eps)(x, heads, cos, sin, w_rows)``:
-    x (B, L, dim) -> (B, L, n, D) for ``heads`` (n,), with w's rows of those heads unless
-    ``w_rows`` (n*D, dim) is given."""
+             head_dim: int, in_w=None, in_eps: float = 0.0, split: int | None = None):
+    """``_Proj(w, b, norm_w, eps, rope, head_dim, in_w, in_eps)(x, heads, cos, sin, w_rows,
+    split)``: x (B, L, dim) -> (B, L, n, D) for ``heads`` (n,), with w's rows of those heads
+    unless ``w_rows`` (n*D, dim) is given."""
     p = _Proj(w, b, norm_w, eps, rope, head_dim, in_w, in_eps)
-    return p.finish(p.pre_norm(x, heads, p.rows(heads) if w_rows is None else w_rows), cos, sin)
+    return p.finish(p.pre_norm(x, heads, p.rows(heads) if w_rows is None else w_rows), cos, sin,
+                    split)
 
 
 @metadata_pure

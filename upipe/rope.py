@@ -71,22 +71,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           inverse: bool = False) -> torch.Tensor:
+           inverse: bool = False, split: int | None = None) -> torch.Tensor:
     """:func:`apply_rope` (``inverse``: its inverse) of x (batch, seq, heads, d), outside autograd.
 
     For the hand-written forward and backward passes (UPipe's projections, FPDT's backward),
-    which need no graph: one product and two half-width fused multiply-adds into a new
-    contiguous tensor (``x * cos``, then ``-/+ x2 * sin`` on the first half, ``+/- x1 * sin`` on
-    the second), instead of :func:`apply_rope`'s five kernels and three temporaries (its form is
-    Hugging Face's, which the models differentiate through). Each fused multiply-add rounds
-    once, so results agree with :func:`apply_rope` to the dtype's rounding, not bit for bit.
+    which need no graph: one product and two half-width fused multiply-adds into a new tensor
+    (``x * cos``, then ``-/+ x2 * sin`` on the first half, ``+/- x1 * sin`` on the second),
+    instead of :func:`apply_rope`'s five kernels and three temporaries (its form is Hugging
+    Face's, which the models differentiate through). Each fused multiply-add rounds once, so
+    results agree with :func:`apply_rope` to the dtype's rounding, not bit for bit.
+
     The output is contiguous even when x is a strided view (an all-to-all's unpacked result),
-    so the caller's reshape of it is a view.
+    so the caller's reshape of it is a view. With ``split`` (a CP degree C dividing heads) it is
+    instead the (batch, seq, C, heads/C, d) view of a contiguous (C, batch, seq, heads/C, d)
+    tensor: the sequence-to-head all-to-all's send buffer (``upipe.comm``), which then needs no
+    packing copy.
     """
     h = x.shape[-1] // 2
     cos, sin = cos[:, None, :], sin[:, None, :]
+    if split is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        b, s, n, d = x.shape
+        x = x.unflatten(2, (split, n // split))
+        cos, sin = cos[:, None], sin[:, None]
+        out = torch.empty(split, b, s, n // split, d, dtype=x.dtype,
+                          device=x.device).permute(1, 2, 0, 3, 4)
     sign = -1.0 if inverse else 1.0
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     torch.mul(x, cos, out=out)
     out[..., :h].addcmul_(x[..., h:], sin[..., :h], value=-sign)
     out[..., h:].addcmul_(x[..., :h], sin[..., h:], value=sign)

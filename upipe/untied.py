@@ -79,18 +79,18 @@ def _forward_stages(x, pq, pk, pv, cos, sin, plan, group, core, overlap, out,
     hold a second block's K/V beside the first. Without ``overlap``, each all-to-all runs where
     its tensor is made and is waited on at once (the paper's schedule).
     """
-    dev = x.device
+    dev, c = x.device, group_size(group)
 
     def q_in(b, s, ov):
         q_idx = torch.tensor(plan.blocks[b].stages[s], device=dev)
-        return seq_to_head_start(pq(x, q_idx, cos, sin), group, ov)
+        return seq_to_head_start(pq(x, q_idx, cos, sin, split=c), group, ov)
 
     order, lses = _order(plan), []
     next_q = out_in_flight = k = v = None
     for i, (b, s) in enumerate(order):
         if s == 0:
             kv_idx = torch.tensor(plan.blocks[b].kv_heads, device=dev)
-            k = seq_to_head(pk(x, kv_idx, cos, sin), group)
+            k = seq_to_head(pk(x, kv_idx, cos, sin, split=c), group)
             v = seq_to_head(pv(x, kv_idx, cos, sin), group)
         q = (next_q or q_in(b, s, False)).wait()
         last = i + 1 == len(order)
@@ -135,21 +135,26 @@ def _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, group, core, overla
     the forward: in flight they would hold a second block's."""
     # dK/dV are summed over a block's stages in accumulator_dtype (only U/C heads wide); dx and
     # the weight rows in the input dtype, as autograd would, to keep dx one (L, dim) tensor
-    dev, acc = x.device, accumulator_dtype(x.dtype)
+    dev, acc, c = x.device, accumulator_dtype(x.dtype), group_size(group)
 
     def stage_in(b, s, ov, q=None):
+        # dO, O, then Q: each all-to-all's source is freed before the next one is made, and Q,
+        # rotated straight into its send buffer (split), is made last, so blocking, the three
+        # inputs peak at four stage-sized tensors (dO, O, Q's send and receive), no more than
+        # the kernel's backward then holds (Q, O, dO, dQ)
         q_idx = torch.tensor(plan.blocks[b].stages[s], device=dev)
         wq_rows = pq.rows(q_idx)
-        q = (seq_to_head_start(pq(x, q_idx, cos, sin, wq_rows), group, ov) if q is None
-             else Transfer(None, q, None, lambda y: y))
-        return (q_idx, wq_rows, q, seq_to_head_start(stage_heads(out, plan, b, s), group, ov),
-                seq_to_head_start(dout.stage(q_idx), group, ov))
+        do = seq_to_head_start(dout.stage(q_idx), group, ov)
+        o = seq_to_head_start(stage_heads(out, plan, b, s), group, ov)
+        q = (seq_to_head_start(pq(x, q_idx, cos, sin, wq_rows, split=c), group, ov)
+             if q is None else Transfer(None, q, None, lambda y: y))
+        return q_idx, wq_rows, q, o, do
 
     def block_in(b, kv=None):
         kv_idx = torch.tensor(plan.blocks[b].kv_heads, device=dev)
         wk_rows, wv_rows = pk.rows(kv_idx), pv.rows(kv_idx)
         if kv is None:
-            kv = (seq_to_head(pk(x, kv_idx, cos, sin, wk_rows), group),
+            kv = (seq_to_head(pk(x, kv_idx, cos, sin, wk_rows, split=c), group),
                   seq_to_head(pv(x, kv_idx, cos, sin, wv_rows), group))
         return kv_idx, wk_rows, wv_rows, *kv
 

@@ -360,9 +360,13 @@ def test_progress_on_stderr(capfd):
 def test_ctrl_c_prints_one_line_and_ends_the_ranks():
     # enough timed steps that the run is still going when the signal comes (a 3-step run of
     # this cell can end within the second the test waits)
+    # with SIGINT's default action restored: a test run started as a background job of a
+    # non-interactive shell (``pytest ... &``) ignores SIGINT, and an ignored signal stays
+    # ignored across exec, so the CLI would never see the Ctrl-C this test sends
     proc = subprocess.Popen([sys.executable, "-m", "experiments.cli", "run", "--method",
                              "ulysses", "--seq-len", "256", "--iters", "1000", *FLAGS], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     ranks = _wait_for(lambda: _ranks(proc.pid), what="the ranks")
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)

@@ -138,6 +138,35 @@ def test_position_ids_are_honoured_or_refused_never_ignored(dist_pool):
         assert "position_ids to hf.shard_batch" in r["padding_mask"]  # points to packing
 
 
+def _ranks_disagree() -> dict:
+    """Every rank: the error of a call where only rank 0's position_ids are wrong, and of one
+    where the ranks pass different documents; then a barrier (nothing hung)."""
+    from upipe.integrations import hf
+
+    torch.manual_seed(0)
+    model = hf.parallelize(_model("llama"), "upipe", kernel="math")
+    ids, labels, pos = _packed_batch()
+    m = model.upipe_cp_method
+    plain = hf.shard_batch(model, ids, labels)
+    own = m.shard(torch.arange(SEQ).expand(2, -1))
+    out = {"positions": _error(model, **plain,
+                               position_ids=torch.zeros_like(own) if m.rank == 0 else own)}
+    cu = (0, 10, SEQ) if m.rank == 0 else (0, 20, SEQ)
+    out["documents"] = _error(model, **plain, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    dist.barrier()
+    return out
+
+
+def test_a_refusal_on_one_rank_is_raised_on_every_rank(dist_pool):
+    """One rank's bad position_ids used to raise there while the other died in gloo ("Connection
+    closed by peer"); ranks given different documents computed wrong attention silently."""
+    first, second = dist_pool(2).run(_ranks_disagree)
+    assert "must be this rank's tokens' own positions" in first["positions"]
+    assert "another rank of the CP group refused its batch" in second["positions"]
+    for r in (first, second):
+        assert "were given different cu_seq_lens_q/_k" in r["documents"]
+
+
 def test_bad_position_ids_are_refused():
     from upipe.documents import cu_seqlens_from_position_ids
 

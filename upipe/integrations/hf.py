@@ -1,12 +1,14 @@
 """UPipe (or any registered CP method) inside a Hugging Face causal LM.
 
-One call, :func:`parallelize`, turns a ``transformers`` Llama / Qwen2 / Qwen3-style causal LM into a
-context-parallel model: every decoder layer's ``self_attn`` is replaced by a
-:class:`CPSelfAttention` that runs the chosen method on this rank's sequence shard with the
-layer's *own* modules (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, and Qwen3's ``q_norm`` /
-``k_norm``), shared, not copied. Head order is the checkpoint's, and the state-dict keys stay
-Hugging Face's, so ``save_pretrained`` / ``load_state_dict`` work unchanged. RoPE uses the model's
-own inverse frequencies (its rope scaling included) at each token's *global* position.
+One call, :func:`parallelize`, turns a ``transformers`` causal LM of a verified family (Llama,
+Mistral, Mixtral, Qwen2/3 and their MoE variants, Starcoder2, Gemma: ``hf_families.FAMILIES``;
+any other model type is refused) into a context-parallel model: every decoder layer's
+``self_attn`` is replaced by a :class:`CPSelfAttention` that runs the chosen method on this
+rank's sequence shard with the layer's *own* modules (``q_proj``, ``k_proj``, ``v_proj``,
+``o_proj``, and Qwen3's ``q_norm`` / ``k_norm``), shared, not copied. Head order is the
+checkpoint's, and the state-dict keys stay Hugging Face's, so ``save_pretrained`` /
+``load_state_dict`` work unchanged. RoPE uses the model's own inverse frequencies (its rope
+scaling included) at each token's *global* position.
 
 :func:`shard_batch` cuts a full batch into this rank's part in the method's sequence layout and
 shifts the labels *before* sharding (a token's target may live on the next rank), so::
@@ -31,22 +33,31 @@ the CP degree, or set FSDP2's gradient divide factor, when the CP ranks are also
 (``upipe.integrations.hf_stack``): layer checkpointing, host offload of the checkpointed inputs,
 tiled MLPs and a chunked loss that never builds full logits (``out.logits`` is then None).
 
-Limits, each a ValueError at :func:`parallelize` or at the call (before any collective): causal
-self-attention without sliding windows, attention dropout, soft-capping or a non-default
-attention scale; no padding ``attention_mask`` (pack the documents instead; an all-ones mask, a
-tokenizer's default, is accepted) and no KV cache (training only); RoPE types whose frequencies
-depend on the length ("dynamic", "longrope") are refused.
+Limits, each a ValueError at :func:`parallelize` or at the call (before any collective, and on
+every rank of the CP group when one rank refuses its batch): the verified families only; causal
+self-attention without attention dropout, soft-capping or a non-default attention scale; a
+sliding window only when it covers the longest span attention sees (the sequence, or each packed
+document), where it changes nothing; no padding ``attention_mask`` (pack the documents instead;
+an all-ones mask, a tokenizer's default, is accepted) and no KV cache (training only); RoPE types
+whose frequencies depend on the length ("dynamic", "longrope") are refused. The ranks agree on a
+call's refusal by one three-integer all-reduce (and a host read of it) per call and CP mesh axis,
+which also refuses ranks given different ``cu_seq_lens``.
 """
 
 from __future__ import annotations
 
+import itertools
+import zlib
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from upipe.documents import cu_seqlens_from_position_ids, documents
+from upipe.integrations.hf_families import check_family, check_off, layer_window
 from upipe.integrations.hf_stack import apply_stack, check_stack
 from upipe.module import ContextParallelAttention
 from upipe.registry import build_method
@@ -140,14 +151,18 @@ def _cu_seqlens(cu_q, cu_k):
 
 
 def _check_batch(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Forward pre-hook of a converted model: the packed documents and ``position_ids`` of a
-    call, checked once per step before any collective (layers get the cu_seq_lens as ints).
+    """Forward pre-hook of a converted model: the packed documents, ``position_ids`` and sliding
+    window of a call, checked once per step before any collective (layers get the cu_seq_lens
+    as ints).
 
     ``cu_seq_lens_q``/``_k`` (global, flash-attn's convention, from :func:`shard_batch` or a
     flattening collator with batch 1) become a tuple of ints (one host read of a device
     tensor). ``position_ids`` must be the positions the method rotates at: within each document
     with cu_seq_lens, else the tokens' global positions; other values would need documents the
-    method was not given, so they are refused rather than ignored.
+    method was not given, so they are refused rather than ignored. A sliding window must cover
+    the longest span attention sees (the sequence, or the longest document), and what the
+    family's ``off_fields`` name stays off in the call's arguments too. Then the ranks
+    agree (:func:`_agree`): a refusal on one rank is raised on every rank.
     """
     m = model.upipe_cp_method
     x = kwargs.get("input_ids", args[0] if args else None)
@@ -155,24 +170,82 @@ def _check_batch(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
         x = kwargs.get("inputs_embeds")
     if x is None:
         return args, kwargs
-    cu = _cu_seqlens(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
-    if isinstance(cu, torch.Tensor):
-        cu = cu.tolist()
-    docs = documents(cu, x.shape[1] * m.cp)
-    if cu is not None:
-        kwargs = dict(kwargs, cu_seq_lens_q=tuple(cu), cu_seq_lens_k=tuple(cu))
-    pos = kwargs.get("position_ids")
-    if pos is not None:
-        local = x.shape[1]
-        want = (m.seq_layout.positions(local, m.rank, m.cp) if docs is None else
-                docs.positions(m.seq_layout.segments(local * m.cp, m.rank, m.cp)))
-        if tuple(pos.shape[-1:]) != (local,) or not torch.equal(
-                pos.reshape(-1, local), want.to(pos.device).expand(pos.numel() // local, -1)):
-            raise ValueError("position_ids must be this rank's tokens' own positions (global, or "
-                             "within their document given cu_seq_lens_q/_k): packed documents "
-                             "go through hf.shard_batch(model, input_ids, labels, "
-                             "position_ids=<the full batch's>)")
+    cu, error = None, None
+    try:
+        cu = _cu_seqlens(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+        if isinstance(cu, torch.Tensor):
+            cu = cu.tolist()
+        docs = documents(cu, x.shape[1] * m.cp)
+        if cu is not None:
+            kwargs = dict(kwargs, cu_seq_lens_q=tuple(cu), cu_seq_lens_k=tuple(cu))
+        _check_positions(m, kwargs.get("position_ids"), x.shape[1], docs)
+        check_off(model.upipe_cp_family, model.config.model_type, kwargs.get)
+        _check_window(model.upipe_cp_window, x.shape[1] * m.cp, docs)
+    except ValueError as e:
+        error = str(e)
+    _agree(m, error, cu, x)
     return args, kwargs
+
+
+def _check_positions(m: ContextParallelAttention, pos: torch.Tensor | None, local: int,
+                     docs) -> None:
+    """``position_ids`` (B, local) or (local,), if given, must be the positions the method
+    rotates this rank's tokens at (global, or within their document)."""
+    if pos is None:
+        return
+    want = (m.seq_layout.positions(local, m.rank, m.cp) if docs is None else
+            docs.positions(m.seq_layout.segments(local * m.cp, m.rank, m.cp)))
+    if tuple(pos.shape[-1:]) != (local,) or not torch.equal(
+            pos.reshape(-1, local), want.to(pos.device).expand(pos.numel() // local, -1)):
+        raise ValueError("position_ids must be this rank's tokens' own positions (global, or "
+                         "within their document given cu_seq_lens_q/_k): packed documents "
+                         "go through hf.shard_batch(model, input_ids, labels, "
+                         "position_ids=<the full batch's>)")
+
+
+def _check_window(window: int | None, seq_len: int, docs) -> None:
+    """A sliding window (a query sees itself and the ``window - 1`` tokens before it) changes
+    nothing when it covers the longest span attention sees: the sequence, or with packed
+    documents the longest document. Otherwise the model's attention is not what the CP methods
+    compute (full causal), so it is refused."""
+    if window is None:
+        return
+    span = seq_len if docs is None else max(b - a for a, b in itertools.pairwise(docs.bounds))
+    if window < span:
+        raise ValueError(f"sliding_window ({window}) must be None or at least the longest span "
+                         f"attention sees ({span} tokens: the "
+                         f"{'sequence' if docs is None else 'longest packed document'}): the CP "
+                         "methods compute full causal attention, not a sliding window")
+
+
+def _agree(m: ContextParallelAttention, error: str | None, cu, x: torch.Tensor) -> None:
+    """Raise ``error`` on this rank, and a refusal on every other rank of the CP group, before
+    any collective of the step; also refuse ranks given different ``cu_seq_lens``.
+
+    One all-reduce (MAX) of three integers per CP mesh axis: the refusal flag and a checksum
+    of the documents and its negation (their maxima differ in sign iff two ranks differ).
+    Without it, one rank raises while the others enter the first all-to-all and die there
+    (gloo: "Connection closed by peer") or wait for it; and ranks given different documents
+    would compute wrong attention without an error.
+    """
+    if m.cp == 1:
+        if error is not None:
+            raise ValueError(error)
+        return
+    key = zlib.crc32(repr(None if cu is None else tuple(cu)).encode())
+    flags = torch.tensor([int(error is not None), key, -key], dtype=torch.int64, device=x.device)
+    for group in [m.group] if m.ring_group is None else [m.group, m.ring_group]:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)  # None: the default group
+    refused, high, low = flags.tolist()
+    if error is not None:
+        raise ValueError(error)
+    if refused:
+        raise ValueError("another rank of the CP group refused its batch (its error names the "
+                         "rule); this rank stops too, so that none waits in a collective")
+    if high != -low:
+        raise ValueError("the ranks of the CP group were given different cu_seq_lens_q/_k: "
+                         "every rank must pass the same global documents (hf.shard_batch gives "
+                         "them)")
 
 
 def _text_config(model: nn.Module):
@@ -210,9 +283,6 @@ def _check_layer(attn: nn.Module, cfg, head_dim: int) -> None:
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         if not isinstance(getattr(attn, name, None), nn.Linear):
             raise ValueError(f"{type(attn).__name__}.{name} must be an nn.Linear")
-    if getattr(attn, "sliding_window", None) is not None:
-        raise ValueError(f"sliding_window ({attn.sliding_window}) is not supported: full causal "
-                         "attention only")
     if not getattr(attn, "is_causal", True):
         raise ValueError("is_causal must be True: decoder self-attention only")
     scaling = getattr(attn, "scaling", head_dim**-0.5)
@@ -236,8 +306,8 @@ def parallelize(
     """Make ``model`` (a ``transformers`` causal LM) context-parallel in place; returns it.
 
     Args:
-        model: a Llama / Qwen2 / Qwen3-style ``*ForCausalLM`` (decoder layers with
-            ``self_attn.{q,k,v,o}_proj``), on any device; call before FSDP / checkpointing.
+        model: a ``*ForCausalLM`` of a verified family (``hf_families.FAMILIES``, by
+            ``model.config.model_type``), on any device; call before FSDP / checkpointing.
         method: any registered CP method (``upipe.available_methods()``); default UPipe.
         group / mesh: the CP process group (default: the default group), or a 2-D
             (``ring``, ``ulysses``) mesh for the hybrids (``usp``, ``upipe``).
@@ -252,6 +322,7 @@ def parallelize(
     collective. Sets ``use_cache=False`` and the attention implementation ``upipe_cp`` (no mask
     is built).
     """
+    family = check_family(model.config)  # first: other checks assume the family's layout
     stack = check_stack(model, stack)
     cfg = _text_config(model)
     n_heads, dim = cfg.num_attention_heads, cfg.hidden_size
@@ -263,12 +334,14 @@ def parallelize(
               if isinstance(getattr(parent, "self_attn", None), nn.Module)]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no decoder layers with a self_attn module")
-    methods = []
+    methods, windows = [], []
     for parent, attn in layers:
         if isinstance(attn, CPSelfAttention):
             raise ValueError(f"{type(model).__name__} is already context-parallel "
                              f"({attn.method.registry_name!r}): parallelize it once")
         _check_layer(attn, cfg, head_dim)
+        window = layer_window(cfg, family, attn, getattr(attn, "layer_idx", None))
+        windows += [] if window is None else [window]
         with torch.device("meta"):  # the method's own projections are replaced right away
             m = build_method(method, dim, n_heads, n_kv, head_dim, group=group, mesh=mesh,
                              causal=True, rope_theta=theta, kernel=kernel, **options)
@@ -286,6 +359,9 @@ def parallelize(
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     # layout, rank and CP degree for shard_batch; not a submodule (its parameters are the layer's)
     object.__setattr__(model, "upipe_cp_method", methods[0])
+    # the smallest sliding window of any layer, checked against each call's longest span
+    object.__setattr__(model, "upipe_cp_window", min(windows, default=None))
+    object.__setattr__(model, "upipe_cp_family", family)  # what a call may not switch on
     model.register_forward_pre_hook(_check_batch, with_kwargs=True)
     apply_stack(model, stack, methods[0].cp, methods[0].checkpoint_reentrant)
     return model

@@ -5,7 +5,11 @@ table is rebuilt from them. So a file that is truncated (a killed writer on a fi
 does not rename atomically, a copy cut short), malformed, or a JSON value that is not a row
 must never be silently dropped or crash a rebuild without naming itself: ``read_row`` and
 ``read_search`` raise ``BadResultFile`` naming the file and what is wrong, and a resumed sweep
-sets the file aside (``set_aside``) and runs its cell again.
+sets the file aside (``set_aside``) and runs its cell again. A row that is valid JSON but not
+its folder's (copied from another cell, or its fields or metrics edited) is as bad as a cut one.
+
+The files are meant to be shared and committed, so they get the permissions of any file this
+process creates (0666 less its umask), not ``mkstemp``'s private 0600.
 """
 
 from __future__ import annotations
@@ -23,6 +27,25 @@ ROW_FIELDS = ("cell_id", "method", "heads_per_stage", "ring_degree", "chunk_size
               "seq_len", "nproc", "stack", "status", "mode")
 SEARCH_FIELDS = ("method", "model", "nproc", "status", "mode", "max_seq_len",
                  "first_failing_seq_len")
+# A row's numbers (its cell's sizes and what was measured or emulated): a number or null, never
+# text, which would reach a table's arithmetic and fail there without naming the file.
+ROW_NUMBERS = ("heads_per_stage", "ring_degree", "chunk_size", "seq_len", "nproc", "budget_mib",
+               "doc_len", "time_median_s", "time_p20_s", "time_p80_s", "step_time_s",
+               "tokens_per_s_per_gpu", "mfu", "model_tflops_per_step", "time_compute_s",
+               "time_comm_exposed_s", "time_offload_exposed_s", "time_overhead_s",
+               "peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
+               "peak_attention_bytes", "peak_other_bytes", "attention_peak_bytes",
+               "tracked_peak_device_bytes", "device_memory_bytes", "device_budget_bytes",
+               "host_budget_bytes", "rank_flops_per_step", "comm_bytes_per_step", "wall_s",
+               "emulation_s")
+CELL_FILE = "cell.json"  # beside each row.json: the cell's resolved config (Cell.to_dict)
+
+# The process's umask, read once at import: os.umask can only be read by setting it, so reading
+# it on every write would race with another thread creating a file meanwhile (the import lock
+# serialises this). The probe value is the strictest one, so such a file would be private at
+# worst, never world-writable.
+_UMASK = os.umask(0o077)
+os.umask(_UMASK)
 
 
 class BadResultFile(ValueError):
@@ -44,6 +67,7 @@ def write_text(path: Path, text: str) -> bool:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # mkstemp's 0600 would stay after the rename
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
@@ -80,8 +104,33 @@ def _checked(path: Path, obj, fields: tuple[str, ...], what: str) -> dict:
 
 
 def read_row(path: Path) -> dict:
-    """A run's ``row.json``, checked to be a row (``ROW_FIELDS``, a known status)."""
-    return _checked(path, read_json(path), ROW_FIELDS, "row")
+    """A run's ``runs/<cell_id>/row.json``, checked to be a row (``ROW_FIELDS``, a known status,
+    ``ROW_NUMBERS`` numbers or null) and its folder's: its ``cell_id`` is the folder's name and
+    the cell fields it carries are those of the folder's ``cell.json`` (when there is one)."""
+    path = Path(path)
+    row = _checked(path, read_json(path), ROW_FIELDS, "row")
+    for name in ROW_NUMBERS:
+        value = row.get(name)
+        if value is not None and (type(value) is bool or not isinstance(value, (int, float))):
+            raise BadResultFile(path, f"{name} must be a number or null, got {value!r}")
+    folder = path.parent.name
+    if row["cell_id"] != folder:
+        raise BadResultFile(path, f"the row of cell {row['cell_id']!r} in the folder of cell "
+                                  f"{folder!r}: a row must be in its own cell's folder")
+    cell_path = path.with_name(CELL_FILE)
+    if cell_path.is_file():
+        try:
+            cell = read_json(cell_path)
+        except BadResultFile as e:  # the row cannot be matched to its cell: as bad
+            raise BadResultFile(path, f"its cell.json cannot be read ({e})") from None
+        # overrides (text in the row, pairs in cell.json) and extra (merged into the row) are
+        # in the cell id's hash, checked above; the other fields are columns read as they are
+        differ = [f"{k} {row[k]!r} (cell.json: {v!r})" for k, v in cell.items()
+                  if k not in ("overrides", "extra") and k in row and row[k] != v]
+        if differ:
+            raise BadResultFile(path, f"a row must carry its cell's fields, but these differ "
+                                      f"from {cell_path}: {', '.join(differ)}")
+    return row
 
 
 def read_search(path: Path) -> dict:

@@ -251,6 +251,25 @@ def test_load_of_sweeps_without_the_table_is_empty_with_its_columns(results: Pat
     assert maxctx.empty and {"max_seq_len", "first_failing_seq_len", "variant"} <= set(maxctx)
 
 
+@pytest.mark.parametrize("cut, why", [
+    (lambda text: text[:-5], "does not end with a newline"),  # mid-line
+    (lambda text: text[:text.rstrip("\n").rfind(",")] + "\n", "record 11 .* fields"),
+    # whole lines: only the rows the sweep folder holds (runs/, one row.json each) tell
+    (lambda text: text[:text.rstrip("\n").rfind("\n") + 1], "9 rows, but .*runs has 10"),
+])
+def test_load_tables_refuses_a_table_cut_short_naming_it(results: Path, cut, why):
+    folder = results / f"{ARTEFACT}-cpu"
+    for i in range(10):  # the table's 10 rows, each from a run
+        (folder / "runs" / f"cell-{i}").mkdir(parents=True)
+        (folder / "runs" / f"cell-{i}" / "row.json").write_text("{}")
+    assert len(nb.load_tables(nb.sweep_dirs(results, ARTEFACT))[0]) == 10 + 2  # and emulated
+    table = folder / "rows.csv"
+    table.write_text(cut(table.read_text()))
+    with pytest.raises(store.BadResultFile, match=why) as e:
+        nb.load_tables(nb.sweep_dirs(results, ARTEFACT))
+    assert e.value.path == table
+
+
 # -- filtering and tables --------------------------------------------------------------------
 
 

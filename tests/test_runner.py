@@ -12,8 +12,9 @@ from session_ranks import SessionRanks
 
 from experiments.cli import main
 from experiments.config import Cell, SearchSpec, Sweep
-from experiments.harness.launch import run_cell
+from experiments.harness.launch import describe, run_cell
 from experiments.runner.sweep_runner import SweepRunner
+from experiments.store import read_json, write_json
 from upipe.registry import available_methods
 
 OVERRIDES = (("n_layers", "3"), ("dim", "64"), ("n_heads", "8"), ("n_kv_heads", "2"),
@@ -131,6 +132,22 @@ def test_sweep_resumes_without_rerunning(swept):
     pd.testing.assert_frame_equal(before, after)
     # env.json still describes the invocation that made the rows, not the resume
     assert json.loads((out / "mini" / "env.json").read_text())["run_id"] == first.run_id
+
+
+def test_resume_writes_a_missing_cell_json_again(tmp_path, capsys):
+    """A stored row whose cell.json was deleted is resumed (not run), and its cell.json is
+    written again from the sweep's declaration, which readers of the run need (the time
+    validation predicts each row from it). A row stored by hand: nothing is launched."""
+    sweep = Sweep("resume", "cell.json", "cpu", base=BASE | {"method": "ulysses"},
+                  axes={"seq_len": [256]})
+    (cell,) = sweep.cells()
+    runner = SweepRunner(sweep, tmp_path, progress=False)
+    row_path = runner._row_path(cell)
+    write_json(row_path, describe(cell, None) | {"status": "ok", "error": "", "mode": "measured"})
+    assert runner.run(cell)["status"] == "ok" and runner.resumed
+    cell_path = row_path.with_name("cell.json")
+    assert cell_path.is_file() and Cell.from_dict(read_json(cell_path)) == cell
+    assert f"warning: {cell_path} was missing" in capsys.readouterr().err
 
 
 @pytest.mark.slow

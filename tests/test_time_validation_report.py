@@ -1,5 +1,5 @@
 """The time validation's summary and plot (experiments/reporting/validation.py) on a table
-whose answer is known."""
+whose answer is known, and its predictions' refusal of a run without its cell.json."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ import json
 import pandas as pd
 import pytest
 
+from experiments.config import Cell
+from experiments.harness.launch import describe
 from experiments.reporting.validation import summarize_errors, write_time_validation
+from experiments.runner.time_validation import predictions
+from experiments.store import BadResultFile, write_json
 
 
 def _table(errors: list[float]) -> pd.DataFrame:
@@ -38,3 +42,16 @@ def test_the_files_are_written_and_an_empty_table_is_refused(tmp_path):
     assert (tmp_path / "predicted_vs_measured.png").stat().st_size > 0
     with pytest.raises(ValueError, match="no cell"):
         write_time_validation(tmp_path, _table([]).iloc[0:0])
+
+
+def test_predictions_name_a_run_without_its_cell_json(tmp_path):
+    """A measured row is predicted from its run's cell.json: without one (deleted, and the
+    sweep not resumed since, which writes it again) the error names the file, not a bare
+    FileNotFoundError. Nothing is emulated: the check comes first."""
+    cell = Cell("ulysses", model="tiny", seq_len=256, nproc=2)
+    row = tmp_path / "runs" / cell.cell_id() / "row.json"
+    write_json(row, describe(cell, None) | {"status": "ok", "error": "", "mode": "measured",
+                                            "time_median_s": 2.0})
+    with pytest.raises(BadResultFile, match="cell.json: missing") as e:
+        predictions(tmp_path, tmp_path / "profile.json")
+    assert e.value.path == row.with_name("cell.json")

@@ -10,7 +10,8 @@ A notebook stays a sequence of ``display(nb.something(...))`` cells with markdow
     rows, maxctx = nb.load_tables(SWEEPS)
 
 Reads result files only (``sweep.json``, ``env.json``, ``rows.csv``, ``max_context.csv``, the
-baseline's ``max_context.json``) and writes nothing; figures are the sweeps' own plot functions
+baseline's ``max_context.json``; ``runs/`` and ``searches/`` only counted, to refuse a table cut
+short) and writes nothing; figures are the sweeps' own plot functions
 (``experiments.reporting.plots``) drawn into a temporary file and returned as PNG bytes.
 Lengths are global tokens in binary units (128K = 131072), as the sweeps declare them.
 """
@@ -34,7 +35,13 @@ from experiments.reporting.paper_tables import (
     UNREAD_CELLS,
 )
 from experiments.reporting.plots import memory_unit  # noqa: F401  (the notebooks' too)
-from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
+from experiments.reporting.tables import (
+    MAXCTX,
+    MAXCTX_COLUMNS,
+    ROW_COLUMNS,
+    ROWS,
+    check_table,
+)
 
 SCALES = {"paper": "", "cpu": "-cpu", "emulated": "-emulated"}  # scale -> sweep-name suffix
 VARIANT_COLUMNS = ["method", "heads_per_stage", "ring_degree", "chunk_size", "nproc", "doc_len",
@@ -208,12 +215,14 @@ def load(dirs: Mapping[str, Path] | Iterable[Path], table: str = ROWS,
     suffix), ``ladder`` (its axes vary the memory stack) and each row's ``variant``: as the
     plots label it ('upipe U=8', 'usp 8x2', 'fpdt c=64K'), or ``relative_variant`` with
     ``relative``. Every column of ``ROW_COLUMNS`` (and ``ROW_EXTRA``) or ``MAXCTX_COLUMNS`` is
-    there, NaN where no table has it; a sweep without the table adds no row."""
+    there, NaN where no table has it; a sweep without the table adds no row. A table cut short
+    raises ``store.BadResultFile`` naming it (``tables.check_table``)."""
     folders = list(dirs.values()) if isinstance(dirs, Mapping) else list(dirs)
     frames = []
     for folder in folders:
         decl = read_json(folder / "sweep.json")
         if (folder / table).is_file():
+            check_table(folder / table)
             frames.append(read_csv(folder / table).assign(
                 sweep=decl["name"], scale=decl["scale"], ladder="stack" in decl["axes"],
                 artefact=decl["name"].removesuffix(SCALES.get(decl["scale"], ""))))

@@ -11,19 +11,24 @@ Layout of ``results/<sweep>/``::
     *.png                 plots, a pure function of the two tables (experiments.reporting.plots)
 
 Tables are always rebuilt from the run directories, never edited, so an interrupted sweep
-loses nothing already measured and a resumed one produces the same tables.
+loses nothing already measured and a resumed one produces the same tables. A reader of the
+tables alone checks that one was not cut short (``check_table``).
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from pathlib import Path
 
 import pandas as pd
 
-from experiments.store import read_row, read_search, write_text
+from experiments.store import BadResultFile, read_row, read_search, write_text
 
 ROWS, MAXCTX = "rows.csv", "max_context.csv"
+# what each table is rebuilt from, a row per file: (folder, pattern in it)
+SOURCES = {ROWS: ("runs", "*/row.json"), MAXCTX: ("searches", "*.json")}
 # first columns of rows.csv; the rest follow in the order the rows first name them
 ROW_COLUMNS = ["sweep", "cell_id", "method", "heads_per_stage", "ring_degree", "chunk_size",
                "doc_len", "overlap", "model", "seq_len", "nproc", "stack", "dtype", "kernel",
@@ -56,7 +61,8 @@ def _frame(records: list[dict], first: list[str]) -> pd.DataFrame:
 
 def load_rows(sweep_dir: Path) -> pd.DataFrame:
     """Every run's row (runs/*/row.json) as one frame, sorted by method and length."""
-    records = [read_row(p) for p in sorted(Path(sweep_dir).glob("runs/*/row.json"))]
+    folder, pattern = SOURCES[ROWS]
+    records = [read_row(p) for p in sorted((Path(sweep_dir) / folder).glob(pattern))]
     if not records:
         return pd.DataFrame(columns=ROW_COLUMNS)
     df = _frame(records, ROW_COLUMNS)
@@ -66,7 +72,8 @@ def load_rows(sweep_dir: Path) -> pd.DataFrame:
 
 def load_searches(sweep_dir: Path) -> pd.DataFrame:
     records = []
-    for p in sorted(Path(sweep_dir).glob("searches/*.json")):
+    folder, pattern = SOURCES[MAXCTX]
+    for p in sorted((Path(sweep_dir) / folder).glob(pattern)):
         s = read_search(p)
         records.append({k: v for k, v in s.items() if k not in ("probes", "probe_cell_ids")})
     if not records:
@@ -87,3 +94,27 @@ def write_tables(sweep_dir: Path) -> dict[str, Path]:
         write_text(sweep_dir / MAXCTX, searches.to_csv(index=False))
         out["max_context_csv"] = sweep_dir / MAXCTX
     return out
+
+
+def check_table(path: Path) -> None:
+    """Refuse a ``rows.csv`` or ``max_context.csv`` cut short (a copy or a download stopped
+    part way), which a CSV reader would read without a word: ``store.BadResultFile`` naming it
+    unless it ends with a newline, every record has the header's fields and, where the sweep
+    folder holds what it is rebuilt from (``SOURCES``), it has a row for each such file."""
+    path = Path(path)
+    text = path.read_text()
+    if not text.endswith("\n"):  # write_tables ends every record with one
+        raise BadResultFile(path, "cut short: it does not end with a newline")
+    header, *records = csv.reader(io.StringIO(text))
+    for n, record in enumerate(records, 2):
+        if len(record) != len(header):
+            raise BadResultFile(path, f"cut short: record {n} (the header is 1) has "
+                                      f"{len(record)} fields, the header {len(header)}")
+    folder, pattern = SOURCES[path.name]
+    sources = path.parent / folder
+    if sources.is_dir():
+        n_sources = len(list(sources.glob(pattern)))
+        if n_sources != len(records):
+            raise BadResultFile(path, f"{len(records)} rows, but {sources} has {n_sources} "
+                                      f"({pattern}): cut short or stale (rebuild it with "
+                                      f"upipe-bench plot {path.parent})")

@@ -7,8 +7,10 @@ finishes and the tables are rebuilt, so an interrupted sweep keeps everything me
 
 Resuming skips cells that already have a row; ``retry_failed`` re-runs error and timeout rows;
 a ``skipped`` row re-runs on a machine where its method is available; a run file that is not a
-valid row (truncated, malformed, not a row) is set aside as ``row.json.bad`` with a warning
-naming it, and its cell runs again. A search's probes are cells too, cached the same way.
+valid row (truncated, malformed, not a row, another cell's: ``store.read_row``) is set aside as
+``row.json.bad`` with a warning naming it, and its cell runs again. A resumed row whose
+``cell.json`` is missing gets it back from the declaration. A search's probes are cells too,
+cached the same way.
 
 One sweep at a time per results directory (``lock``). Under torchrun every rank walks the same
 list; rank 0 decides what to skip, holds the lock and writes.
@@ -32,7 +34,7 @@ from experiments.reporting.tables import write_tables
 from experiments.runner.executor import Emulator, Launcher
 from experiments.runner.lock import ResultsInUse, results_lock
 from experiments.runner.search import print_probe, run_search, summarize
-from experiments.store import BadResultFile, read_row, set_aside, write_json
+from experiments.store import CELL_FILE, BadResultFile, read_row, set_aside, write_json
 
 
 def _is_writer() -> bool:
@@ -120,7 +122,8 @@ class SweepRunner:
 
     def cached_row(self, cell: Cell) -> dict | None:
         """The cell's stored row if it stands (``action`` is ``resume``), else None; a bad run
-        file is set aside first, with a warning naming it."""
+        file is set aside first, with a warning naming it. A standing row's missing
+        ``cell.json`` is written again from ``cell``, with a warning naming it."""
         row = None
         if _is_writer():
             path = self._row_path(cell)
@@ -134,6 +137,14 @@ class SweepRunner:
                           file=sys.stderr, flush=True)
             elif action == "resume":
                 row = read_row(path)
+                # The row stands, but what reads the run's config (the time validation) needs its
+                # cell.json; the declaration's cell is that config: its id is the folder's name,
+                # and so the row's (read_row)
+                cell_path = path.with_name(CELL_FILE)
+                if not cell_path.exists():
+                    write_json(cell_path, cell.to_dict())
+                    print(f"warning: {cell_path} was missing; written again from the sweep's "
+                          f"declaration", file=sys.stderr, flush=True)
         return _agree(row)
 
     def run(self, cell: Cell) -> dict:
@@ -148,7 +159,7 @@ class SweepRunner:
         self.counts[row["status"]] = self.counts.get(row["status"], 0) + 1
         if _is_writer():
             d = self.dir / "runs" / cell.cell_id()
-            write_json(d / "cell.json", cell.to_dict())
+            write_json(d / CELL_FILE, cell.to_dict())
             write_json(d / "row.json", row)
             write_tables(self.dir)
         return row

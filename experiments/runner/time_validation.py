@@ -30,21 +30,27 @@ from experiments.emulation.calibrate import calibrate, write_profile
 from experiments.emulation.emulate import emulate_cell
 from experiments.reporting.validation import write_time_validation
 from experiments.runner.sweep_runner import SweepRunner
-from experiments.store import read_json, read_row
+from experiments.store import CELL_FILE, BadResultFile, read_json, read_row
 
 SWEEP = "time_validation_cpu"  # the sweep (experiments/sweeps) the CLI validates with
 NPROC = 2  # the sweep's ranks: the calibration times as many at once
 
 
 def predictions(sweep_dir: Path, profile: Path) -> pd.DataFrame:
-    """Measured against predicted step time for every measured ok row of the sweep."""
+    """Measured against predicted step time for every measured ok row of the sweep.
+    ``store.BadResultFile`` names a run folder without its ``cell.json`` (the sweep's runner
+    writes it again on resume: ``validate_time`` runs the sweep first)."""
     hw = Hardware(device="cpu", profile=str(profile))
     records = []
     for path in sorted(sweep_dir.glob("runs/*/row.json")):
         row = read_row(path)
         if row["status"] != Status.OK or not row.get("time_median_s"):
             continue
-        cell = Cell.from_dict(read_json(path.with_name("cell.json")))
+        cell_path = path.with_name(CELL_FILE)
+        if not cell_path.is_file():
+            raise BadResultFile(cell_path, "missing: a measured row is predicted from its "
+                                           "cell.json (resuming the sweep writes it again)")
+        cell = Cell.from_dict(read_json(cell_path))
         pred = emulate_cell(dataclasses.replace(cell, budget_mib=None), hw, exact=True)
         if pred["status"] != Status.OK:
             print(f"warning: {cell.cell_id()} could not be predicted: {pred['error']}",

@@ -67,7 +67,7 @@ from experiments.cli_args import (
     hardware_from_args,
     plan_spec_from_args,
     positive_int,
-    search_spec_from_args,
+    search_from_args,
     seconds,
     size,
 )
@@ -82,7 +82,8 @@ from experiments.config import (
     format_size,
     takes_option,
 )
-from experiments.emulation.calibrate import calibrate, write_profile
+from experiments.emulation.calibrate import calibrate, check_profile_path, write_profile
+from experiments.harness.interrupts import Terminated, terminating_signals_raise
 from experiments.harness.launch import exit_without_finalizing
 from experiments.reporting.plots import draw_plots
 from experiments.reporting.tables import write_tables
@@ -184,16 +185,15 @@ def cmd_emulate(a) -> int:
 
 
 def cmd_max_context(a) -> int:
-    cell = cell_from_args(a, emulated=a.emulate)
+    cell, spec = search_from_args(a, emulate=a.emulate)
     hw = hardware_from_args(a, cell.world, enabled=a.emulate, why="max-context --emulate")
-    spec = search_spec_from_args(a, cell, a.emulate)
     if a.emulate:
         executor, rank0 = Emulator(hw, exact=bool(a.exact)), True
     else:
         executor = Launcher(a.timeout, progress=_progress(a))
         rank0 = _init_torchrun()
     on_probe = print_probe if _progress(a) and rank0 else None
-    res = run_search(executor, dataclasses.replace(cell, seq_len=spec.start), spec, on_probe)
+    res = run_search(executor, cell, spec, on_probe)
     if rank0:
         probe_keys = ["seq_len", "status", "peak_device_bytes"] + (
             ["peak_host_bytes"] if a.emulate else [])
@@ -283,6 +283,12 @@ def cmd_plan(a) -> int:
 def cmd_calibrate(a) -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     nproc = a.nproc or (torch.cuda.device_count() if device == "cuda" else 2)
+    if a.out is not None:  # refused now, not after the measuring it would lose
+        try:
+            check_profile_path(a.out)
+        except ValueError as e:
+            raise ValueError(f"--out must be a file path the profile can be written to: "
+                             f"{e}") from None
     profile = calibrate(nproc=nproc, device=device, quick=a.quick, base=a.base)
     if a.out is not None:
         write_profile(profile, a.out)
@@ -502,11 +508,14 @@ def _command_output():
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
-        with _command_output() as a.stdout:
+        with terminating_signals_raise(), _command_output() as a.stdout:
             code = a.fn(a)
     except ValueError as e:  # bad input: name the field and the rule, no traceback
         print(f"upipe-bench {a.cmd}: error: {e}", file=sys.stderr)
         code = 2
+    except Terminated as e:  # SIGTERM / SIGHUP: the launcher has ended the ranks, as on Ctrl-C
+        print(f"upipe-bench {a.cmd}: terminated ({e})", file=sys.stderr)
+        code = 128 + e.signum  # the shell's status for a process ended by that signal
     except KeyboardInterrupt:  # the launcher has ended the ranks; one line, not tracebacks
         print(f"upipe-bench {a.cmd}: interrupted", file=sys.stderr)
         code = 130

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
 import re
 from pathlib import Path
@@ -35,10 +36,12 @@ from experiments.config import (
     paper_stack,
     parse_overrides,
     parse_size,
+    takes_option,
 )
-from experiments.emulation.profile import profile_for, shipped_profiles
+from experiments.emulation.profile import ProfileError, profile_for, shipped_profiles
 from experiments.runner.plan import DEFAULT_STACKS, PlanSpec
 from upipe.kernels import KERNELS
+from upipe.registry import available_methods, get_method
 
 # emulation defaults: one node of the paper (8x H100 80 GB, DGX H100 host RAM)
 EMULATED_WORLD = 8
@@ -46,6 +49,19 @@ EMULATED_WORLD = 8
 HARDWARE_FLAGS = {"gpu_mem_gib": "--gpu-mem", "host_mem_gib": "--host-mem",
                   "gpus_per_node": "--gpus-per-node", "reserve_gib": "--reserve",
                   "device": "--emulate-device", "profile": "--hardware"}
+# PlanSpec field -> plan's flag
+PLAN_FLAGS = {"gpus": "--gpus", "dp": "--dp", "seq_len": "--seq-len", "dtype": "--dtype",
+              "kernel": "--kernel", "methods": "--methods", "stacks": "--stacks"}
+
+
+def named_as_flags(msg: str, flags: dict[str, str]) -> str:
+    """A validation message with the fields it reports named as the flags that set them: the
+    field it is about (its first word: "gpu_mem_gib must be positive") and a field it cites
+    with its value ("below gpu_mem_gib (79.65)"). Nothing else is rewritten, so a field's name
+    in prose ("a profile name"), a file name or a path stays as it is."""
+    names = "|".join(map(re.escape, flags))
+    cited = rf"(?<![\w./\\'\"-])({names})(?= \()"
+    return re.sub(rf"^({names})\b|{cited}", lambda m: flags[m[1] or m[2]], msg)
 
 
 def size(text: str) -> int:
@@ -82,6 +98,30 @@ def seconds(text: str) -> float:
     return _number(text, float, "a number of seconds", lambda v: v > 0, "positive")
 
 
+def option_defaults(name: str) -> dict[str, object]:
+    """method -> its constructor's default for the cell option ``name`` (``METHOD_OPTIONS``),
+    for every registered method that takes it: what the option's flag says it defaults to,
+    read from the code so that the help cannot drift from it."""
+    return {m: inspect.signature(get_method(m)).parameters[name].default
+            for m in available_methods() if takes_option(get_method(m), name)}
+
+
+def _on_off(value) -> str:
+    return "on" if value else "off"
+
+
+def _tokens_or_unchunked(value) -> str:
+    return "unchunked" if value is None else format_size(value)
+
+
+def _default_text(defaults: dict[str, object], show) -> str:
+    """The methods' defaults for a help text: one value when they agree, else per method."""
+    shown = {m: show(v) for m, v in defaults.items()}
+    if len(set(shown.values())) == 1:
+        return next(iter(shown.values()))
+    return ", ".join(f"{m} {v}" for m, v in shown.items())
+
+
 def add_progress_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true",
                    help="print no progress on stderr (--json prints none either)")
@@ -106,14 +146,18 @@ def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
     p.add_argument("--heads-per-stage", type=int, default=None,
                    help="UPipe's U: heads per stage, a positive multiple of the Ulysses degree "
                         "dividing the heads (default: the Ulysses degree)")
+    overlap, chunk = option_defaults("overlap"), option_defaults("chunk_size")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="UPipe: run the stages' all-to-alls beside the attention kernels "
-                        "(default: on); --no-overlap: the paper's blocking schedule")
+                   help=f"{', '.join(overlap)}: run the stages' all-to-alls beside the attention "
+                        "kernels; off: the paper's blocking schedule (default: "
+                        f"{_default_text(overlap, _on_off)})")
     p.add_argument("--ring-degree", type=int, default=None,
                    help="hybrids (usp, upipe): ring axis of a (ring, ulysses) mesh; "
                         "Ulysses degree = nproc / ring degree (default 1)")
     p.add_argument("--chunk-size", type=size, default=None,
-                   help="fpdt, ds-fpdt: global tokens per chunk (64K; default: the method's)")
+                   help=f"{', '.join(chunk)}: global tokens per chunk (64K): FPDT's sequence "
+                        "chunks, UPipe's chunked attention backward (plain Ulysses mesh); "
+                        f"default: {_default_text(chunk, _tokens_or_unchunked)}")
     p.add_argument("--doc-len", type=size, default=None,
                    help="packed documents: tokens per document (4K); the sequence is cut into "
                         "seq-len // doc-len documents, the last one holding the remainder, and "
@@ -206,11 +250,10 @@ def hardware_from_args(a: argparse.Namespace, world: int | None = None, *,
         if a.hardware is not None and a.gpu_mem is None:  # the profiled GPU's memory
             hw = dataclasses.replace(hw, gpu_mem_gib=profile.gpu_mem_gib)
             hw.validate(world)
+    except ProfileError as e:  # the profile file's own fault: its path and its JSON fields
+        raise ValueError(f"--hardware: {e}") from None
     except ValueError as e:
-        msg = str(e)
-        for name, flag in HARDWARE_FLAGS.items():
-            msg = msg.replace(name, flag)
-        raise ValueError(msg) from None
+        raise ValueError(named_as_flags(str(e), HARDWARE_FLAGS)) from None
     return hw
 
 
@@ -254,9 +297,12 @@ def world_from_args(a: argparse.Namespace, default_world: int) -> tuple[int, int
     return nproc, (1 if ring is None else ring)
 
 
-def cell_from_args(a: argparse.Namespace, *, emulated: bool = False) -> Cell:
-    """The validated cell the flags describe. Emulated cells default to the paper's setting
-    (bf16, one 8-GPU node); real ones to fp32 on the torchrun world, else 4 ranks."""
+def cell_from_args(a: argparse.Namespace, *, emulated: bool = False,
+                   validate: bool = True) -> Cell:
+    """The cell the flags describe, validated (``validate=False``: a search's, which
+    ``search_from_args`` validates at the length it runs). Emulated cells default to the
+    paper's setting (bf16, one 8-GPU node); real ones to fp32 on the torchrun world, else 4
+    ranks."""
     default_world = EMULATED_WORLD if emulated else int(os.environ.get("WORLD_SIZE", 4))
     nproc, ring_degree = world_from_args(a, default_world)
     cell = Cell(method=a.method, model=a.model, seq_len=a.seq_len, nproc=nproc,
@@ -267,8 +313,25 @@ def cell_from_args(a: argparse.Namespace, *, emulated: bool = False) -> Cell:
                 kernel=a.kernel, overrides=parse_overrides(a.override),
                 budget_mib=a.budget_mib, warmup=getattr(a, "warmup", 1),
                 iters=getattr(a, "iters", 2), workload=a.workload, dp=a.dp or 1)
-    cell.validate()
+    if validate:
+        cell.validate()
     return cell
+
+
+def search_from_args(a: argparse.Namespace, *, emulate: bool) -> tuple[Cell, SearchSpec]:
+    """max-context's first cell and its SearchSpec. The cell is at the search's first length
+    (--start) and validated there, not at --seq-len: that is only a real search's default start
+    (an emulated one ignores it), and a rule on the length (--doc-len at most the length, the
+    method's own) holds or not at the lengths the search runs, not at an unused one."""
+    cell = cell_from_args(a, emulated=emulate, validate=False)
+    spec = search_spec_from_args(a, cell, emulate)
+    cell = dataclasses.replace(cell, seq_len=spec.start)
+    try:
+        cell.validate()
+    except ValueError as e:
+        raise ValueError(f"{e} (max-context checks its cell at the search's first length, "
+                         f"--start {cell.seq_len})") from None
+    return cell, spec
 
 
 def search_spec_from_args(a: argparse.Namespace, cell: Cell, emulate: bool) -> SearchSpec:
@@ -352,8 +415,5 @@ def plan_spec_from_args(a: argparse.Namespace) -> PlanSpec:
     try:
         spec.validate()
     except ValueError as e:
-        raise ValueError(str(e).replace("methods must", "--methods must")
-                         .replace("stacks must", "--stacks must")
-                         .replace("gpus must", "--gpus must")
-                         .replace("dp must", "--dp must")) from None
+        raise ValueError(named_as_flags(str(e), PLAN_FLAGS)) from None
     return spec

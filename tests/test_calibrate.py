@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
+from experiments import cli
 from experiments.config import Cell, Hardware
 from experiments.emulation.calibrate import calibrate, write_profile
 from experiments.emulation.calibrate_comm import bus_factor, fit_latency_bandwidth
@@ -120,3 +122,38 @@ def test_bus_factors_follow_nccl_tests():
     assert bus_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
     assert bus_factor("all_gather", 8) == bus_factor("all_to_all", 8) == pytest.approx(7 / 8)
     assert bus_factor("p2p", 8) == 1.0
+
+
+# -- upipe-bench calibrate --out -----------------------------------------------------------------
+
+
+def _no_measuring(**_):
+    pytest.fail("calibrate measured before --out was checked")
+
+
+@pytest.mark.parametrize("where, rule", [
+    ("a directory", "is a directory"),
+    ("under a file", "is a file, not a directory"),
+    pytest.param("an unwritable directory", "is not writable", marks=pytest.mark.skipif(
+        os.geteuid() == 0, reason="root writes anywhere")),
+])
+def test_a_bad_out_is_refused_before_measuring(tmp_path, monkeypatch, capsys, where, rule):
+    """The measurements take minutes: an --out they could not be written to is exit 2 naming
+    --out and the rule, before measuring (it was a traceback after)."""
+    (tmp_path / "file").write_text("")
+    (tmp_path / "locked").mkdir(mode=0o500)
+    out = {"a directory": tmp_path, "under a file": tmp_path / "file" / "node.json",
+           "an unwritable directory": tmp_path / "locked" / "node.json"}[where]
+    monkeypatch.setattr(cli, "calibrate", _no_measuring)
+    assert cli.main(["calibrate", "--device", "cpu", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and rule in err, err
+
+
+def test_out_creates_missing_folders_as_every_writer_does(tmp_path, monkeypatch, capsys):
+    """Missing folders above --out are created (``store.write_text``), not refused."""
+    shipped = json.loads((Path(__file__).parent / "data" / "profile_unit_cpu.json").read_text())
+    monkeypatch.setattr(cli, "calibrate", lambda **_: shipped)
+    out = tmp_path / "new" / "node.json"
+    assert cli.main(["calibrate", "--device", "cpu", "--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == shipped

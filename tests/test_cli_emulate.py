@@ -6,11 +6,14 @@ CLI default. CPU only: real emulations use the tiny preset with ``--emulate-devi
 
 from __future__ import annotations
 
+import inspect
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from experiments import cli
 from experiments.cli import main, parser
 from experiments.cli_args import cell_from_args, world_from_args
 from experiments.config import (
@@ -21,10 +24,13 @@ from experiments.config import (
     SearchSpec,
     Sweep,
     paper_stack,
+    takes_option,
 )
+from experiments.emulation.profile import load_profile
 from experiments.harness.launch import run_cell
 from experiments.runner.sweep_runner import SweepRunner
 from experiments.sweeps import SWEEPS, emulated_sweeps, get_sweep, paper_sweeps
+from upipe.registry import available_methods, get_method
 
 TINY = ["--model", "tiny", "--world", "4", "--emulate-device", "cpu", "--exact"]
 ROW_KEYS = {"status", "mode", "emulation", "peak_device_bytes", "peak_host_bytes",
@@ -301,3 +307,104 @@ def test_plots_draw_from_emulated_rows(tmp_path):
     assert set(declared) == {"max_context", "memory_vs_seq", "memory_ladder", "heads_per_stage",
                              "memory_wall", *THROUGHPUT_PLOTS}
     assert set(draw_plots(tmp_path, declared)) == set(declared)
+
+
+# -- refusals before any work: --hardware, --doc-len, max-context's cell, the help's defaults ----
+
+
+def _profile_lacking(field: str, path) -> str:
+    shipped = json.loads(Path(load_profile("h100-sxm").path).read_text())
+    del shipped[field]
+    path.write_text(json.dumps(shipped))
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["emulate", "plan"])
+def test_hardware_errors_name_the_file_and_its_fields_as_they_are(tmp_path, capsys, command):
+    """A --hardware profile's errors name its file and its JSON fields unchanged; only a field
+    the message is about becomes its flag (--gpu-mem's flag is no name for a profile field)."""
+    args = {"emulate": ["emulate", "--method", "upipe"],
+            "plan": ["plan", "--model", "tiny", "--gpus", "2", "--seq-len", "2K"]}[command]
+    unreadable = tmp_path / "gpu_profile.json"
+    unreadable.write_text("{not json")
+    lacking = _profile_lacking("gpu_mem_gib", tmp_path / "device_profile.json")
+    for hardware, says in ((str(unreadable), [str(unreadable), "not readable JSON"]),
+                           (lacking, [lacking, "lacks gpu_mem_gib"]),
+                           ("", ["--hardware must be a profile name or a .json path"])):
+        code, out, err = _cli(capsys, *args, "--hardware", hardware)
+        assert code == 2 and out == "", err
+        assert "--hardware" in err, err
+        for text in says:
+            assert text in err, err
+
+
+@pytest.mark.parametrize("command, executor", [("run", "Launcher"), ("emulate", "Emulator")])
+def test_documents_without_a_target_token_are_refused(monkeypatch, capsys, command, executor):
+    """A document's last token has no target: --doc-len 1 leaves the loss none, refused with
+    exit 2 before launching (a run failed after it, 35 s in; emulate passed)."""
+    monkeypatch.setattr(cli, executor, lambda *a, **k: pytest.fail(f"{command} launched"))
+    code, out, err = _cli(capsys, command, "--method", "upipe", "--nproc", "4", "--doc-len", "1")
+    assert code == 2 and out == "", err
+    assert "doc_len must be between 2 and seq_len (4096)" in err, err
+
+
+def _searched(monkeypatch) -> list:
+    """Replace max-context's search by one that records its first cell and passes."""
+    bases = []
+
+    def run_search(executor, base, spec, on_probe=None):
+        bases.append(base)
+        return {"status": "ok", "max_seq_len": spec.start, "first_failing_seq_len": None,
+                "granularity": spec.granularity(base.nproc), "n_probes": 0, "error": "",
+                "probes": []}
+
+    monkeypatch.setattr(cli, "run_search", run_search)
+    return bases
+
+
+def test_max_context_checks_its_cell_at_the_search_start(monkeypatch, capsys):
+    """--doc-len is checked against the lengths the search runs (from --start), not against
+    the unused --seq-len default; the summary names the documents' length."""
+    bases = _searched(monkeypatch)
+    code, out, err = _cli(capsys, "max-context", "--method", "upipe", "--nproc", "4",
+                          "--doc-len", "8K", "--start", "16K", "--json")
+    assert code == 0, err
+    assert [(b.seq_len, b.doc_len) for b in bases] == [(16384, 8192)]
+    assert json.loads(out)["doc_len"] == 8192
+    # and the reverse: valid at 4096 tokens, not at the search's first length
+    code, out, err = _cli(capsys, "max-context", "--method", "upipe", "--nproc", "4",
+                          "--doc-len", "2K", "--start", "1K", "--block", "256")
+    assert code == 2 and out == "" and len(bases) == 1, err
+    assert "doc_len must be between 2 and seq_len (1024)" in err and "--start" in err, err
+
+
+def test_max_context_shows_the_methods_own_refusal_of_documents(monkeypatch, capsys):
+    if "ds-fpdt" not in available_methods():
+        pytest.skip("ds-fpdt not registered")
+    bases = _searched(monkeypatch)
+    code, out, err = _cli(capsys, "max-context", "--method", "ds-fpdt", "--nproc", "4",
+                          "--doc-len", "8K", "--start", "16K")
+    assert code == 2 and not bases, err
+    assert "not supported by 'ds-fpdt'" in err, err
+
+
+def _help(capsys, command: str) -> str:
+    with pytest.raises(SystemExit):
+        parser().parse_args([command, "--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("command", ["run", "emulate", "max-context"])
+def test_help_states_the_defaults_of_the_code(capsys, command):
+    """--overlap's help states UPipe's own default (a cell leaves it unset: the method's), and
+    --chunk-size's names every method that takes a chunk size, UPipe's chunked backward too."""
+    text = _help(capsys, command)
+    overlap = text.split("--overlap, --no-overlap")[1].split("--ring-degree")[0]
+    default = inspect.signature(get_method("upipe")).parameters["overlap"].default
+    assert Cell("upipe").overlap is None
+    assert f"(default: {'on' if default else 'off'})" in overlap, overlap
+    chunk = text.rsplit("--chunk-size CHUNK_SIZE", 1)[1].split("--doc-len")[0]  # not usage's
+    takers = [m for m in available_methods() if takes_option(get_method(m), "chunk_size")]
+    assert "upipe" in takers
+    for method in takers:
+        assert method in chunk.split(":")[0], chunk

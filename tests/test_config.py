@@ -79,6 +79,8 @@ def test_overrides_are_typed_and_checked():
      r"stack must be one of \['none', 'ac', 'offload', 'alst', 'native', 'megatron-ds', "
      r"'long'\]"),
     ({"seq_len": 1001}, r"seq_len \(1001\) must be >= 2 and divisible by nproc \(4\)"),
+    # a document's last token has no target: one of 1 token has none
+    ({"doc_len": 1}, r"doc_len must be between 2 and seq_len \(4096\) tokens, got 1"),
     ({"nproc": 3, "seq_len": 3072}, r"n_heads \(16\) must be divisible by the CP degree \(3\)"),
     ({"heads_per_stage": 6}, r"heads_per_stage"),
     ({"method": "ulysses", "heads_per_stage": 4}, "applies to upipe only"),

@@ -9,8 +9,8 @@
 5. ``--json`` under torchrun prints exactly one JSON object on stdout;
 6. ``upipe-bench plot`` leaves unchanged inputs byte-identical;
 7. validation slips are refused before anything runs, naming the flag or field and the rule;
-8. progress on stderr (quiet with ``--json``), one line on Ctrl-C, help for every flag, and a
-   dry run that says which cells resume.
+8. progress on stderr (quiet with ``--json``), one line on Ctrl-C, SIGTERM or SIGHUP (the ranks
+   ended first), help for every flag, and a dry run that says which cells resume.
 
 (2, the Hugging Face example's exit, is tested in test_examples.py.)
 """
@@ -130,24 +130,35 @@ def test_retry_failed_reruns_errors_and_timeouts_only(tmp_path, status, plain, r
 @pytest.mark.slow
 def test_max_context_search_that_meets_a_killed_rank_reports_no_maximum():
     """The issue's reproduction: ``kill -9`` one rank during the second probe of a real search.
-    Before, the kill read as an OOM and the search reported the first probe's length."""
+    Before, the kill read as an OOM and the search reported the first probe's length.
+
+    The kill lands in the second probe by the search's own account, not by counting processes:
+    the first probe's progress line is printed after all its ranks have ended, so every rank
+    seen after it is the second probe's. (Sampling the first probe's ranks while some had not
+    started yet once took one of them for the second's, and killed the first probe.)
+    """
     cmd = [sys.executable, "-m", "experiments.cli", "max-context", "--method", "upipe",
-           "--budget-mib", "400", "--start", "512", "--block", "256", "--limit", "4K",
-           "--json", *FLAGS]
+           "--budget-mib", "400", "--start", "512", "--block", "256", "--limit", "4K", *FLAGS]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    first = set(_wait_for(lambda: _ranks(proc.pid), what="the first probe's ranks"))
-    # the second probe's ranks: children that were not the first probe's
-    second = _wait_for(lambda: set(_ranks(proc.pid)) - first - {proc.pid},
-                       what="the second probe's ranks")
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    _wait_for(lambda: any("probe 512 tokens: ok" in line for line in lines),
+              what="the first probe's result")
+    second = _wait_for(lambda: _ranks(proc.pid), what="the second probe's ranks")
     time.sleep(1.0)  # inside the probe, not at its start-up only
     os.kill(max(second), signal.SIGKILL)
-    out, err = proc.communicate(timeout=300)
+    out = proc.stdout.read()
+    proc.wait(timeout=300)
+    reader.join(60)
+    err = "".join(lines)
     assert proc.returncode == 1, err
-    res = json.loads(out)
-    assert res["status"] == "error" and res["max_seq_len"] is None, res
-    assert res["first_failing_seq_len"] is None and "killed by SIGKILL" in res["error"]
-    assert [p["status"] for p in res["probes"]] == ["ok", "error"]
+    probes = [line.split(":")[1].split(",")[0].strip() for line in lines if "  probe " in line]
+    assert probes == ["ok", "error"], err
+    summary, error = out.split("\n", 1)
+    assert summary.startswith("max_seq_len None  first_failing_seq_len None  (2 probes, error")
+    assert "killed by SIGKILL" in error, out
 
 
 def test_search_meeting_an_error_row_claims_no_maximum():
@@ -356,8 +367,15 @@ def test_progress_on_stderr(capfd):
     # --json prints none: test_runner.py::test_cli_run_and_max_context_print_one_json_object
 
 
+SIGNALS = [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)"),
+           (signal.SIGHUP, 129, "terminated (SIGHUP)")]
+
+
 @pytest.mark.slow
-def test_ctrl_c_prints_one_line_and_ends_the_ranks():
+@pytest.mark.parametrize("sig, code, says", SIGNALS, ids=[s.name for s, _, _ in SIGNALS])
+def test_a_signal_prints_one_line_and_ends_the_ranks(sig, code, says):
+    """Ctrl-C, and SIGTERM / SIGHUP (which used to end the CLI at once, exit 143, while its ranks
+    ran on to the end of the cell), end the ranks first, then the command, with one line."""
     # enough timed steps that the run is still going when the signal comes (a 3-step run of
     # this cell can end within the second the test waits)
     # with SIGINT's default action restored: a test run started as a background job of a
@@ -369,12 +387,35 @@ def test_ctrl_c_prints_one_line_and_ends_the_ranks():
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     ranks = _wait_for(lambda: _ranks(proc.pid), what="the ranks")
     time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130
+    assert proc.returncode == code, err
     assert "Traceback" not in err, err
-    assert err.strip().splitlines()[-1] == "upipe-bench run: interrupted"
-    assert not any(Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) for pid in ranks)
+    assert err.strip().splitlines()[-1] == f"upipe-bench run: {says}"
+    assert not any(_alive(pid) for pid in ranks)
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_sweeps_ranks_before_its_lock(tmp_path):
+    """A sweep ended by SIGTERM: its cell's ranks are gone when the command has exited (the
+    lock, freed at exit, is then free with nothing left loading the machine)."""
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.cli", "sweep", "upipe_overlap-cpu",
+                             "--out", str(tmp_path), "--no-progress"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: _ranks(proc.pid), what="the first cell's ranks")
+    time.sleep(1.0)
+    ranks = _ranks(proc.pid)  # the cell running now (the first may have ended in that second)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "upipe-bench sweep: terminated (SIGTERM)"
+    assert ranks and not any(_alive(pid) for pid in ranks)
+    with results_lock(tmp_path / "upipe_overlap-cpu"):  # free
+        pass
+
+
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)
 
 
 def _state(pid: int) -> str:

@@ -41,7 +41,7 @@ PACKED = Cell("upipe", "tiny", seq_len=96, nproc=2, stack="alst", overrides=OVER
 
 @pytest.mark.parametrize("doc_len", [0, -4, 4097])
 def test_doc_len_out_of_range_is_refused(doc_len):
-    with pytest.raises(ValueError, match=r"doc_len must be between 1 and seq_len \(4096\)"):
+    with pytest.raises(ValueError, match=r"doc_len must be between 2 and seq_len \(4096\)"):
         Cell("upipe", doc_len=doc_len).validate()
 
 

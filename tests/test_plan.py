@@ -252,6 +252,10 @@ def test_plan_reads_a_hugging_face_config_and_prints_json(tmp_path, capsys):
     (["--methods", "ulysses,warp-drive"], "--methods must be among"),
     (["--stacks", "alst,turbo"], "--stacks must be among"),
     (["--model", "no-such-model"], "--model must be a preset"),
+    # a cell's rules whatever the method: refused up front, not an invalid row per method
+    (["--seq-len", "0"], "--seq-len (0) must be >= 2 and divisible by the CP degree (2)"),
+    (["--seq-len", "2049"], "--seq-len (2049)"),
+    (["--gpus", "4", "--dp", "3"], "--dp must be >= 1 and divide --gpus (4)"),
 ])
 def test_bad_plan_input_is_a_clear_error(capsys, argv, match):
     base = {"--model": "tiny", "--gpus": "2", "--seq-len": "2K"}

@@ -87,16 +87,10 @@ class Cell:
         model = resolve_model(self.model, self.overrides)
         if self.stack not in STACKS:
             raise ValueError(f"stack must be one of {list(STACKS)}, got {self.stack!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
-        if self.nproc < 1:
-            raise ValueError(f"nproc must be >= 1, got {self.nproc}")
+        check_independent_of_method(seq_len=self.seq_len, nproc=self.nproc, dtype=self.dtype,
+                                    kernel=self.kernel)
         if self.dp < 1:
             raise ValueError(f"dp must be >= 1, got {self.dp}")
-        if self.seq_len < 2 or self.seq_len % self.nproc:
-            raise ValueError(
-                f"seq_len ({self.seq_len}) must be >= 2 and divisible by nproc ({self.nproc})"
-            )
         if self.warmup < 0 or self.iters < 0:
             raise ValueError(f"warmup and iters must be >= 0, got {self.warmup}, {self.iters}")
         if self.budget_mib is not None and self.budget_mib <= 0:
@@ -125,17 +119,19 @@ class Cell:
                                  f" only, not {self.method!r}")
         cls.check_config(model.n_heads, model.n_kv_heads, cp=self.nproc,
                          ring_degree=self.ring_degree, seq_len=self.seq_len, **options)
-        check_kernel(self.kernel)
         return model
 
     def _check_documents(self, cls: type) -> None:
-        """doc_len: 1 <= doc_len <= seq_len (doc_len == seq_len is one document, which runs
+        """doc_len: 2 <= doc_len <= seq_len (doc_len == seq_len is one document, which runs
         the unpacked path), and a method that masks documents."""
         if self.doc_len is None:
             return
-        if not 1 <= self.doc_len <= self.seq_len:
-            raise ValueError(f"doc_len must be between 1 and seq_len ({self.seq_len}) tokens, "
-                             f"got {self.doc_len}")
+        if not 2 <= self.doc_len <= self.seq_len:
+            # the loss is a mean over the target tokens, seq_len less one per document: at
+            # doc_len 1 there are none, and the run would fail only after launching
+            raise ValueError(f"doc_len must be between 2 and seq_len ({self.seq_len}) tokens, "
+                             f"got {self.doc_len}: a document's last token has no target, so "
+                             "it needs 2 tokens to train on one")
         refused = getattr(cls, "documents_unsupported", None)
         if refused:
             raise ValueError(f"doc_len (packed documents) is not supported by {self.method!r}: "
@@ -200,6 +196,21 @@ WORKLOADS = ("step", "attention")
 # id only when they differ from these (see cell_id), so ids stay stable as fields are added.
 _LATER_FIELDS = {"ring_degree": 1, "chunk_size": None, "workload": "step", "dp": 1,
                  "doc_len": None, "overlap": None}
+
+
+def check_independent_of_method(*, seq_len: int, nproc: int, dtype: str, kernel: str,
+                                nproc_is: str = "nproc") -> None:
+    """Raise ValueError naming the field and the rule for what a cell must be whatever its
+    method: ``Cell.validate`` checks it, and ``plan`` once up front for all the methods it
+    tries (``nproc_is``: what the message calls the CP degree)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if nproc < 1:
+        raise ValueError(f"{nproc_is} must be >= 1, got {nproc}")
+    if seq_len < 2 or seq_len % nproc:
+        raise ValueError(f"seq_len ({seq_len}) must be >= 2 and divisible by {nproc_is} "
+                         f"({nproc})")
+    check_kernel(kernel)
 
 
 def takes_option(method_cls: type, name: str) -> bool:

@@ -523,6 +523,30 @@ def calibrate(nproc: int = 1, device: str | None = None, dtypes=("fp32", "bf16")
     }
 
 
+def check_profile_path(path) -> None:
+    """Raise ValueError (naming the path and the rule) unless ``write_profile`` can write at
+    ``path``: a file there, if any, is a regular file, and the nearest folder above it that
+    exists is a writable folder (the missing ones are created, as ``store.write_text`` does).
+    Checked before ``calibrate`` measures, so that a bad path costs nothing, not the
+    measurements."""
+    path = Path(path).absolute()
+    try:
+        if path.is_dir():
+            raise ValueError(f"{path} is a directory; give the path of a file to write the "
+                             "profile (JSON) to")
+        if path.exists() and not path.is_file():
+            raise ValueError(f"{path} exists and is not a regular file")
+        above = next(p for p in path.parents if p.exists())  # the root exists
+    except OSError as e:  # a folder above it this user may not look into
+        raise ValueError(f"{path} cannot be written: {e}") from None
+    if not above.is_dir():
+        raise ValueError(f"{above} is a file, not a directory: a profile cannot be written "
+                         "under it")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ValueError(f"{above} is not writable by this user: the profile cannot be "
+                         "written there")
+
+
 def write_profile(profile: dict, path) -> None:
     """Write ``profile`` (from ``calibrate``) as JSON at ``path``, atomically, after checking
     that ``load_profile`` accepts it (a profile that would not load is never written)."""

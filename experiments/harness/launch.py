@@ -50,6 +50,7 @@ from experiments.config import (
     Status,
 )
 from experiments.harness.attention_layer import measure_attention
+from experiments.harness.interrupts import TERMINATING
 from experiments.harness.measure import measure_cell
 from experiments.provenance import provenance
 from upipe.kernels import kernel_unavailable_reason
@@ -117,8 +118,10 @@ def host_inputs_fit(cell: Cell, cfg: ModelConfig) -> str | None:
 def _rank_main(rank: int, cell: Cell, cfg: ModelConfig, port: int, threads: int, progress: bool,
                results) -> None:
     # The parent turns Ctrl-C into one line and ends the ranks itself: the ranks ignore it
-    # rather than each print a traceback.
+    # rather than each print a traceback. SIGTERM / SIGHUP were blocked while the parent
+    # started the ranks (_spawn), and a child inherits the mask: a rank takes them again.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, TERMINATING)
     # Ranks talk on stderr only: the parent's stdout carries its output (``--json``).
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
@@ -179,9 +182,10 @@ def _spawn(cell: Cell, cfg: ModelConfig, timeout_s: float | None, threads: int,
            progress: bool) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    # Ctrl-C while the ranks start would leave the ones already started waiting for the others:
-    # it is held back until they are all known, and arrives inside the ``try`` that ends them.
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    # Ctrl-C (or SIGTERM / SIGHUP: experiments.harness.interrupts) while the ranks start would
+    # leave the ones already started waiting for the others: it is held back until they are all
+    # known, and arrives inside the ``try`` that ends them.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *TERMINATING})
     try:
         pc = mp.start_processes(_rank_main, (cell, cfg, free_port(), threads, progress, results),
                                 nprocs=cell.world, join=False, start_method="spawn")

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from experiments.config import Cell, Hardware, Status, resolve_model, takes_option
+from experiments.config.cell import check_independent_of_method
 from experiments.emulation.emulate import device_lower_bound, emulate_cell
 from experiments.emulation.fit import sequence_chunk
 from experiments.harness.launch import unrun
@@ -89,11 +90,16 @@ class PlanSpec:
         return self.gpus // self.dp
 
     def validate(self) -> None:
+        """Raise ValueError naming the field and the rule: the question's own, and the rules a
+        cell obeys whatever its method (which would otherwise make every method's row
+        ``invalid`` for the same reason)."""
         resolve_model(self.model, self.overrides)
         if self.gpus < 1:
             raise ValueError(f"gpus must be >= 1, got {self.gpus}")
         if self.dp < 1 or self.gpus % self.dp:
             raise ValueError(f"dp must be >= 1 and divide gpus ({self.gpus}), got {self.dp}")
+        check_independent_of_method(seq_len=self.seq_len, nproc=self.cp, dtype=self.dtype,
+                                    kernel=self.kernel, nproc_is="the CP degree")
         unknown = [m for m in self.methods or () if m not in available_methods()]
         if unknown:
             raise ValueError(f"methods must be among {available_methods()}, got {unknown}")

@@ -121,7 +121,7 @@ PEAK_KEYS = ("peak_device_bytes", "peak_host_bytes", "peak_model_bytes", "peak_a
              "peak_other_bytes")
 EMULATED_KEYS = ("peak_phase", "device_budget_bytes", "host_budget_bytes", "emulation")
 IDENTITY = ("method", "heads_per_stage", "ring_degree", "chunk_size", "overlap", "model",
-            "nproc", "dp", "stack", "dtype", "budget_mib")
+            "nproc", "dp", "stack", "dtype", "budget_mib", "doc_len")
 
 
 def summarize(base: Cell, res: dict, hardware: Hardware | None = None) -> dict:

@@ -1,0 +1,402 @@
+"""What a training step's kernels cost on a real GPU, beside what the time model prices (DESIGN.md
+§9): the measurements the time model's per-kernel mechanisms rest on.
+
+One process, one GPU; every cell on the ``fake`` process group (one GPU plays rank 0 of P: real
+kernels and host copies, no-op collectives), the allocator cleaned between cells as
+``gpu_check`` does. Written under ``--out`` (each a CSV unless named):
+
+- ``steps``: step seconds (median of ``--iters`` after a warm-up step) of Llama3-8B-shaped cells
+  (4 layers, bf16, ALST): Ulysses and UPipe on one rank at 32K with U = 1 .. 32 (32 .. 1
+  stages: a stage's cost is the slope), and on 8 ranks at 128K;
+- ``ops``: for the profiled cells, the GPU time of each aten op by input shapes (one step under
+  ``torch.profiler``): what each kind of kernel really costs in the step;
+- ``timeline``: per profiled cell, the step's wall time, its kernels' summed time and the time
+  the GPU was busy (the union of kernel intervals): the rest is the GPU waiting for the host;
+- ``attention``: forward and backward seconds of the flash and cuDNN SDPA kernels (causal, head
+  dim 128) by heads and length;
+- ``matmul``: seconds of the projections' three products (forward, input and weight gradients)
+  by tokens and width;
+- ``memory``: seconds of copy / add kernels by bytes (the per-kernel floor and the bandwidth);
+- ``dispatch``: the host's cost to issue one eager op (with and without autograd) against the
+  GPU's time for it;
+- ``host_copy``: host<->device copies, pinned and pageable, first touch and warm;
+- ``profile_quick.json`` / ``profile_full.json``: ``calibrate`` on this GPU as it stands.
+
+    python -m experiments.emulation.gpu_costs --out results/gpu_costs   # needs a GPU
+    python -m experiments.emulation.gpu_costs --out /tmp/x --small       # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from experiments.config import Cell
+from experiments.emulation.fake_step import fake_world
+from experiments.harness.train import build
+from experiments.provenance import provenance
+from experiments.store import write_json
+from upipe.kernels import attention_backward, attention_forward
+
+#: (method, ranks, tokens, extra cell fields, profiled): Llama3-8B shapes, 4 layers, bf16, ALST
+STEP_CELLS = [
+    ("ulysses", 1, 2**15, {}, True), ("upipe", 1, 2**15, {"heads_per_stage": 1}, True),
+    ("ulysses", 8, 2**17, {}, True), ("upipe", 8, 2**17, {}, True),
+    ("upipe", 1, 2**15, {"heads_per_stage": 2}, False),
+    ("upipe", 1, 2**15, {"heads_per_stage": 4}, False),
+    ("upipe", 1, 2**15, {"heads_per_stage": 8}, False),
+    ("upipe", 1, 2**15, {"heads_per_stage": 32}, False),
+    ("upipe", 8, 2**17, {"heads_per_stage": 16}, False),
+    ("upipe", 8, 2**17, {"heads_per_stage": 32}, False),
+    ("upipe", 8, 2**17, {"overlap": True}, False),
+    ("zigzag-ring", 8, 2**17, {}, False), ("fpdt", 8, 2**17, {"chunk_size": 2**15}, False),
+    ("usp", 8, 2**17, {"ring_degree": 2}, False), ("ds-ulysses", 8, 2**17, {}, False),
+    ("ulysses", 8, 2**18, {}, False), ("upipe", 8, 2**18, {}, False),
+    ("upipe", 8, 2**19, {"stack": "long", "chunk_size": 2**16}, False),
+]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _clean(device: torch.device) -> None:
+    """Collect earlier cells' tensors and hand the cached blocks back (``gpu_check``'s rule)."""
+    gc.collect()
+    if device.type == "cuda":
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+        torch.cuda.empty_cache()
+
+
+def bench(fn: Callable, device: torch.device, reps: int = 5, min_s: float = 2e-3) -> float:
+    """Median seconds per call of ``fn`` after two warm-up calls; calls shorter than ``min_s``
+    are looped inside one timed repeat (the timer's and the synchronisation's cost)."""
+    fn()
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    once = time.perf_counter() - t0
+    inner = max(1, min(10_000, int(min_s / max(once, 1e-7))))
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+# -- steps -------------------------------------------------------------------------------------
+
+
+def _cell(method, nproc, seq_len, extra, n_layers: int, model: str) -> Cell:
+    return Cell(method=method, model=model, nproc=nproc, seq_len=seq_len, dtype="bf16",
+                overrides=(("n_layers", str(n_layers)),), warmup=1, iters=0, **extra)
+
+
+def _busy(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def _alloc_stats(device) -> dict:
+    """The caching allocator's counters that a step can move: cudaMalloc / cudaFree calls (each
+    cudaFree synchronises the device) and retries after a failed allocation."""
+    if device.type != "cuda":
+        return {}
+    st = torch.cuda.memory_stats()
+    return {k: st.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                                      "num_sync_all_streams")}
+
+
+def _kernel_kind(name: str) -> str:
+    """A CUDA kernel's kind by its name: matmul (cuBLAS / CUTLASS GEMMs), attention (flash and
+    cuDNN SDPA), copy (host<->device and device memcpy), else memory (elementwise, reductions)."""
+    n = name.lower()
+    if "memcpy" in n or "memset" in n:
+        return "copy"
+    if "flash" in n or "fmha" in n or "cudnn" in n or "attention" in n:
+        return "attention"
+    if "gemm" in n or "nvjet" in n or "cutlass" in n or "xmma" in n or "sm90_" in n:
+        return "matmul"
+    return "memory"
+
+
+def _profiled_step(state, device) -> tuple[dict, list[dict]]:
+    """(timeline figures, per-op rows) of one step under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    with profile(activities=acts, record_shapes=True) as prof:
+        t0 = time.perf_counter()
+        state.step()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    events = prof.events()
+    dev = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    kernels = [(e.time_range.start, e.time_range.end) for e in dev]
+    memcpy = sum(e.time_range.elapsed_us() for e in dev if "memcpy" in e.name.lower()
+                 or "Memcpy" in e.name)
+    by_kind: dict[str, float] = {}
+    for e in dev:
+        kind = _kernel_kind(e.name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + e.time_range.elapsed_us() / 1e6
+        by_kind[kind + "_n"] = by_kind.get(kind + "_n", 0) + 1
+    timeline = {"profiled_wall_s": wall, "kernels": len(dev), **by_kind,
+                "kernel_sum_s": sum(e - s for s, e in kernels) / 1e6,
+                "gpu_busy_s": _busy(kernels) / 1e6, "memcpy_s": memcpy / 1e6,
+                "cpu_ops": sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CPU)}
+    ops = []
+    for a in prof.key_averages(group_by_input_shape=True):
+        if a.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        ops.append({"op": a.key, "input_shapes": str(a.input_shapes), "count": a.count,
+                    "self_device_s": a.self_device_time_total / 1e6,
+                    "self_cpu_s": a.self_cpu_time_total / 1e6})
+    return timeline, ops
+
+
+def steps(device, n_layers: int, iters: int, small: bool, save=None) -> tuple[list, list, list]:
+    rows, timelines, ops = [], [], []
+    for method, nproc, seq_len, extra, profiled in STEP_CELLS:
+        if small:
+            seq_len //= 256
+            extra = {k: v // 256 if k == "chunk_size" else v for k, v in extra.items()}
+        cell = _cell(method, nproc, seq_len, extra, n_layers, "tiny" if small else "llama3-8b")
+        ident = {"method": method, "nproc": nproc, "seq_len": seq_len,
+                 "extra": ";".join(f"{k}={v}" for k, v in sorted(extra.items()))}
+        _clean(device)
+        try:
+            with fake_world(cell.world):
+                state = build(cell, cell.validate(), distributed=True, device=device)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                state.step()  # warm-up: optimizer states, cuBLAS handles, allocator pools
+                times, alloc0 = [], _alloc_stats(device)
+                for _ in range(iters if seq_len < 2**19 else 1):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    state.step()
+                    _sync(device)
+                    times.append(time.perf_counter() - t0)
+                alloc = {k: v - alloc0.get(k, 0) for k, v in _alloc_stats(device).items()}
+                peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+                rows.append(ident | {"step_s": statistics.median(times), "times": times,
+                                     "status": "ok", "allocator_peak_bytes": peak} | alloc)
+                if profiled:
+                    tl, by_op = _profiled_step(state, device)
+                    timelines.append(ident | {"step_s": rows[-1]["step_s"]} | tl)
+                    ops += [ident | r for r in by_op]
+                del state
+        except Exception as e:  # noqa: BLE001 -- a failed cell is a row; the others go on
+            rows.append(ident | {"status": "error", "error": f"{type(e).__name__}: {e}"[:400]})
+        print(rows[-1], flush=True)
+        if save is not None:  # after every cell: a run cut short keeps what it measured
+            save("steps", rows), save("timeline", timelines), save("ops", ops)
+    return rows, timelines, ops
+
+
+# -- kernels -----------------------------------------------------------------------------------
+
+
+def attention(device, small: bool) -> list[dict]:
+    """Flash (the project's ``sdpa``) and cuDNN SDPA, causal, D = 128, B = 1."""
+    seqs = (256, 512) if small else (4096, 16384, 32768, 65536, 131072)
+    heads = (1, 2, 4) if small else (1, 2, 4, 8, 16, 32)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for s in seqs:
+        for h in heads:
+            if h * s * s > 64 * 32768**2:  # keep every point under ~0.3 s
+                continue
+            q, k, v, do = (torch.randn(1, s, h, 128, device=device, dtype=dtype)
+                           for _ in range(4))
+            fwd = partial(attention_forward, q, k, v, causal=True, kernel="sdpa")
+            out, lse = fwd()
+            bwd = partial(attention_backward, do, q, k, v, out, lse, causal=True, kernel="sdpa")
+            row = {"seq": s, "heads": h, "flash_fwd_s": bench(fwd, device, 3),
+                   "flash_bwd_s": bench(bwd, device, 3)}
+            if device.type == "cuda":
+                row |= _cudnn(q, k, v, do, device)
+            rows.append(row)
+            print(row, flush=True)
+            del q, k, v, do, out, lse, fwd, bwd
+            _clean(device)
+    return rows
+
+
+def _cudnn(q, k, v, do, device) -> dict:
+    """Forward and backward seconds of PyTorch's cuDNN SDPA backend on (B, S, H, D) inputs
+    (backward: ``autograd.grad`` through a kept forward)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qh, kh, vh = (t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    fwd = partial(F.scaled_dot_product_attention, qh, kh, vh, is_causal=True)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        try:
+            with torch.no_grad():
+                t_fwd = bench(fwd, device, 3)
+            o = fwd()
+            bwd = partial(torch.autograd.grad, o, (qh, kh, vh), do.transpose(1, 2),
+                          retain_graph=True)
+            return {"cudnn_fwd_s": t_fwd, "cudnn_bwd_s": bench(bwd, device, 3)}
+        except RuntimeError as e:
+            return {"cudnn_error": str(e)[:200]}
+
+
+def matmul(device, small: bool) -> list[dict]:
+    """A linear layer's three products, (m x i) @ (i x o) forward, (m x o) @ (o x i) input
+    gradient, (o x m) @ (m x i) weight gradient, as nn.Linear runs them (weight (o, i))."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ms = (64, 256) if small else (2048, 4096, 16384, 32768)
+    widths = ((64, 16), (64, 64)) if small else (
+        (4096, 128), (4096, 256), (4096, 512), (4096, 1024), (4096, 4096), (4096, 14336),
+        (14336, 4096), (128, 4096), (512, 4096))
+    rows = []
+    for m in ms:
+        for i, o in widths:
+            x = torch.randn(m, i, device=device, dtype=dtype)
+            w = torch.randn(o, i, device=device, dtype=dtype)
+            dy = torch.randn(m, o, device=device, dtype=dtype)
+            rows.append({"m": m, "in": i, "out": o,
+                         "fwd_s": bench(partial(torch.mm, x, w.t()), device),
+                         "dgrad_s": bench(partial(torch.mm, dy, w), device),
+                         "wgrad_s": bench(partial(torch.mm, dy.t(), x), device)})
+    return rows
+
+
+def memory(device, small: bool) -> list[dict]:
+    """copy_, add and a conversion to fp32 of contiguous bf16 (fp32 on CPU) tensors by bytes of
+    the input. Looped back to back, so a small op's figure is the host's issue cost, not the
+    kernel's (``dispatch``)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for p in range(12, 24 if small else 31, 2):
+        n = (1 << p) // dtype.itemsize
+        a, b = torch.randn(n, device=device, dtype=dtype), torch.randn(n, device=device,
+                                                                         dtype=dtype)
+        c = torch.empty_like(a)
+        rows.append({"bytes": 1 << p, "copy_s": bench(partial(c.copy_, a), device),
+                     "add_s": bench(partial(torch.add, a, b, out=c), device),
+                     "to_fp32_s": bench(partial(a.to, torch.float32), device)})
+    return rows
+
+
+def dispatch(device) -> list[dict]:
+    """The host's issue cost per eager op (host clock, no synchronisation inside the loop)
+    against the wall time per op with the GPU's work included."""
+    rows = []
+    x = torch.ones(1024, device=device)
+    w = torch.ones(1024, device=device, requires_grad=True)
+    cases = {"add": partial(torch.add, x, x), "add_out": partial(torch.add, x, x, out=x),
+             "mul_autograd": partial(torch.mul, x, w),
+             "view_transpose": lambda: x.view(32, 32).t()}
+    for name, fn in cases.items():
+        for _ in range(100):
+            fn()
+        _sync(device)
+        n = 5000
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        issued = time.perf_counter() - t0
+        _sync(device)
+        total = time.perf_counter() - t0
+        rows.append({"op": name, "n": n, "host_issue_s": issued / n, "wall_s": total / n})
+    return rows
+
+
+def host_copies(device) -> list[dict]:
+    if device.type != "cuda":
+        return []
+    rows = []
+    for nbytes in (16 << 20, 256 << 20, 1 << 30):
+        x = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)
+        for pinned in (True, False):
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=pinned)
+            _sync(device)
+            t0 = time.perf_counter()
+            host.copy_(x)  # the first touch of the host pages (pageable: page faults)
+            _sync(device)
+            first = time.perf_counter() - t0
+            rows.append({"bytes": nbytes, "pinned": pinned, "d2h_first_s": first,
+                         "d2h_s": bench(partial(host.copy_, x), device, 3, 0),
+                         "h2d_s": bench(partial(x.copy_, host), device, 3, 0),
+                         "h2d_nonblocking_s": bench(partial(x.copy_, host, non_blocking=True),
+                                                    device, 3, 0)})
+            del host
+        del x
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--small", action="store_true", help="tiny sizes (a CPU smoke test)")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.small:
+        p.error("needs a CUDA device (none present); --small runs a CPU smoke test")
+    args.out.mkdir(parents=True, exist_ok=True)
+    skip = set(filter(None, args.skip.split(",")))
+    t_start = time.monotonic()
+
+    def save(name: str, rows: list[dict]) -> None:
+        pd.DataFrame(rows).to_csv(args.out / f"{name}.csv", index=False)
+        print(f"== {name}: {len(rows)} rows, {time.monotonic() - t_start:.0f} s", flush=True)
+
+    parts = {"dispatch": lambda: dispatch(device), "memory": lambda: memory(device, args.small),
+             "matmul": lambda: matmul(device, args.small),
+             "attention": lambda: attention(device, args.small),
+             "host_copy": lambda: host_copies(device)}
+    for name, fn in parts.items():
+        if name not in skip:
+            save(name, fn())
+            _clean(device)
+    if "steps" not in skip:
+        steps(device, args.layers, args.iters, args.small, save)
+    if "calibrate" not in skip and device.type == "cuda":
+        from experiments.emulation.calibrate import calibrate, write_profile
+
+        for quick in (True, False):
+            _clean(device)
+            t0 = time.monotonic()
+            prof = calibrate(nproc=1, device="cuda", dtypes=("bf16",), quick=quick, base="h200")
+            write_profile(prof, args.out / f"profile_{'quick' if quick else 'full'}.json")
+            print(f"== calibrate quick={quick}: {time.monotonic() - t0:.0f} s", flush=True)
+    write_json(args.out / "env.json", {
+        "command": "python -m experiments.emulation.gpu_costs " + " ".join(
+            sys.argv[1:] if argv is None else argv),
+        "wall_s": time.monotonic() - t_start, **provenance()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -483,7 +483,9 @@ def upipe_terms(s: Shape) -> tuple[dict[str, int], dict[str, int]]:
         "out_buffer (design)": H * hb,  # the persistent (1, L, H, D) output, saved
         "rope_tables": 2 * L * D * b,
         "kv_heads (design)": 2 * ukv * hb,  # the block's K, V after the all-to-all
-        "head_index": (ukv + U) * 8,  # torch.tensor(kv_heads), torch.tensor(stage): int64
+        # every block's KV heads and every stage's query heads: one int64 tensor per call
+        # (upipe.staging.plan_indices; Hkv >= C, so the plan's KV slots are the Hkv heads)
+        "head_index": (Hkv + H) * 8,
     }
     # Forward peak, blocking: the last stage's kernel, with every stage's LSE, its Q and the
     # output it writes (equal to the output's all-to-all back after it: the output, a view of
@@ -507,8 +509,6 @@ def upipe_terms(s: Shape) -> tuple[dict[str, int], dict[str, int]]:
             "lses": n_stages * U * L * 4,  # every stage's LSE, fp32
             "q_o (design)": 2 * U * hb,  # the stage's Q and the output its kernel writes
         }
-    # the block's torch.tensor(kv_heads) only: no stage's index is alive at a kernel
-    fwd["head_index"] = ukv * 8
     # Backward peak: a stage's attention_backward returning dq, dk_s, dv_s. The output gradient
     # exists only per stage (dy @ wo[:, stage], fused output projection), freed by then.
     bwd = fixed | {
@@ -530,7 +530,6 @@ def upipe_terms(s: Shape) -> tuple[dict[str, int], dict[str, int]]:
             # it at batch 1) and the receive buffer
             "prev_dq (overlap)": 2 * U * hb,
             "wq_rows (overlap)": 2 * U * D * dim * b,  # the next and previous stages' rows
-            "head_index (overlap)": 2 * U * 8,  # their torch.tensor(stage)s
         }
     if _keeps(s):  # the forward's last stage, saved: without activation checkpointing (here)
         # autograd frees saved tensors when the layer's backward returns, so they stay

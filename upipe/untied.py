@@ -58,7 +58,13 @@ from upipe.norm import norm_params
 from upipe.projections import OutputGrad, input_norm_backward, projections
 from upipe.registry import register_method
 from upipe.ring import SequenceAttention
-from upipe.staging import StagePlan, check_heads_per_stage, make_stage_plan, stage_heads
+from upipe.staging import (
+    StagePlan,
+    check_heads_per_stage,
+    make_stage_plan,
+    plan_indices,
+    stage_heads,
+)
 
 
 def _order(plan: StagePlan) -> list[tuple[int, int]]:
@@ -79,17 +85,17 @@ def _forward_stages(x, pq, pk, pv, cos, sin, plan, group, core, overlap, out,
     hold a second block's K/V beside the first. Without ``overlap``, each all-to-all runs where
     its tensor is made and is waited on at once (the paper's schedule).
     """
-    dev, c = x.device, group_size(group)
+    c, idx = group_size(group), plan_indices(plan, x.device)
 
     def q_in(b, s, ov):
-        q_idx = torch.tensor(plan.blocks[b].stages[s], device=dev)
+        q_idx = idx.q[b][s]
         return seq_to_head_start(pq(x, q_idx, cos, sin, split=c), group, ov)
 
     order, lses = _order(plan), []
     next_q = out_in_flight = k = v = None
     for i, (b, s) in enumerate(order):
         if s == 0:
-            kv_idx = torch.tensor(plan.blocks[b].kv_heads, device=dev)
+            kv_idx = idx.kv[b]
             k = seq_to_head(pk(x, kv_idx, cos, sin, split=c), group)
             v = seq_to_head(pv(x, kv_idx, cos, sin), group)
         q = (next_q or q_in(b, s, False)).wait()
@@ -136,13 +142,14 @@ def _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, group, core, overla
     # dK/dV are summed over a block's stages in accumulator_dtype (only U/C heads wide); dx and
     # the weight rows in the input dtype, as autograd would, to keep dx one (L, dim) tensor
     dev, acc, c = x.device, accumulator_dtype(x.dtype), group_size(group)
+    idx = plan_indices(plan, dev)
 
     def stage_in(b, s, ov, q=None):
         # dO, O, then Q: each all-to-all's source is freed before the next one is made, and Q,
         # rotated straight into its send buffer (split), is made last, so blocking, the three
         # inputs peak at four stage-sized tensors (dO, O, Q's send and receive), no more than
         # the kernel's backward then holds (Q, O, dO, dQ)
-        q_idx = torch.tensor(plan.blocks[b].stages[s], device=dev)
+        q_idx = idx.q[b][s]
         wq_rows = pq.rows(q_idx)
         do = seq_to_head_start(dout.stage(q_idx), group, ov)
         o = seq_to_head_start(stage_heads(out, plan, b, s), group, ov)
@@ -151,7 +158,7 @@ def _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, group, core, overla
         return q_idx, wq_rows, q, o, do
 
     def block_in(b, kv=None):
-        kv_idx = torch.tensor(plan.blocks[b].kv_heads, device=dev)
+        kv_idx = idx.kv[b]
         wk_rows, wv_rows = pk.rows(kv_idx), pv.rows(kv_idx)
         if kv is None:
             kv = (seq_to_head(pk(x, kv_idx, cos, sin, wk_rows, split=c), group),

@@ -93,6 +93,7 @@ from experiments.runner.search import print_probe, run_search, summarize
 from experiments.runner.sweep_runner import SweepRunner
 from experiments.runner.time_validation import SWEEP as TIME_SWEEP
 from experiments.runner.time_validation import validate_time
+from experiments.runner.time_validation_gpu import NoGPU, validate_gpu
 from experiments.store import read_json
 from experiments.sweeps import SWEEPS, get_sweep
 from upipe.registry import available_methods, get_method
@@ -299,6 +300,11 @@ def cmd_calibrate(a) -> int:
 
 
 def cmd_validate_time(a) -> int:
+    if a.device == "cuda":
+        return _validate_time_gpu(a)
+    if a.quick:
+        raise ValueError("--quick is for --device cuda (the CPU validation's calibration is "
+                         "its full grid)")
     summary = validate_time(get_sweep(TIME_SWEEP), a.out, recalibrate=a.calibrate,
                             progress=_progress(a))
     if a.json:
@@ -323,6 +329,25 @@ def _dry_run(a, sweep, runner: SweepRunner) -> int:
     for c, err in bad:
         print(f"  INVALID  {c.cell_id()}: {err}", file=a.stdout)
     return 2 if bad else 0
+
+
+def _validate_time_gpu(a) -> int:
+    try:
+        summary = validate_gpu(a.out, quick=a.quick, progress=_progress(a))
+    except NoGPU as e:
+        print(f"upipe-bench validate-time: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        _print_json(a, summary)
+    else:
+        for p in ("shipped", "calibrated"):
+            if p in summary:
+                s = summary[p]
+                print(f"{p} profile: {s['cells']} cells, median |error| "
+                      f"{s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%} "
+                      f"({s['worst_cell']}); targets {'met' if s['meets_targets'] else 'not met'}",
+                      file=a.stdout)
+    return 0
 
 
 def cmd_sweep(a) -> int:
@@ -438,10 +463,18 @@ def parser() -> argparse.ArgumentParser:
     ca.add_argument("--quick", action="store_true", help="a small grid (seconds)")
     ca.add_argument("--json", action="store_true", help="print the profile on stdout")
     ca.set_defaults(fn=cmd_calibrate)
-    vt = sub.add_parser("validate-time", help="the time model against real CPU runs: "
-                                              "calibrate, measure, predict, compare")
+    vt = sub.add_parser("validate-time", help="the time model against real runs on this CPU "
+                                              "(or GPU: --device cuda): calibrate, measure, "
+                                              "predict, compare")
     vt.add_argument("--out", type=Path, default=RESULTS,
-                    help=f"results root (writes <out>/{TIME_SWEEP}/; default results)")
+                    help=f"results root (writes <out>/{TIME_SWEEP}/, with --device cuda "
+                         "<out>/time_validation_gpu/; default results)")
+    vt.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cpu (default): 2-rank gloo runs of the time_validation_cpu sweep; "
+                         "cuda: Llama3-8B-shaped cells on this one GPU (about 5 minutes on an "
+                         "H100), exit 2 without one")
+    vt.add_argument("--quick", action="store_true",
+                    help="with --device cuda: calibrate on the small grid")
     vt.add_argument("--calibrate", action="store_true",
                     help="measure the profile again even if the directory has one")
     vt.add_argument("--json", action="store_true", help="print the summary as JSON")

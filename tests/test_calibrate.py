@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 from experiments import cli
 from experiments.config import Cell, Hardware
+from experiments.emulation import calibrate as cal
 from experiments.emulation.calibrate import calibrate, write_profile
 from experiments.emulation.calibrate_comm import bus_factor, fit_latency_bandwidth
 from experiments.emulation.emulate import emulate_cell
@@ -157,3 +160,43 @@ def test_out_creates_missing_folders_as_every_writer_does(tmp_path, monkeypatch,
     out = tmp_path / "new" / "node.json"
     assert cli.main(["calibrate", "--device", "cpu", "--out", str(out)]) == 0
     assert json.loads(out.read_text()) == shipped
+
+
+def test_a_grid_by_heads_and_narrow_widths_round_trips(monkeypatch, tmp_path):
+    """The CUDA grid's shape on CPU ranks: attention timed per heads per call gives tables by
+    heads, narrow products give ``matmul_narrow``, the eager step gives ``host_op_s``; the
+    profile loads and the time model reads each (the rates are the CPU's)."""
+    quick = cal.GRIDS["cpu", True]
+    grid = dataclasses.replace(quick, heads=(1, 2), max_head_tokens=512**2,
+                               narrow_widths=(8, 16), narrow_m=128, narrow_k=32)
+    monkeypatch.setitem(cal.GRIDS, ("cpu", True), grid)
+    raw = calibrate(nproc=2, device="cpu", quick=True, dtypes=("fp32",))
+    write_profile(raw, tmp_path / "p.json")
+    profile = load_profile(str(tmp_path / "p.json"))
+    by_heads = raw["attention"]["sdpa"]["fp32"]["fwd_causal"]["value"]["32"]
+    assert set(by_heads) == {"1", "2"}
+    # heads x S^2 over the cap is not timed: 512 tokens only with one head
+    assert [s for s, _ in by_heads["1"]] == [128, 256, 512]
+    assert [s for s, _ in by_heads["2"]] == [128, 256]
+    assert profile.attention_rate("sdpa", "fp32", "fwd_causal", 32, 256, heads=2) == \
+        pytest.approx(dict(by_heads["2"])[256])
+    narrow = raw["matmul_narrow"]["fp32"]["value"]
+    assert [w for w, _ in narrow["out"]] == [8, 16] == [w for w, _ in narrow["inner"]]
+    assert profile.matmul_rate("fp32", 128, 8, 32) <= dict(narrow["out"])[8]
+    assert raw["host_op_s"]["value"] > 0 and profile.host_op_s == raw["host_op_s"]["value"]
+    # on CPU the host's cost per op is the kernel floor too: the two are one measurement
+    assert raw["launch_overhead_s"]["value"] == raw["host_op_s"]["value"]
+
+
+def test_each_point_is_timed_after_an_untimed_call():
+    """The first call of a shape pays one-off costs; the timed samples never include it."""
+    calls = []
+
+    def fn():
+        calls.append(time.perf_counter())
+        if len(calls) == 1:
+            time.sleep(0.3)  # a cold first call, longer than half the point's budget
+
+    grid = cal.GRIDS["cpu", True]
+    t = cal._time(fn, lambda: None, grid)
+    assert t < 0.1 and len(calls) >= 3

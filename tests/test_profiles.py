@@ -9,7 +9,9 @@ beyond the ends. CPU-only, no torch.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from experiments.emulation.profile import (
@@ -18,9 +20,12 @@ from experiments.emulation.profile import (
     HOST_COPIES,
     PASSES,
     ProfileError,
+    attention_flops,
     load_profile,
     shipped_profiles,
 )
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
 def _c(value):
@@ -162,11 +167,160 @@ def test_tables_interpolate_in_log2_and_clamp(tmp_path):
 
 
 def test_shipped_h100_values_match_their_sources():
-    """Spot checks against the cited figures (FA3 paper Fig. 5/6 at 16K, datasheet peak)."""
+    """Spot checks against the cited figures (FA3 paper Fig. 5/6 at 16K, datasheet peak) and
+    the cited measurement (results/gpu_costs_h200/kernels/attention.csv: the project's sdpa,
+    causal, 16 heads at 16K; the same GH100 compute)."""
     p = load_profile("h100-sxm")
     assert p.peak_flops("bf16") == 989.5e12
     assert p.attention_rate("fa3", "bf16", "fwd", 128, 16384) == 648e12
     assert p.attention_rate("fa3", "bf16", "bwd", 128, 16384) == 561e12
     assert p.attention_rate("flash-attn", "bf16", "fwd", 128, 16384) == 370e12
-    assert p.attention_rate("sdpa", "bf16", "fwd_causal", 128, 16384) == 335e12
+    att = pd.read_csv(RESULTS / "gpu_costs_h200" / "kernels" / "attention.csv")
+    row = att[(att["heads"] == 16) & (att["seq"] == 16384)].iloc[0]
+    measured = attention_flops(1, 16, 16384, 16384, 128, "fwd_causal") / row["flash_fwd_s"]
+    for name in ("h100-sxm", "h200"):
+        rate = load_profile(name).attention_rate("sdpa", "bf16", "fwd_causal", 128, 16384, 16)
+        assert rate == pytest.approx(measured, rel=1e-3)  # written with 4 significant digits
     assert p.collective("all_to_all", "inter")[0] == 48e9
+
+
+# ---------------------------------------------------------------------------------------------
+# attention tables by heads per call, narrow matmuls, host issue time
+
+
+def _by_heads() -> dict:
+    """``_minimal`` with the fwd head-dim-128 entry split by heads per call (2, 8, 32); bwd keeps
+    one list for every head count."""
+    prof = _minimal()
+    prof["attention"]["sdpa"]["bf16"]["fwd"] = _c({"128": {
+        "2": [[1024, 1e14], [4096, 2e14]],
+        "8": [[1024, 3e14], [4096, 4e14]],
+        "32": [[1024, 5e14]],
+    }})
+    return prof
+
+
+def test_attention_rate_interpolates_in_log2_of_the_heads(tmp_path):
+    p = load_profile(_write(tmp_path, _by_heads()))
+
+    def rate(heads, seq=1024):
+        return p.attention_rate("sdpa", "bf16", "fwd", 128, seq, heads)
+
+    # a measured count: its own table, itself interpolated in log2(seq_k) and held flat
+    assert rate(8) == 3e14
+    assert rate(8, 2048) == pytest.approx(3.5e14)
+    assert rate(8, 1 << 16) == 4e14
+    assert rate(2, 4096) == 2e14
+    # 4 heads sit half way between 2 and 8 in log2 (linear in heads, 5 would be half way)
+    assert rate(4) == pytest.approx(2e14)
+    assert rate(4, 4096) == pytest.approx(3e14)
+    assert rate(4, 2048) == pytest.approx((1.5e14 + 3.5e14) / 2)
+    # 16 heads half way between 8 and 32; the 32-head table is flat at 5e14
+    assert rate(16, 4096) == pytest.approx(4.5e14)
+    # clamped to the tables' range: below the fewest, above the most
+    assert rate(1) == 1e14 and rate(1, 4096) == 2e14
+    assert rate(64) == 5e14 and rate(1 << 20, 4096) == 5e14
+    # None: the largest head count's table
+    assert rate(None) == 5e14 and rate(None, 4096) == 5e14
+    assert p.attention_rate("sdpa", "bf16", "fwd", 128, 4096) == 5e14
+    # the nearest head dim (log distance) still applies to a table by heads
+    assert p.attention_rate("sdpa", "bf16", "fwd", 64, 1024, 4) == pytest.approx(2e14)
+
+
+def test_a_list_entry_is_one_table_for_every_head_count(tmp_path):
+    p = load_profile(_write(tmp_path, _by_heads()))
+    # bwd [[1024, 1e14], [4096, 3e14]]: 2e14 at 2048 whatever the heads
+    for heads in (None, 1, 2, 5, 8, 1 << 20):
+        assert p.attention_rate("sdpa", "bf16", "bwd", 128, 2048, heads) == pytest.approx(2e14)
+    # a causal pass without its own table falls back to the list too
+    assert p.attention_rate("sdpa", "bf16", "bwd_causal", 128, 2048, 4) == pytest.approx(2e14)
+
+
+@pytest.mark.parametrize("entry,match", [
+    ({}, r"attention\.sdpa\.bf16\.fwd\.128: must map head counts"),
+    ({"1.5": [[1024, 1e14]]}, r"attention\.sdpa\.bf16\.fwd: head dims and head counts must be "
+                              "integers"),
+    ({"four": [[1024, 1e14]]}, r"attention\.sdpa\.bf16\.fwd: .*must be integers"),
+    ({"0": [[1024, 1e14]], "4": [[1024, 2e14]]},
+     r"attention\.sdpa\.bf16\.fwd\.128: head counts must be positive"),
+    ({"-4": [[1024, 1e14]]}, r"attention\.sdpa\.bf16\.fwd\.128: head counts must be positive"),
+    ({"4": []}, r"attention\.sdpa\.bf16\.fwd\.128\.4: must be a non-empty list"),
+])
+def test_a_bad_table_by_heads_is_refused(tmp_path, entry, match):
+    prof = _minimal()
+    prof["attention"]["sdpa"]["bf16"]["fwd"] = _c({"128": entry})
+    with pytest.raises(ProfileError, match=match):
+        load_profile(_write(tmp_path, prof))
+
+
+def _narrow(sides: dict) -> dict:
+    prof = _minimal()
+    prof["matmul_narrow"] = {"bf16": _c(sides)}
+    return prof
+
+
+# out: 5e13 at 64, 1e14 at 256 (log2 midpoint 128: 7.5e13); inner: 2e13 at 128, 8e13 at 512
+# (midpoint 256: 5e13). The square table [[1024, 1e14], [8192, 4e14]]: 4e14 from side 8192 on.
+NARROW = {"out": [[64, 5e13], [256, 1e14]], "inner": [[128, 2e13], [512, 8e13]]}
+
+
+def test_narrow_sides_cap_the_square_rate(tmp_path):
+    p = load_profile(_write(tmp_path, _narrow(NARROW)))
+    plain = load_profile(_write(tmp_path, _minimal(), "plain.json"))
+    # (2^20 * 128 * 8192)^(1/3) = 2^(40/3) > 8192: the square rate is 4e14; n = 128 is narrow
+    assert plain.matmul_rate("bf16", 1 << 20, 128, 8192) == 4e14
+    assert p.matmul_rate("bf16", 1 << 20, 128, 8192) == pytest.approx(7.5e13)
+    # the output's narrow side is min(m, n): m = 128 caps the same
+    assert p.matmul_rate("bf16", 128, 1 << 20, 8192) == pytest.approx(7.5e13)
+    # the inner dimension: k = 256 with a wide output, (2^16 * 2^16 * 2^8)^(1/3) = 2^(40/3)
+    assert plain.matmul_rate("bf16", 1 << 16, 1 << 16, 256) == 4e14
+    assert p.matmul_rate("bf16", 1 << 16, 1 << 16, 256) == pytest.approx(5e13)
+    # both narrow: the lower cap; (2^20 * 64 * 128)^(1/3) = 2^11: square rate 2e14
+    assert plain.matmul_rate("bf16", 1 << 20, 64, 128) == pytest.approx(2e14)
+    assert p.matmul_rate("bf16", 1 << 20, 64, 128) == pytest.approx(2e13)
+    # at the last width it still caps; wider is not narrow (no flat hold beyond the table)
+    assert p.matmul_rate("bf16", 1 << 20, 256, 8192) == 1e14
+    assert p.matmul_rate("bf16", 1 << 20, 257, 8192) == 4e14
+    assert p.matmul_rate("bf16", 1 << 20, 4096, 512) == pytest.approx(8e13)
+    assert p.matmul_rate("bf16", 1 << 20, 4096, 513) == 4e14
+    assert p.matmul_rate("bf16", 1 << 20, 512, 1024) == plain.matmul_rate(
+        "bf16", 1 << 20, 512, 1024) == 4e14
+    # one side only: the other is not capped
+    out_only = load_profile(_write(tmp_path, _narrow({"out": NARROW["out"]}), "out.json"))
+    assert out_only.matmul_rate("bf16", 1 << 16, 1 << 16, 256) == 4e14
+    assert out_only.matmul_rate("bf16", 1 << 20, 128, 8192) == pytest.approx(7.5e13)
+
+
+def test_a_narrow_cap_never_raises_the_rate(tmp_path):
+    fast = {"out": [[256, 9e14]], "inner": [[256, 9e14]]}
+    p = load_profile(_write(tmp_path, _narrow(fast)))
+    # 256^3: square side 256, below the table: 1e14; both caps (9e14) apply but are higher
+    assert p.matmul_rate("bf16", 256, 256, 256) == 1e14
+    assert p.matmul_rate("bf16", 1 << 20, 64, 128) == pytest.approx(2e14)
+
+
+@pytest.mark.parametrize("sides,match", [
+    ({"out": [[64, 1e14]], "middle": [[64, 1e14]]}, r"matmul_narrow\.bf16: must map"),
+    ({}, r"matmul_narrow\.bf16: must map"),
+    ([[64, 1e14]], r"matmul_narrow\.bf16: must map"),
+    ({"out": []}, r"matmul_narrow\.bf16\.out: must be a non-empty list"),
+    ({"inner": [[64, -1.0]]}, r"matmul_narrow\.bf16\.inner: must be a non-empty list of "
+                              "positive"),
+])
+def test_a_bad_narrow_table_is_refused(tmp_path, sides, match):
+    with pytest.raises(ProfileError, match=match):
+        load_profile(_write(tmp_path, _narrow(sides)))
+
+
+def test_host_op_s_defaults_to_zero_and_must_be_positive(tmp_path):
+    assert load_profile(_write(tmp_path, _minimal())).host_op_s == 0.0
+    prof = _minimal()
+    prof["host_op_s"] = _c(7.5e-6)
+    assert load_profile(_write(tmp_path, prof, "host.json")).host_op_s == 7.5e-6
+    for i, bad in enumerate((0, -1e-6, "fast", True)):
+        prof["host_op_s"] = _c(bad)
+        with pytest.raises(ProfileError, match="host_op_s: must be a positive number"):
+            load_profile(_write(tmp_path, prof, f"bad{i}.json"))
+    prof["host_op_s"] = 7.5e-6
+    with pytest.raises(ProfileError, match="host_op_s: .* without a source"):
+        load_profile(_write(tmp_path, prof, "bare.json"))

@@ -8,17 +8,22 @@ so every expected value below is computed by hand from the numbers in the file.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from experiments.config import Cell, Hardware
 from experiments.emulation.emulate import emulate_cell
 from experiments.emulation.fake_step import critical_rank, measure_fake
+from experiments.emulation.op_costs import StepWork
 from experiments.emulation.profile import ProfileError, attention_flops, load_profile
 from experiments.emulation.time_model import WindowTime, price, step_time
 from experiments.emulation.work_fit import quadratic_at
+from experiments.instruments.memory import MemoryTracker
 from upipe.staging import make_stage_plan
 
 DATA = Path(__file__).parent / "data"
@@ -42,31 +47,31 @@ def cpu():
 
 def test_matmul_price_interpolates_the_rate_in_log2_of_the_cube_side(cuda):
     # bf16 table [[64, 1e14], [1024, 8e14]]: x = 256 is half way in log2 (6 -> 10): 4.5e14
-    t = price(Counter({("matmul", "bf16", (256, 256, 256)): 9e14}), cuda, pinned=True)
-    assert t.matmul == pytest.approx(2.0)
+    assert cuda.matmul_rate("bf16", 256, 256, 256) == pytest.approx(4.5e14)
     # beyond the table: its last rate; below: its first
-    big, small = ("matmul", "bf16", (8192, 8192, 8192)), ("matmul", "bf16", (16, 16, 16))
-    assert price(Counter({big: 8e14}), cuda, True).matmul == pytest.approx(1)
-    assert price(Counter({small: 1e14}), cuda, True).matmul == pytest.approx(1)
+    assert cuda.matmul_rate("bf16", 16, 16, 16) == pytest.approx(1e14)
     # a long, thin product runs at the rate of the square one of the same work: 4096 x 1024 x
     # 256 has the work of 1024^3
-    assert price(Counter({("matmul", "bf16", (4096, 1024, 256)): 8e14}), cuda,
-                 True).matmul == pytest.approx(1)
+    assert cuda.matmul_rate("bf16", 4096, 1024, 256) == pytest.approx(8e14)
+    # a product whose FLOPs outlast its bytes is priced by its FLOPs at that rate (the others
+    # by their bytes: the roofline, test_matmul_roofline_* below)
+    big = ("matmul", "bf16", (8192, 8192, 8192))
+    assert price(Counter({big: 8e14}), cuda, True).matmul == pytest.approx(1)
 
 
 def test_attention_price_by_kernel_pass_head_dim_and_key_length(cuda):
     # fwd_causal, head dim 128: [[1024, 5e13], [4096, 2e14]] -> 1.25e14 at 2048
     flops = attention_flops(1, 8, 2048, 2048, 128, "fwd_causal")
     assert flops == 4 * 8 * 2048 * 2048 * 128 / 2
-    key = ("attention", "fa3", "bf16", "fwd_causal", 128, (2048,))
+    key = ("attention", "fa3", "bf16", "fwd_causal", 128, (2048, 8))
     t = price(Counter({key: flops}), cuda, True)
     assert t.attention == pytest.approx(flops / 1.25e14)
     # bwd_causal has no table: the bwd rate (1e14, flat); head dim 100 takes the nearest (128)
-    key = ("attention", "sdpa", "bf16", "bwd_causal", 100, (4096,))
+    key = ("attention", "sdpa", "bf16", "bwd_causal", 100, (4096, 8))
     t = price(Counter({key: 1e14}), cuda, True)
     assert t.attention == pytest.approx(1.0)
     # head dim 16 has its own table: 1e13
-    t = price(Counter({("attention", "sdpa", "fp32", "fwd", 16, (1024,)): 1e13}), cuda, True)
+    t = price(Counter({("attention", "sdpa", "fp32", "fwd", 16, (1024, 2)): 1e13}), cuda, True)
     assert t.attention == pytest.approx(1.0)
 
 
@@ -100,7 +105,7 @@ def test_an_unknown_work_key_is_refused(cuda):
 
 def test_a_kernel_the_profile_has_no_rates_for_is_named(cuda):
     with pytest.raises(ProfileError, match="'math'"):
-        price(Counter({("attention", "math", "bf16", "fwd", 128, (1024,)): 1.0}), cuda, True)
+        price(Counter({("attention", "math", "bf16", "fwd", 128, (1024, 2)): 1.0}), cuda, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +216,7 @@ def test_ulysses_work_per_block_window():
     windows = dict(m.work)
     assert [w for w, _ in m.work][:5] == [("forward", None), *[("forward", i) for i in range(4)]]
     fwd = windows[("forward", 1)]
-    assert fwd["attention", "sdpa", "fp32", "fwd_causal", 16, (2048,)] == attention_flops(
+    assert fwd["attention", "sdpa", "fp32", "fwd_causal", 16, (2048, 8)] == attention_flops(
         1, 8, 2048, 2048, 16, "fwd_causal")
     assert fwd["comm_calls", "blocking", "all_to_all", "intra"] == 4
     assert fwd["comm_calls", "fsdp", "all_gather", "intra"] == 1
@@ -276,3 +281,176 @@ def test_the_work_fit_extrapolates_a_quadratic_exactly():
     xs = (65536, 98304, 131072)
     for x in (1024, 131072 * 40):
         assert quadratic_at(xs, [f(v) for v in xs], x) == f(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# the matmul roofline, attention by heads, the host's issue time, accumulating matmuls
+
+
+def _edited_cuda(tmp_path, name: str, edit) -> object:
+    """The unit cuda profile with ``edit(raw JSON)`` applied, written under tmp_path, loaded."""
+    raw = json.loads(Path(CUDA).read_text())
+    edit(raw)
+    path = tmp_path / name
+    path.write_text(json.dumps(raw))
+    return load_profile(str(path))
+
+
+def _src(value) -> dict:
+    return {"value": value, "source": "test fixture"}
+
+
+def _with_host_op(tmp_path):
+    return _edited_cuda(tmp_path, "host.json", lambda raw: raw.update(host_op_s=_src(1e-5)))
+
+
+def test_a_matmul_whose_bytes_take_longer_is_priced_by_them(cuda):
+    # 3 products of (65536 x 4096) @ (4096 x 16): 2^33 FLOPs each; square side 2^(32/3) > 1024,
+    # so 8e14 FLOP/s: 3 * 2^33 / 8e14 = 3.2e-5 s. Bytes (A, B, C once) in bf16: 3 * (2^28 +
+    # 2^16 + 2^20) * 2 = 1_617_297_408, / 2e12 B/s = 8.09e-4 s: the bytes win
+    key = ("matmul", "bf16", (65536, 16, 4096))
+    t = price(Counter({key: 3 * 2**33}), cuda, True)
+    assert t.matmul == pytest.approx(1_617_297_408 / 2e12)
+    assert t.matmul > 20 * (3 * 2**33 / 8e14)
+    # fp32: 4 bytes an element (and a 10x slower rate, 3.2e-4 s, still under the bytes)
+    t = price(Counter({("matmul", "fp32", (65536, 16, 4096)): 3 * 2**33}), cuda, True)
+    assert t.matmul == pytest.approx(2 * 1_617_297_408 / 2e12)
+    # 256^3 at 4.5e14 FLOP/s: 9e14 FLOPs take 2 s; its 9e14 / 2^25 products move 3 * 2^16 * 2
+    # bytes each: 9e14 * 3 / 256 B / 2e12 B/s = 5.2734375 s
+    t = price(Counter({("matmul", "bf16", (256, 256, 256)): 9e14}), cuda, True)
+    assert t.matmul == pytest.approx(5.2734375)
+
+
+def test_a_big_square_matmul_is_priced_by_its_flops(cuda):
+    # 4096^3 at 8e14 FLOP/s: 8e14 FLOPs take 1 s; bytes 8e14 / 2^37 * 3 * 2^24 * 2 = 5.86e11 B,
+    # 0.29 s at 2e12 B/s: under the FLOPs
+    t = price(Counter({("matmul", "bf16", (4096, 4096, 4096)): 8e14}), cuda, True)
+    assert t.matmul == pytest.approx(1.0)
+
+
+def test_attention_price_uses_the_calls_heads(tmp_path):
+    def edit(raw):
+        raw["attention"]["sdpa"]["bf16"]["fwd"] = _src(
+            {"128": {"2": [[1024, 1e14]], "8": [[1024, 3e14]]}})
+
+    p = _edited_cuda(tmp_path, "heads.json", edit)
+
+    def seconds(heads, flops):
+        key = ("attention", "sdpa", "bf16", "fwd", 128, (1024, heads))
+        return price(Counter({key: flops}), p, True).attention
+
+    assert seconds(2, 1e14) == pytest.approx(1.0)
+    assert seconds(4, 2e14) == pytest.approx(1.0)  # log2 half way: 2e14 FLOP/s
+    assert seconds(8, 3e14) == pytest.approx(1.0)
+    assert seconds(64, 3e14) == pytest.approx(1.0)  # clamped to the most heads' table
+    assert seconds(1, 1e14) == pytest.approx(1.0)
+
+
+def test_kernels_cost_the_host_its_issue_time(tmp_path, cuda):
+    host = _with_host_op(tmp_path)
+    assert cuda.host_op_s == 0.0 and host.host_op_s == 1e-5
+    work = Counter({("kernels",): 1000, ("memory",): 2e8})
+    t = price(work, host, True)
+    assert (t.overhead, t.host, t.memory) == pytest.approx((5e-3, 1e-2, 1e-4))
+    assert price(work, cuda, True).host == 0.0
+
+
+def test_a_window_of_many_small_kernels_takes_the_hosts_time(tmp_path, cuda):
+    host = _with_host_op(tmp_path)
+    small = Counter({("kernels",): 1000, ("memory",): 2e8})  # GPU 1e-4 + 5e-3, host 1e-2
+    big = Counter({("kernels",): 10, ("memory",): 2e12})  # GPU 1 + 5e-5, host 1e-4
+    windows = [(("forward", 0), price(small, host, True)), (("forward", 1), price(big, host, True))]
+    t = step_time(windows, host)
+    # the small window waits 1e-2 - 5.1e-3 = 4.9e-3 for the host; the big one does not
+    assert t.step_s == pytest.approx(1e-2 + 1.00005)
+    assert t.compute_s == pytest.approx(1.0001)
+    assert t.overhead_s == pytest.approx(5e-3 + 5e-5 + 4.9e-3)
+    assert (t.comm_exposed_s, t.offload_exposed_s) == (0.0, 0.0)
+    assert t.detail["host"] == pytest.approx(1.01e-2)
+    assert t.detail["host_wait"] == pytest.approx(4.9e-3)
+    assert t.detail["overhead"] == pytest.approx(5.05e-3)
+    assert t.compute_s + t.comm_exposed_s + t.offload_exposed_s + t.overhead_s == \
+        pytest.approx(t.step_s)
+    # without a host issue time the small window is its GPU time
+    plain = step_time([(w, price(c, cuda, True)) for w, c in
+                       ((("forward", 0), small), (("forward", 1), big))], cuda)
+    assert plain.step_s == pytest.approx(1.0001 + 5.05e-3)
+    assert plain.detail["host_wait"] == 0.0
+    # a window of big work is unchanged by the host's time
+    alone = step_time([(("forward", 1), price(big, host, True))], host)
+    alone_plain = step_time([(("forward", 1), price(big, cuda, True))], cuda)
+    assert alone.step_s == alone_plain.step_s == pytest.approx(1.00005)
+    assert alone.overhead_s == alone_plain.overhead_s and alone.detail["host_wait"] == 0.0
+
+
+def test_the_host_bound_counts_the_windows_exposed_comm_and_copies(cuda, cpu):
+    # side streams: p2p 1.5 beside attention 1.0 exposes 0.5; the GPU's 1.5 s < the host's 3 s
+    t = step_time([(("forward", 0), _w(attention=1.0, p2p=1.5, host=3.0))], cuda)
+    assert (t.step_s, t.comm_exposed_s, t.overhead_s) == pytest.approx((3.0, 0.5, 1.5))
+    # blocking comm and sync copies keep the GPU busy past the host: no wait
+    t = step_time([(("forward", 0), _w(matmul=1.0, blocking=0.5, copy_sync=0.25, host=1.5))],
+                  cuda)
+    assert (t.step_s, t.overhead_s, t.detail["host_wait"]) == pytest.approx((1.75, 0.0, 0.0))
+    # serial (no side streams): 1.0 + 0.5 on the stream, the host 2.0: waits 0.5
+    t = step_time([(("forward", 0), _w(memory=1.0, p2p=0.5, host=2.0))], cpu)
+    assert (t.step_s, t.comm_exposed_s, t.overhead_s) == pytest.approx((2.0, 0.5, 0.5))
+    assert t.compute_s + t.comm_exposed_s + t.offload_exposed_s + t.overhead_s == \
+        pytest.approx(t.step_s)
+
+
+def _op_work(make, op) -> Counter:
+    """The work ``StepWork`` records for ``op(*make())`` alone, on fake CPU tensors."""
+    with FakeTensorMode():
+        tracker = MemoryTracker()
+        work = StepWork(tracker, gpus_per_node=8)
+        tracker.observers.append(work)
+        with tracker, tracker.phase("forward"):
+            tensors = make()
+            before = Counter(work.windows[("forward", None)])
+            op(*tensors)
+            return work.windows[("forward", None)] - before
+
+
+def test_an_accumulating_matmul_reads_its_c_as_memory_work():
+    def mk(dtype=torch.float32, batch=()):
+        return (torch.randn(*batch, 64, 32, dtype=dtype), torch.randn(*batch, 32, 16, dtype=dtype),
+                torch.randn(*batch, 64, 16, dtype=dtype))
+
+    mm = {("matmul", "fp32", (64, 16, 32)): 2 * 64 * 16 * 32, ("kernels",): 1}
+    # C += A @ B: C's 64 x 16 fp32 elements are read, 4096 bytes
+    assert _op_work(mk, lambda a, b, c: c.addmm_(a, b)) == Counter({**mm, ("memory",): 4096})
+    assert _op_work(mk, lambda a, b, c: torch.addmm(c, a, b)) == Counter(
+        {**mm, ("memory",): 4096})
+    # a plain product, or a broadcast bias (not the output's size), adds no memory work
+    assert _op_work(mk, lambda a, b, c: a @ b) == Counter(mm)
+    assert _op_work(mk, lambda a, b, c: torch.addmm(c[0], a, b)) == Counter(mm)
+    # bf16: 2 bytes an element
+    assert _op_work(lambda: mk(torch.bfloat16), lambda a, b, c: c.addmm_(a, b)) == Counter(
+        {("matmul", "bf16", (64, 16, 32)): 2 * 64 * 16 * 32, ("kernels",): 1,
+         ("memory",): 2048})
+    # batched: 3 products, C of 3 x 64 x 16 fp32
+    assert _op_work(lambda: mk(batch=(3,)), lambda a, b, c: c.baddbmm_(a, b)) == Counter(
+        {("matmul", "fp32", (64, 16, 32)): 3 * 2 * 64 * 16 * 32, ("kernels",): 1,
+         ("memory",): 3 * 4096})
+
+
+def test_an_attention_calls_key_carries_its_key_length_and_heads():
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    # batch 2 x 3 heads, 128 queries over 256 keys, head dim 16 (sdpa layout B, H, S, D)
+    work = _op_work(lambda: (torch.randn(2, 3, 128, 16), torch.randn(2, 3, 256, 16)),
+                    lambda q, k: sdpa(q, k, k))
+    assert work == Counter({("attention", "sdpa", "fp32", "fwd", 16, (256, 6)):
+                            attention_flops(2, 3, 128, 256, 16, "fwd"), ("kernels",): 1})
+
+    def fwd_bwd(q, k):
+        sdpa(q, k, k, is_causal=True).sum().backward()
+
+    work = _op_work(lambda: (torch.randn(2, 3, 128, 16, requires_grad=True),
+                             torch.randn(2, 3, 128, 16, requires_grad=True)), fwd_bwd)
+    attention = {k: v for k, v in work.items() if k[0] == "attention"}
+    assert attention == {
+        ("attention", "sdpa", "fp32", "fwd_causal", 16, (128, 6)):
+            attention_flops(2, 3, 128, 128, 16, "fwd_causal"),
+        ("attention", "sdpa", "fp32", "bwd_causal", 16, (128, 6)):
+            attention_flops(2, 3, 128, 128, 16, "bwd_causal"),
+    }

@@ -1,5 +1,6 @@
 """The time validation's summary and plot (experiments/reporting/validation.py) on a table
-whose answer is known, and its predictions' refusal of a run without its cell.json."""
+whose answer is known, and its predictions' refusal of a run without its cell.json; the GPU
+validation's summary, plot and refusal without a GPU."""
 
 from __future__ import annotations
 
@@ -7,10 +8,17 @@ import json
 
 import pandas as pd
 import pytest
+import torch
 
+from experiments import cli
 from experiments.config import Cell
 from experiments.harness.launch import describe
-from experiments.reporting.validation import summarize_errors, write_time_validation
+from experiments.reporting.validation import (
+    plot_gpu_validation,
+    summarize_errors,
+    summarize_gpu_validation,
+    write_time_validation,
+)
 from experiments.runner.time_validation import predictions
 from experiments.store import BadResultFile, write_json
 
@@ -55,3 +63,51 @@ def test_predictions_name_a_run_without_its_cell_json(tmp_path):
     with pytest.raises(BadResultFile, match="cell.json: missing") as e:
         predictions(tmp_path, tmp_path / "profile.json")
     assert e.value.path == row.with_name("cell.json")
+
+
+def _gpu_table() -> pd.DataFrame:
+    """Two lengths, Ulysses and UPipe at each; the shipped profile 5% and 10% slow on the 1K
+    pair, exact on the 2K pair; the calibrated one 2% fast everywhere; one failed cell."""
+    rows = [
+        ("ulysses", 1024, 1.0, 1.05, 0.98), ("upipe", 1024, 1.25, 1.375, 1.225),
+        ("ulysses", 2048, 2.0, 2.0, 1.96), ("upipe", 2048, 2.5, 2.5, 2.45),
+    ]
+    table = pd.DataFrame([{
+        "cell_id": f"{m}-{s}", "method": m, "nproc": 8, "seq_len": s, "extra": "",
+        "status": "ok", "step_s": meas, "predicted_s_shipped": ship,
+        "predicted_s_calibrated": cal} for m, s, meas, ship, cal in rows])
+    for p in ("shipped", "calibrated"):
+        table[f"error_{p}"] = table[f"predicted_s_{p}"] / table["step_s"] - 1
+    failed = {"cell_id": "fpdt-1024", "method": "fpdt", "nproc": 8, "seq_len": 1024,
+              "status": "error"}
+    return pd.concat([table, pd.DataFrame([failed])], ignore_index=True)
+
+
+def test_the_gpu_summary_reads_errors_ratios_and_targets():
+    s = summarize_gpu_validation(_gpu_table(), ["shipped", "calibrated"])
+    assert (s["cells"], s["measured_ok"]) == (5, 4)
+    assert s["shipped"]["worst_abs_error"] == pytest.approx(0.10)
+    assert s["shipped"]["median_abs_error"] == pytest.approx(0.025)  # 0, 0, 0.05, 0.10
+    assert s["shipped"]["worst_cell"] == "upipe-1024"
+    # UPipe / Ulysses at 1K: measured 1 / 1.25 = 0.8, shipped 1.05 / 1.375 = 0.7636
+    r1k = next(r for r in s["ratios"] if r["cell_id"] == "upipe-1024")
+    assert r1k["measured"] == pytest.approx(0.8)
+    assert r1k["shipped"] == pytest.approx(1.05 / 1.375)
+    assert s["shipped"]["worst_ratio_abs_error"] == pytest.approx(0.8 - 1.05 / 1.375)
+    assert not s["shipped"]["meets_targets"]  # 10% > 8%, and the ratio is 0.036 off
+    # a uniform 2% error moves no ratio and meets median <= 5%, worst <= 10%
+    assert s["calibrated"]["worst_ratio_abs_error"] == pytest.approx(0.0, abs=1e-12)
+    assert s["calibrated"]["meets_targets"]
+
+
+def test_the_gpu_plot_is_written(tmp_path):
+    plot_gpu_validation(_gpu_table(), ["shipped", "calibrated"], tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_validate_time_on_cuda_without_a_gpu_exits_2(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["validate-time", "--device", "cuda", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "torch.cuda.is_available() is False" in err
+    assert not any(tmp_path.iterdir())  # nothing measured, nothing written

@@ -68,7 +68,8 @@ from upipe.kernels import (
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TIMEOUT_S = 1800.0  # a whole calibration's wall-clock limit; its ranks are killed past it
-BASE_ON_CUDA = "h100-sxm"  # one GPU measures no collectives: they come from this profile
+BASE_ON_CUDA = "h100-sxm"  # one GPU measures no collectives: they come from its shipped
+# profile (``DATASHEETS``), else from this one
 # torch.cuda.get_device_name() -> the shipped profile holding that GPU's datasheet peaks (exact
 # names: an "NVIDIA H100 PCIe" or "NVIDIA H200 NVL" has other peaks)
 DATASHEETS = {"NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H200": "h200",
@@ -99,6 +100,15 @@ class Grid:
     """size of the copies timed for memory bandwidth and host copies"""
     comm_bytes: tuple[int, ...]
     """collective payloads per rank (nccl-tests' "size")"""
+    heads: tuple[int, ...] = ()
+    """query heads per timed attention call (B = 1); empty: ``attention_heads`` (one count)"""
+    max_head_tokens: int = 0
+    """attention points with heads x S^2 above this are skipped (their time); 0: none"""
+    narrow_widths: tuple[int, ...] = ()
+    """widths w of the narrow products: (M x K) @ (K x w) ("out") and (M x w) @ (w x K)
+    ("inner"), M = narrow_m, K = narrow_k; empty: not measured"""
+    narrow_m: int = 0
+    narrow_k: int = 0
 
 
 def _pow2(lo: int, hi: int, step: int = 1) -> tuple[int, ...]:
@@ -110,10 +120,15 @@ GRIDS = {  # (device, quick) -> Grid; quick: for tests (seconds on 2 CPU cores)
                          256 << 20, _pow2(12, 26, 2)),
     ("cpu", True): Grid((16, 64, 256), 256, (32,), (128, 256, 512), 3, 0.05, 1e-3,
                         8 << 20, (1 << 12, 1 << 16, 1 << 20)),
-    ("cuda", False): Grid(_pow2(6, 13), 4096, (64, 128), _pow2(10, 14), 10, 0.5, 5e-3,
-                          1 << 30, _pow2(16, 30, 2)),
-    ("cuda", True): Grid((256, 1024, 4096), 4096, (128,), (1024, 4096), 3, 0.2, 2e-3,
-                         256 << 20, (1 << 16, 1 << 22, 1 << 26)),
+    # CUDA: attention to 128K tokens and by heads per call (one head at short lengths leaves
+    # SMs idle: 211 vs 343 TFLOP/s forward at 32K on an H200, results/gpu_costs_h200), and the
+    # narrow products of a stage's few heads (n = 128: 456 TFLOP/s)
+    ("cuda", False): Grid(_pow2(6, 13), 4096, (64, 128), _pow2(10, 17), 10, 0.5, 5e-3,
+                          1 << 30, _pow2(16, 30, 2), (1, 2, 4, 8, 16), 16 * 2**30,
+                          (128, 256, 512, 1024), 32768, 4096),
+    ("cuda", True): Grid((256, 1024, 4096), 4096, (128,), (4096, 32768, 131072), 3, 0.2,
+                         2e-3, 256 << 20, (1 << 16, 1 << 22, 1 << 26), (1, 4, 16),
+                         16 * 2**30, (128, 512), 32768, 4096),
 }
 
 
@@ -145,7 +160,11 @@ def _time(fn: Callable, sync: Callable, grid: Grid) -> float:
         sync()
         return (time.perf_counter() - t0) / n
 
-    once = run(1)  # the warm-up sizes the loop
+    # an untimed call first: a shape's first call pays one-off costs (cuBLAS's heuristics and
+    # workspace, a kernel's first load: a 645-wide bf16 matmul's first call ran at 7.5 TFLOP/s
+    # on an H200, 48.7 after it, results/gpu_costs_h200/kernels/profile_quick.json)
+    fn()
+    once = run(1)  # sizes the loop
     if 2 * once > grid.budget_s:  # one-off costs are lost in a call this long: it is the sample
         return once
     if once < grid.min_s:  # a short op's first call pays one-off costs: size it on a second
@@ -173,29 +192,36 @@ def _measure_compute(grid: Grid, device: torch.device, dtypes, kernels, barrier)
             a = torch.randn(m, x, dtype=DTYPES[name], device=device)
             b = torch.randn(x, x, dtype=DTYPES[name], device=device)
             timed(("matmul", name, x), partial(torch.matmul, a, b), 2.0 * m * x * x)
+        _narrow_points(grid, name, device, timed)
     for kernel in kernels:
         for name in dtypes:
             if kernel in HALF_ONLY and name == "fp32":
                 continue
             for d in grid.head_dims:
-                for s in grid.seqs:
-                    _attention_point(kernel, name, d, s, device, timed)
+                for h in grid.heads or (attention_heads(device.type, d),):
+                    for s in grid.seqs:
+                        if not grid.max_head_tokens or h * s * s <= grid.max_head_tokens:
+                            _attention_point(kernel, name, d, s, h, device, timed)
     x = torch.ones(grid.stream_bytes // 4, device=device)
     y = torch.empty_like(x)
     timed(("memory_bandwidth",), partial(y.copy_, x), 2.0 * grid.stream_bytes)  # read + write
-    if device.type == "cpu":  # the host thread runs every op: its eager cost per op
-        step, n_ops = _eager_step(device)
-        timed(("launch_overhead_s",), step, None)
-        out["launch_overhead_s",] /= n_ops
-    else:  # the GPU's floor per kernel (the host runs ahead of it)
-        one = torch.ones(1, device=device)
-        timed(("launch_overhead_s",), partial(torch.add, one, one, out=torch.empty_like(one)),
-              None)
+    step, n_ops = _eager_step(device)  # the host's cost per eager op of a training step
+    timed(("host_op_s",), step, None)
+    out["host_op_s",] /= n_ops
+    if device.type == "cpu":  # the host thread runs every op: its eager cost is the floor
+        out["launch_overhead_s",] = out["host_op_s",]
+    else:  # the GPU's floor per kernel, the host's cost out of it: a CUDA graph's replay
+        graph, n_kernels = _tiny_kernels_graph(device)
+        timed(("launch_overhead_s",), graph.replay, None)
+        out["launch_overhead_s",] /= n_kernels
     if device.type == "cpu":  # no device: a memcpy, the memory-bandwidth copy (bytes copied)
         for copy in HOST_COPIES:
             out["host_copy", copy] = out["memory_bandwidth",] / 2
     for memory in ("pinned", "pageable") if device.type == "cuda" else ():
-        host = torch.empty(x.shape, pin_memory=memory == "pinned")
+        # written once first: a fresh pageable buffer's first copy faults its pages in (1.6
+        # GB/s device to host on an H200 against 18 warm, results/gpu_costs_h200/kernels), a
+        # cost the offload's reused host buffers do not pay on every step
+        host = torch.zeros(x.shape, pin_memory=memory == "pinned")
         timed(("host_copy", f"h2d_{memory}"), partial(x.copy_, host), grid.stream_bytes)
         timed(("host_copy", f"d2h_{memory}"), partial(host.copy_, x), grid.stream_bytes)
     return out
@@ -235,9 +261,38 @@ def _eager_step(device: torch.device) -> tuple[Callable, int]:
     return step, count.n
 
 
-def _attention_point(kernel: str, dtype: str, d: int, s: int, device, timed) -> None:
-    """Time the four passes of one (kernel, dtype, head dim, length) point."""
-    h = attention_heads(device.type, d)
+def _narrow_points(grid: Grid, dtype: str, device, timed) -> None:
+    """The narrow products of ``Grid.narrow_widths``: keys ("narrow", side, dtype, w)."""
+    m, k = grid.narrow_m, grid.narrow_k
+    for w in grid.narrow_widths:
+        big = torch.randn(m, k, dtype=DTYPES[dtype], device=device)
+        thin = torch.randn(m, w, dtype=DTYPES[dtype], device=device)
+        timed(("narrow", "out", dtype, w), partial(
+            torch.mm, big, torch.randn(k, w, dtype=DTYPES[dtype], device=device)), 2.0 * m * k * w)
+        timed(("narrow", "inner", dtype, w), partial(
+            torch.mm, thin, torch.randn(w, k, dtype=DTYPES[dtype], device=device)),
+            2.0 * m * k * w)
+
+
+def _tiny_kernels_graph(device) -> tuple:
+    """(a CUDA graph of tiny adds, their count): its replay runs the kernels back to back
+    with no host work between them, so time / count is the GPU's own floor per kernel."""
+    one = torch.ones(1, device=device)
+    out = torch.empty_like(one)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up outside capture, as torch.cuda.graphs asks
+        torch.add(one, one, out=out)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph, n = torch.cuda.CUDAGraph(), 200
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            torch.add(one, one, out=out)
+    return graph, n
+
+
+def _attention_point(kernel: str, dtype: str, d: int, s: int, h: int, device, timed) -> None:
+    """Time the four passes of one (kernel, dtype, head dim, length, heads) point."""
     q, k, v = (torch.randn(1, s, h, d, dtype=DTYPES[dtype], device=device) for _ in range(3))
     for causal in (False, True):
         fwd = partial(attention_forward, q, k, v, causal=causal, kernel=kernel)
@@ -246,7 +301,7 @@ def _attention_point(kernel: str, dtype: str, d: int, s: int, device, timed) -> 
                       causal=causal, kernel=kernel)
         for pass_, fn in (("fwd", fwd), ("bwd", bwd)):
             pass_ += "_causal" if causal else ""
-            timed(("attention", kernel, dtype, pass_, d, s), fn,
+            timed(("attention", kernel, dtype, pass_, d, s, h), fn,
                   attention_flops(1, h, s, s, d, pass_))
 
 
@@ -354,10 +409,19 @@ def _compute_fields(rates: dict, src: _Sources, grid: Grid, device: str, dtypes)
     tables: dict = {}
     for key, rate in rates.items():
         if key[0] == "attention":
-            _, kernel, dtype, pass_, d, s = key
+            _, kernel, dtype, pass_, d, s, h = key
             by_pass = tables.setdefault(kernel, {}).setdefault(dtype, {})
-            by_pass.setdefault(pass_, {}).setdefault(str(d), []).append([s, rate])
-    heads = ("2048 / head_dim heads" if device == "cuda"
+            by_heads = by_pass.setdefault(pass_, {}).setdefault(str(d), {})
+            by_heads.setdefault(str(h), []).append([s, rate])
+    for by_dtype in tables.values():  # one head count: one table (heads-independent)
+        for by_pass in by_dtype.values():
+            for by_dim in by_pass.values():
+                for d, by_heads in by_dim.items():
+                    if len(by_heads) == 1:
+                        by_dim[d] = next(iter(by_heads.values()))
+    heads = (f"heads per call {list(grid.heads)} (heads x S^2 <= {grid.max_head_tokens:.3g})"
+             if grid.heads else
+             "2048 / head_dim heads" if device == "cuda"
              else f"{attention_heads(device, grid.head_dims[0])} heads")
     attention = {kernel: {dtype: {pass_: _c(by_dim, src.measured(
         f"upipe.kernels.attention_forward/attention_backward, kernel {kernel}, {dtype}, "
@@ -374,15 +438,28 @@ def _compute_fields(rates: dict, src: _Sources, grid: Grid, device: str, dtypes)
         copy = {c: _c(rates["host_copy", c], src.measured(
             f"{c}: a {size} copy between a {c.split('_')[1]} host tensor and the GPU, bytes / "
             "time")) for c in HOST_COPIES}
+    narrow = {}
+    for name in dtypes:
+        sides = {side: [[w, rates["narrow", side, name, w]] for w in grid.narrow_widths]
+                 for side in ("out", "inner")}
+        if grid.narrow_widths:
+            narrow[name] = _c(sides, src.measured(
+                f"{name} torch.mm of (M x K) @ (K x w) (out) and (M x w) @ (w x K) (inner), M "
+                f"= {grid.narrow_m}, K = {grid.narrow_k}, 2 M K w FLOPs"))
+    host = _c(rates["host_op_s",], src.measured(
+        "a tiny eager training step (eight 8 x 8 linear + tanh layers, forward and backward "
+        "with autograd) per aten op it dispatches: the host's cost per op"))
     return {
-        "matmul": matmul, "attention": attention, "host_copy": copy,
+        "matmul": matmul, "attention": attention, "host_copy": copy, "host_op_s": host,
+        **({"matmul_narrow": narrow} if narrow else {}),
         "memory_bandwidth": _c(rates["memory_bandwidth",], src.measured(
             f"Tensor.copy_ of a {size} fp32 tensor, bytes read + written / time")),
         "launch_overhead_s": _c(rates["launch_overhead_s",], src.measured(
             "a tiny eager training step (eight 8 x 8 linear + tanh layers, forward and backward "
             "with autograd) per aten op it dispatches: the host thread's cost per op on a CPU"
             if device == "cpu" else
-            "torch.add of two 1-element tensors into a third, seconds per op (looped)")),
+            "a CUDA graph of 200 torch.add of 1-element tensors, replayed: seconds per kernel "
+            "with no host work between them (the GPU's floor)")),
     }
 
 
@@ -482,12 +559,13 @@ def calibrate(nproc: int = 1, device: str | None = None, dtypes=("fp32", "bf16")
         dtypes: names from ``DTYPES`` for the matmul and attention rates.
         quick: a small grid (seconds; for tests).
         base: a shipped profile (name or path) for what one node cannot measure: the inter-node
-            collectives, and with one rank all collectives (default ``BASE_ON_CUDA`` then).
+            collectives, and with one rank all collectives (default: the GPU's shipped profile,
+            ``DATASHEETS``, else ``BASE_ON_CUDA``).
     """
     device = _checked(nproc, device, dtypes)
     dtypes = tuple(dtypes)
-    if nproc == 1:
-        base = base or BASE_ON_CUDA
+    if nproc == 1:  # the collectives of this GPU's own shipped profile, where there is one
+        base = base or DATASHEETS.get(torch.cuda.get_device_name()) or BASE_ON_CUDA
     base_raw = _raw_profile(base) if base else None  # fails before minutes of timing
     t0, load0 = time.monotonic(), os.getloadavg()[0]
     grid, kernels = GRIDS[device, quick], attention_kernels(device)

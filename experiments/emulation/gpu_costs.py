@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import re
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -40,9 +43,13 @@ from pathlib import Path
 import pandas as pd
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
 
 from experiments.config import Cell
+from experiments.emulation.calibrate import calibrate, write_profile
 from experiments.emulation.fake_step import fake_world
+from experiments.emulation.profile import attention_flops
 from experiments.harness.train import build
 from experiments.provenance import provenance
 from experiments.store import write_json
@@ -147,8 +154,6 @@ def _kernel_kind(name: str) -> str:
 
 def _profiled_step(state, device) -> tuple[dict, list[dict]]:
     """(timeline figures, per-op rows) of one step under torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     _sync(device)
     with profile(activities=acts, record_shapes=True) as prof:
@@ -180,40 +185,84 @@ def _profiled_step(state, device) -> tuple[dict, list[dict]]:
     return timeline, ops
 
 
-def steps(device, n_layers: int, iters: int, small: bool, save=None) -> tuple[list, list, list]:
+def _syncs(fn) -> int:
+    """Host-device synchronisations while ``fn()`` runs (PyTorch's sync debug mode, which
+    warns at each: a copy from pageable memory, ``.item()``, ``nonzero``)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def measure_steps(cell: Cell, device, iters: int, profiled: bool = False
+                  ) -> tuple[dict, dict | None, list[dict]]:
+    """(row, timeline or None, per-op rows) of ``cell`` on this GPU as rank 0 of its P on the
+    ``fake`` process group: a warm-up step, then ``iters`` timed steps (median; the allocator's
+    peak over them and the warm-up), and with ``profiled`` one step under ``torch.profiler`` and
+    one counting host-device synchronisations. A failure is a row with status error."""
+    row: dict = {}
+    timeline, ops = None, []
+    _clean(device)
+    try:
+        with fake_world(cell.world):
+            state = build(cell, cell.validate(), distributed=True, device=device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            state.step()  # warm-up: optimizer states, cuBLAS handles, allocator pools
+            times, alloc0 = [], _alloc_stats(device)
+            for _ in range(iters):
+                _sync(device)
+                t0 = time.perf_counter()
+                state.step()
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+            alloc = {k: v - alloc0.get(k, 0) for k, v in _alloc_stats(device).items()}
+            peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+            row = {"step_s": statistics.median(times), "times": times, "status": "ok",
+                   "allocator_peak_bytes": peak} | alloc
+            if profiled:
+                timeline, ops = _profiled_step(state, device)
+                timeline = {"step_s": row["step_s"]} | timeline
+                if device.type == "cuda":
+                    row["syncs_per_step"] = _syncs(state.step)
+            del state
+    except Exception as e:  # noqa: BLE001 -- a failed cell is a row; the others go on
+        row = {"status": "error", "error": f"{type(e).__name__}: {e}"[:400]}
+    return row, timeline, ops
+
+
+def cell_of(method: str, nproc: int, seq_len: int, extra: dict, n_layers: int = 4,
+            small: bool = False) -> tuple[Cell, dict]:
+    """(the cell, its identifying columns) of a ``STEP_CELLS`` entry; ``small``: 1/256 of the
+    tokens on the ``tiny`` model (a CPU smoke test)."""
+    if small:
+        seq_len //= 256
+        extra = {k: v // 256 if k == "chunk_size" else v for k, v in extra.items()}
+    cell = _cell(method, nproc, seq_len, extra, n_layers, "tiny" if small else "llama3-8b")
+    ident = {"method": method, "nproc": nproc, "seq_len": seq_len,
+             "extra": ";".join(f"{k}={v}" for k, v in sorted(extra.items()))}
+    return cell, ident
+
+
+def steps(device, n_layers: int, iters: int, small: bool, save=None,
+          only_profiled: bool = False) -> tuple[list, list, list]:
+    """``measure_steps`` of every ``STEP_CELLS`` entry (one timed step at 512K tokens), or of
+    the profiled ones only."""
     rows, timelines, ops = [], [], []
     for method, nproc, seq_len, extra, profiled in STEP_CELLS:
-        if small:
-            seq_len //= 256
-            extra = {k: v // 256 if k == "chunk_size" else v for k, v in extra.items()}
-        cell = _cell(method, nproc, seq_len, extra, n_layers, "tiny" if small else "llama3-8b")
-        ident = {"method": method, "nproc": nproc, "seq_len": seq_len,
-                 "extra": ";".join(f"{k}={v}" for k, v in sorted(extra.items()))}
-        _clean(device)
-        try:
-            with fake_world(cell.world):
-                state = build(cell, cell.validate(), distributed=True, device=device)
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                state.step()  # warm-up: optimizer states, cuBLAS handles, allocator pools
-                times, alloc0 = [], _alloc_stats(device)
-                for _ in range(iters if seq_len < 2**19 else 1):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    state.step()
-                    _sync(device)
-                    times.append(time.perf_counter() - t0)
-                alloc = {k: v - alloc0.get(k, 0) for k, v in _alloc_stats(device).items()}
-                peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-                rows.append(ident | {"step_s": statistics.median(times), "times": times,
-                                     "status": "ok", "allocator_peak_bytes": peak} | alloc)
-                if profiled:
-                    tl, by_op = _profiled_step(state, device)
-                    timelines.append(ident | {"step_s": rows[-1]["step_s"]} | tl)
-                    ops += [ident | r for r in by_op]
-                del state
-        except Exception as e:  # noqa: BLE001 -- a failed cell is a row; the others go on
-            rows.append(ident | {"status": "error", "error": f"{type(e).__name__}: {e}"[:400]})
+        if only_profiled and not profiled:
+            continue
+        cell, ident = cell_of(method, nproc, seq_len, extra, n_layers, small)
+        row, timeline, by_op = measure_steps(cell, device, iters if seq_len < 2**19 else 1,
+                                             profiled)
+        rows.append(ident | row)
+        if timeline is not None:
+            timelines.append(ident | timeline)
+            ops += [ident | r for r in by_op]
         print(rows[-1], flush=True)
         if save is not None:  # after every cell: a run cut short keeps what it measured
             save("steps", rows), save("timeline", timelines), save("ops", ops)
@@ -252,8 +301,6 @@ def attention(device, small: bool) -> list[dict]:
 def _cudnn(q, k, v, do, device) -> dict:
     """Forward and backward seconds of PyTorch's cuDNN SDPA backend on (B, S, H, D) inputs
     (backward: ``autograd.grad`` through a kept forward)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     qh, kh, vh = (t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
     fwd = partial(F.scaled_dot_product_attention, qh, kh, vh, is_causal=True)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -353,6 +400,79 @@ def host_copies(device) -> list[dict]:
     return rows
 
 
+# -- the profile's constants from a measurement folder ------------------------------------------
+
+
+NARROW_MAX = 1024  # the widest "narrow" side: eight heads of 128 (wider runs at the square rate)
+
+
+def _median_rate(samples: list[float]) -> float:
+    return float(statistics.median(samples))
+
+
+def profile_constants(folder: Path, where: str) -> dict:
+    """The hardware-profile constants (``profile.py``'s schema) that ``kernels/`` of a
+    ``gpu_costs`` run measures: ``attention.sdpa.bf16.{fwd,bwd}_causal`` by heads, the bf16
+    ``matmul_narrow`` caps and ``host_op_s``; ``where`` names the run in each source."""
+    att = pd.read_csv(folder / "attention.csv")
+    tables: dict = {"fwd_causal": {}, "bwd_causal": {}}
+    for (h, s), r in att.set_index(["heads", "seq"]).sort_index().iterrows():
+        for pass_, col in (("fwd_causal", "flash_fwd_s"), ("bwd_causal", "flash_bwd_s")):
+            rate = attention_flops(1, int(h), int(s), int(s), 128, pass_) / r[col]
+            tables[pass_].setdefault(str(int(h)), []).append([int(s), float(f"{rate:.4g}")])
+    attention = {pass_: {"value": {"128": by_heads}, "source": (
+        f"measured: {where}, attention.csv: upipe.kernels attention_forward / "
+        "attention_backward, kernel sdpa (PyTorch's flash backend), bf16, causal, B = 1, "
+        "head dim 128, by query heads per call and S_q = S_k; FLOPs by profile."
+        "attention_flops; median of 3 timed calls after two warm-ups")}
+        for pass_, by_heads in tables.items()}
+    mm = pd.read_csv(folder / "matmul.csv")
+    rows = mm[mm.m == mm.m.max()]
+    out_side: dict = {}
+    inner: dict = {}
+    for r in rows[(rows.out <= NARROW_MAX) | (rows["in"] <= NARROW_MAX)].itertuples():
+        flops = 2.0 * r.m * r._2 * r.out  # in = r._2 (a keyword as a column name)
+        if r.out < r._2:  # the output width w is narrow: (m x in) @ (in x w), (w x m) @ (m x in)
+            out_side.setdefault(r.out, []).extend([flops / r.fwd_s, flops / r.wgrad_s])
+            inner.setdefault(r.out, []).append(flops / r.dgrad_s)  # (m x w) @ (w x in)
+        elif r._2 < r.out:  # the input width w is narrow
+            inner.setdefault(r._2, []).append(flops / r.fwd_s)  # (m x w) @ (w x out)
+            out_side.setdefault(r._2, []).extend([flops / r.dgrad_s, flops / r.wgrad_s])
+    narrow = {"bf16": {"value": {
+        "out": [[w, float(f"{_median_rate(v):.4g}")] for w, v in sorted(out_side.items())],
+        "inner": [[w, float(f"{_median_rate(v):.4g}")] for w, v in sorted(inner.items())]},
+        "source": (f"measured: {where}, matmul.csv: bf16 torch.mm of a linear layer's three "
+                   f"products at m = {int(rows.m.max())} tokens (forward, input and weight "
+                   "gradients), the median rate of the products whose output's narrow side "
+                   "(out) or inner dimension (inner) is w wide; 2 m n k FLOPs, median of 5 "
+                   "timed repeats after two warm-ups")}}
+    disp = pd.read_csv(folder / "dispatch.csv").set_index("op")
+    host = {"value": float(f"{disp.loc['mul_autograd', 'host_issue_s']:.4g}"), "source": (
+        f"measured: {where}, dispatch.csv: host seconds to issue one eager op with autograd "
+        "(x * w, w requiring grad, 1024 floats), 5000 issued back to back without "
+        "synchronising; the op of a training step at the least (module code adds to it)")}
+    return {"attention_sdpa_bf16": attention, "matmul_narrow": narrow, "host_op_s": host}
+
+
+def merge_into_profile(profile_path: Path, folder: Path, where: str) -> None:
+    """Write ``profile_constants(folder)`` into the profile JSON at ``profile_path``."""
+    raw = json.loads(profile_path.read_text())
+    c = profile_constants(folder, where)
+    raw["attention"]["sdpa"]["bf16"].update(c["attention_sdpa_bf16"])
+    raw["matmul_narrow"] = c["matmul_narrow"]
+    raw["host_op_s"] = c["host_op_s"]
+    profile_path.write_text(_profile_json(raw))
+
+
+def _profile_json(raw: dict) -> str:
+    """JSON as the shipped profiles are written: indent 2, each [x, value] pair on one line,
+    large numbers in e-notation."""
+    text = json.dumps(raw, indent=2)
+    text = re.sub(r"\[\s+(-?[\d.e+]+),\s+(-?[\d.e+]+)\s+\]", r"[\1, \2]", text)
+    return re.sub(r"\b(\d{7,})\.0\b",
+                  lambda m: f"{float(m.group(1)):.6g}".replace("e+", "e"), text) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -360,7 +480,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--small", action="store_true", help="tiny sizes (a CPU smoke test)")
     p.add_argument("--skip", default="", help="comma-separated parts to skip")
+    p.add_argument("--only-profiled", action="store_true",
+                   help="steps: only the cells that are also profiled")
+    p.add_argument("--merge-into", type=Path, metavar="PROFILE",
+                   help="no measuring: write the constants of the run in --out (its kernels/ "
+                        "folder's CSVs) into this profile JSON")
+    p.add_argument("--where", default="",
+                   help="with --merge-into: the run the sources name (device, date, folder)")
     args = p.parse_args(argv)
+    if args.merge_into is not None:
+        merge_into_profile(args.merge_into, args.out, args.where or str(args.out))
+        return 0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.small:
         p.error("needs a CUDA device (none present); --small runs a CPU smoke test")
@@ -381,10 +511,8 @@ def main(argv: list[str] | None = None) -> int:
             save(name, fn())
             _clean(device)
     if "steps" not in skip:
-        steps(device, args.layers, args.iters, args.small, save)
+        steps(device, args.layers, args.iters, args.small, save, args.only_profiled)
     if "calibrate" not in skip and device.type == "cuda":
-        from experiments.emulation.calibrate import calibrate, write_profile
-
         for quick in (True, False):
             _clean(device)
             t0 = time.monotonic()

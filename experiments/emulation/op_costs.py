@@ -13,8 +13,13 @@ the tracker's outermost phase) and the transformer block the op ran in (the inne
 window's ``Counter``:
 
     ("matmul", dtype, (m, n, k))                  FLOPs of (m x k) @ (k x n) products
-    ("attention", kernel, dtype, pass, d, (s_k,)) FLOPs as ``profile.attention_flops`` counts
-    ("memory",)                                   bytes read + written by memory-bound kernels
+    ("attention", kernel, dtype, pass, d, (s_k, heads)) FLOPs as ``profile.attention_flops``
+                                                  counts (heads: batch x query heads of a call)
+    ("memory",)                                   bytes read + written by memory-bound kernels,
+                                                  and C read by accumulating matmuls
+                                                  (``addmm_``: C = C + A @ B; one stage's dx
+                                                  update at U = 1 is bound by it; the product's
+                                                  own bytes are its roofline's, ``time_model``)
     ("kernels",)                                  kernel launches
     ("comm", mechanism, op, scope)                bytes this rank sends (bus bytes)
     ("comm_calls", mechanism, op, scope)          calls
@@ -52,6 +57,7 @@ from experiments.instruments.op_flops import flop_formula
 Window = tuple[str, int | None]
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element of each name
 
 # c10d op -> the profile's collective op
 COLLECTIVE_OPS = {
@@ -275,6 +281,9 @@ class StepWork(TorchDispatchMode):
             m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
             flops = flop_formula(func)(*args, **kwargs, out_val=out)
             w["matmul", DTYPE_NAMES.get(a.dtype, str(a.dtype)), (m, n, k)] += flops
+            c = args[0] if i == 1 else None  # C of C + A @ B, full size (not a broadcast)
+            if c is not None and c.numel() == out.numel() and 0 not in c.stride():
+                w["memory",] += _nbytes([args[0]])
         else:
             w["memory",] += _nbytes(ins) + _nbytes(outs)
 
@@ -291,8 +300,8 @@ class StepWork(TorchDispatchMode):
             bsz, s_q, h, d = q.shape
             s_k = k.shape[1]
         full = f"{pass_}_causal" if causal else pass_
-        w["attention", kernel, DTYPE_NAMES.get(q.dtype, str(q.dtype)), full, d, (s_k,)] += (
-            attention_flops(bsz, h, s_q, s_k, d, full))
+        w["attention", kernel, DTYPE_NAMES.get(q.dtype, str(q.dtype)), full, d,
+          (s_k, bsz * h)] += attention_flops(bsz, h, s_q, s_k, d, full)
 
     def _host_op(self, func, args, ins, outs, kinds) -> None:
         """A copy between host and device (or an op on host tensors only, not priced)."""

@@ -18,20 +18,33 @@ Schema (``value`` of each constant)::
     matmul.<dtype>                     [[x, FLOP/s], ...], x = (m n k)^(1/3) of the product:
                                        the side of the square product of the same work
                                        (tables are measured on N x N x N products)
-    attention.<kernel>.<dtype>.<pass>  {"<head_dim>": [[seq_k, FLOP/s], ...], ...}; pass in
+    matmul_narrow.<dtype> (optional)   {"out": [[w, FLOP/s], ...], "inner": [[w, FLOP/s], ...]}:
+                                       the rate a long product reaches when its output's narrow
+                                       side (min(m, n): a stage's few heads) or its inner
+                                       dimension k is only w wide; it caps the square rate for
+                                       widths up to the table's last (wider is not narrow)
+    attention.<kernel>.<dtype>.<pass>  {"<head_dim>": [[seq_k, FLOP/s], ...], ...}, or by the
+                                       heads in one call: {"<head_dim>": {"<heads>": [[seq_k,
+                                       FLOP/s], ...], ...}} (heads = batch x query heads; a
+                                       kernel fills the GPU with heads x query tiles, so one
+                                       head at short lengths runs slower); pass in
                                        fwd, bwd, fwd_causal, bwd_causal (causal rates count
                                        the causal FLOPs, half the dense ones, as the
                                        FlashAttention papers do); kernel in sdpa, flash-attn,
                                        fa3, math
     memory_bandwidth                   bytes/s that memory-bound kernels reach (read + write)
     launch_overhead_s                  seconds a kernel occupies its stream at the least
+    host_op_s (optional)               seconds the host needs to issue one eager op (Python,
+                                       dispatcher, autograd): a window of many small kernels
+                                       takes at least its ops x this (the GPU waits on the host)
     collectives.<scope>.<op>           {"bus_bandwidth": bytes/s, "latency_s": s}; scope intra
                                        (ranks in one node) or inter (across nodes); op in
                                        all_to_all, all_gather, reduce_scatter, all_reduce, p2p;
                                        bus bandwidth as nccl-tests defines it (PERFORMANCE.md)
     host_copy.<direction>_<memory>     bytes/s; direction h2d or d2h, memory pinned or pageable
 
-Tables are interpolated linearly in log2(x) and held flat beyond their ends.
+Tables are interpolated linearly in log2(x) and held flat beyond their ends; tables by heads are
+interpolated in log2(heads) between the two nearest, held flat beyond the ends.
 """
 
 from __future__ import annotations
@@ -142,6 +155,11 @@ class Profile:
     def launch_overhead_s(self) -> float:
         return float(self.values["launch_overhead_s"])
 
+    @property
+    def host_op_s(self) -> float:
+        """Host seconds per eager op; 0 when the profile has none (the host never binds)."""
+        return float(self.values.get("host_op_s", 0.0))
+
     def peak_flops(self, dtype: str) -> float | None:
         """The dense matmul peak for ``dtype`` (MFU's denominator), None if the profile has none."""
         v = self.values["peak_flops"].get(dtype)
@@ -150,20 +168,40 @@ class Profile:
     def matmul_rate(self, dtype: str, m: int, n: int, k: int) -> float:
         """FLOP/s of an (m x k) @ (k x n) product in ``dtype``: the rate of the square product
         of the same work, (m n k)^(1/3) on a side (a long-and-thin product of many tokens runs
-        at a large square one's rate; a small one is launch-bound as a small square one is)."""
-        return _interp(self._matmul(dtype), (m * n * k) ** (1 / 3))
+        at a large square one's rate; a small one is launch-bound as a small square one is),
+        capped by ``matmul_narrow`` where the output's narrow side or the inner dimension is
+        narrow (a stage's few heads: the tiles along it cannot fill the tensor cores)."""
+        rate = _interp(self._matmul(dtype), (m * n * k) ** (1 / 3))
+        narrow = self._tables.get(("matmul_narrow", dtype), {})
+        for side, width in (("out", min(m, n)), ("inner", k)):
+            table = narrow.get(side)
+            if table is not None and width <= table[0][-1]:
+                rate = min(rate, _interp(table, width))
+        return rate
 
     def attention_rate(self, kernel: str, dtype: str, pass_: str, head_dim: int,
-                       seq_k: int) -> float:
-        """FLOP/s of an attention call (``pass_`` in PASSES), counted as the rate's pass counts
-        them; a causal pass without its own table takes the non-causal one's rate."""
+                       seq_k: int, heads: int | None = None) -> float:
+        """FLOP/s of an attention call (``pass_`` in PASSES) of ``heads`` (batch x query heads;
+        None: the most a table has), counted as the rate's pass counts them; a causal pass
+        without its own table takes the non-causal one's rate."""
         by_pass = self._attention(kernel, dtype)
         if pass_ not in by_pass:
             pass_ = pass_.removesuffix("_causal")
         by_dim = by_pass[pass_]
         # the nearest measured head dim (log distance): rates grow with the head dim
         dim = min(by_dim, key=lambda d: abs(math.log2(d) - math.log2(head_dim)))
-        return _interp(by_dim[dim], seq_k)
+        table = by_dim[dim]
+        if not isinstance(table, dict):  # one table for every head count
+            return _interp(table, seq_k)
+        counts = sorted(table)
+        h = counts[-1] if heads is None else min(max(heads, counts[0]), counts[-1])
+        i = bisect.bisect_left(counts, h)
+        if counts[i] == h:
+            return _interp(table[h], seq_k)
+        lo, hi = counts[i - 1], counts[i]
+        t = (math.log2(h) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+        r_lo, r_hi = _interp(table[lo], seq_k), _interp(table[hi], seq_k)
+        return r_lo + t * (r_hi - r_lo)
 
     def collective(self, op: str, scope: str) -> tuple[float, float]:
         """(bus bandwidth bytes/s, latency s) of ``op`` within ``scope`` (intra / inter)."""
@@ -207,6 +245,8 @@ class Profile:
             raise ProfileError(f"side_streams: must be true or false, got {v['side_streams']!r}")
         for f in ("gpu_mem_gib", "memory_bandwidth", "launch_overhead_s"):
             _positive(v[f], f)
+        if "host_op_s" in v:
+            _positive(v["host_op_s"], "host_op_s")
         for dtype, peak in v["peak_flops"].items():
             _positive(peak, f"peak_flops.{dtype}")
         for scope in SCOPES:
@@ -228,6 +268,17 @@ def _parsed_tables(profile: Profile) -> dict:
     out = {}
     for dtype, pts in profile.values["matmul"].items():
         out[("matmul", dtype)] = _table(pts, f"matmul.{dtype}")
+    narrow_tables = profile.values.get("matmul_narrow", {})
+    if not isinstance(narrow_tables, dict):
+        raise ProfileError("matmul_narrow: must map dtypes to {'out': [[width, FLOP/s], ...], "
+                           "'inner': [...]}")
+    for dtype, sides in narrow_tables.items():
+        field = f"matmul_narrow.{dtype}"
+        if not isinstance(sides, dict) or not sides or set(sides) - {"out", "inner"}:
+            raise ProfileError(f"{field}: must map 'out' and/or 'inner' to [[width, FLOP/s], "
+                               "...]")
+        out[("matmul_narrow", dtype)] = {side: _table(t, f"{field}.{side}")
+                                         for side, t in sides.items()}
     for kernel, by_dtype in profile.values["attention"].items():
         for dtype, by_pass in by_dtype.items():
             parsed = {}
@@ -238,16 +289,30 @@ def _parsed_tables(profile: Profile) -> dict:
                 if not isinstance(by_dim, dict) or not by_dim:
                     raise ProfileError(f"{field}: must map head dims to [[seq_k, FLOP/s], ...]")
                 try:
-                    parsed[pass_] = {int(d): _table(t, f"{field}.{d}") for d, t in by_dim.items()}
+                    parsed[pass_] = {int(d): _by_heads(t, f"{field}.{d}")
+                                     for d, t in by_dim.items()}
                 except ValueError as e:
                     if isinstance(e, ProfileError):
                         raise
-                    raise ProfileError(f"{field}: head dims must be integers") from None
+                    raise ProfileError(f"{field}: head dims and head counts must be integers"
+                                       ) from None
             for need in ("fwd", "bwd"):
                 if need not in parsed:
                     raise ProfileError(f"attention.{kernel}.{dtype}: lacks the {need!r} pass")
             out[("attention", kernel, dtype)] = parsed
     return out
+
+
+def _by_heads(table, field: str):
+    """One attention table (``[[seq_k, FLOP/s], ...]``) or a table per head count."""
+    if isinstance(table, dict):
+        if not table:
+            raise ProfileError(f"{field}: must map head counts to [[seq_k, FLOP/s], ...]")
+        heads = {int(h): _table(t, f"{field}.{h}") for h, t in table.items()}
+        if min(heads) < 1:
+            raise ProfileError(f"{field}: head counts must be positive")
+        return heads
+    return _table(table, field)
 
 
 def shipped_profiles() -> list[str]:

@@ -1,11 +1,17 @@
 """The emulated step's duration: work priced on a hardware profile, overlapped as the code runs
 it (DESIGN.md §9).
 
-Prices (``profile.Profile``): a matmul takes FLOPs / rate(dtype, (m n k)^(1/3)); an attention
-kernel FLOPs / rate(kernel, dtype, pass, head dim, key length); a memory-bound kernel bytes /
-memory bandwidth; every kernel also occupies its stream for the launch overhead; a collective
-latency x calls + bus bytes / bus bandwidth of its op within or across nodes; a host copy bytes
-/ the PCIe rate of its direction, pinned or pageable.
+Prices (``profile.Profile``): a matmul takes FLOPs / rate(dtype, (m n k)^(1/3)), the rate
+capped where a side is narrow (``matmul_narrow``), or its bytes (A, B and C once) / memory
+bandwidth where that is longer, and an accumulating one (C += A @ B) also reads C as
+memory-bound work; an attention kernel FLOPs / rate(kernel, dtype, pass, head dim,
+key length, heads in the call); a memory-bound kernel bytes / memory bandwidth; every kernel also
+occupies its stream for the launch overhead; a collective latency x calls + bus bytes / bus
+bandwidth of its op within or across nodes; a host copy bytes / the PCIe rate of its direction,
+pinned or pageable. The host issues a window's ops at ``host_op_s`` each while the GPU runs: a
+window takes at least that long (the GPU waits on the host), which the step's overhead
+includes. The model assumes no host-device synchronisation inside the step (none in the
+methods' code: ``upipe.staging.plan_indices``), so the host's lead carries within a window.
 
 Overlap, per mechanism (``op_costs`` sorts the work by mechanism), on a profile with side
 streams (CUDA); without them (a CPU) everything runs one after the other:
@@ -43,7 +49,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from experiments.emulation.op_costs import Window
+from experiments.emulation.op_costs import DTYPE_BYTES, Window
 from experiments.emulation.profile import Profile
 
 
@@ -55,6 +61,7 @@ class WindowTime:
     attention: float = 0.0
     memory: float = 0.0
     overhead: float = 0.0  # launch overhead of the window's kernels
+    host: float = 0.0  # the host's time to issue the window's ops (``Profile.host_op_s``)
     blocking: float = 0.0  # collectives on the compute stream
     p2p: float = 0.0  # ring rotation
     overlap: float = 0.0  # UPipe's all-to-alls issued beside the attention kernels
@@ -76,8 +83,9 @@ class StepTime:
     compute_s: float  # kernels' work (matmul, attention, memory-bound)
     comm_exposed_s: float  # collectives not hidden behind compute
     offload_exposed_s: float  # host<->device copies not hidden behind compute
-    overhead_s: float  # kernel launch overhead
-    detail: dict  # seconds by kind before overlap (matmul, attention, ..., copy_side)
+    overhead_s: float  # kernel launch overhead and the GPU's waits on the host (``host_wait``)
+    detail: dict  # seconds by kind before overlap (matmul, attention, ..., copy_side; host:
+    # the host's issue time, host_wait: what of it the GPU waited for)
 
 
 def price(work: Counter, profile: Profile, pinned: bool) -> WindowTime:
@@ -89,14 +97,21 @@ def price(work: Counter, profile: Profile, pinned: bool) -> WindowTime:
         kind = key[0]
         if kind == "matmul":
             _, dtype, (m, n, k) = key
-            t["matmul"] += amount / profile.matmul_rate(dtype, m, n, k)
+            # a roofline: the product's FLOPs at its rate, or its operands and result moved
+            # once through memory, whichever is longer (a product of a stage's one head, n =
+            # 128, reads its (m x k) input at memory speed)
+            rate = profile.matmul_rate(dtype, m, n, k)  # a dtype without rates fails here
+            nbytes = amount / (2.0 * m * n * k) * (m * k + k * n + m * n) * DTYPE_BYTES[dtype]
+            t["matmul"] += max(amount / rate, nbytes / profile.memory_bandwidth)
         elif kind == "attention":
-            _, kernel, dtype, pass_, d, (s_k,) = key
-            t["attention"] += amount / profile.attention_rate(kernel, dtype, pass_, d, s_k)
+            _, kernel, dtype, pass_, d, (s_k, heads) = key
+            t["attention"] += amount / profile.attention_rate(kernel, dtype, pass_, d, s_k,
+                                                              heads)
         elif kind == "memory":
             t["memory"] += amount / profile.memory_bandwidth
         elif kind == "kernels":
             t["overhead"] += amount * profile.launch_overhead_s
+            t["host"] += amount * profile.host_op_s
         elif kind in ("comm", "comm_calls"):
             _, mechanism, op, scope = key
             bandwidth, latency = profile.collective(op, scope)
@@ -113,15 +128,20 @@ def price(work: Counter, profile: Profile, pinned: bool) -> WindowTime:
     return WindowTime(**t)
 
 
-def _stream_time(w: WindowTime, overlap: bool) -> tuple[float, float, float]:
-    """(compute-stream seconds, exposed comm, exposed copies) of one window, FSDP aside."""
+def _stream_time(w: WindowTime, overlap: bool) -> tuple[float, float, float, float]:
+    """(compute-stream seconds, exposed comm, exposed copies, host-bound seconds) of one
+    window, FSDP aside. The host issues the window's ops while the GPU runs earlier ones: the
+    window takes at least the host's time (its ops x ``host_op_s``); what that adds beyond the
+    GPU's own time is the GPU waiting on the host."""
     if not overlap:
         comm = w.blocking + w.p2p + w.overlap
         copies = w.copy_sync + w.copy_side
     else:
         comm = w.blocking + max(0.0, w.p2p + w.overlap - w.attention)
         copies = w.copy_sync + max(0.0, w.copy_side - (w.compute + w.overhead))
-    return w.compute + w.overhead + comm + copies, comm, copies
+    gpu = w.compute + w.overhead + comm + copies
+    waits = max(0.0, w.host - gpu)
+    return gpu + waits, comm, copies, waits
 
 
 def _neighbour(windows, streams, j: int, stage: str) -> float:
@@ -149,7 +169,8 @@ def step_time(windows: list[tuple[Window, WindowTime]], profile: Profile) -> Ste
         for name in WindowTime.__dataclass_fields__:
             detail[name] += getattr(w, name)
     compute = sum(w.compute for _, w in windows)
-    overhead = sum(w.overhead for _, w in windows)
+    detail["host_wait"] = sum(s[3] for s in streams)
+    overhead = sum(w.overhead for _, w in windows) + detail["host_wait"]
     comm = sum(s[1] for s in streams) + fsdp
     copies = sum(s[2] for s in streams)
     return StepTime(compute + overhead + comm + copies, compute, comm, copies, overhead,

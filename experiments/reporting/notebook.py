@@ -307,7 +307,7 @@ def by_length(df: pd.DataFrame, value: str, fmt: Callable[[float], str]) -> pd.D
 
 TIME_PARTS = {"step_time_s": "step", "time_compute_s": "compute",
               "time_comm_exposed_s": "comm exposed", "time_offload_exposed_s": "offload exposed",
-              "time_overhead_s": "launch overhead"}
+              "time_overhead_s": "launch and host overhead"}
 
 
 def time_breakdown(emulated: pd.DataFrame) -> pd.DataFrame:

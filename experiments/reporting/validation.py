@@ -65,3 +65,73 @@ def write_time_validation(out: Path, table: pd.DataFrame) -> dict:
     write_json(out / "summary.json", summary)
     plot_predicted_vs_measured(table, out / "predicted_vs_measured.png")
     return summary
+
+
+# issue 30's targets on a GPU: on the shipped profile every cell within 8% and every UPipe /
+# Ulysses ratio within 0.01; on a calibration made in the same run, median |error| <= 5% and
+# worst <= 10%
+GPU_TARGETS = {"shipped": {"worst_abs_error": 0.08, "ratio_abs_error": 0.01},
+               "calibrated": {"median_abs_error": 0.05, "worst_abs_error": 0.10}}
+
+
+def _ratios(table: pd.DataFrame, profiles: list[str]) -> list[dict]:
+    """UPipe / Ulysses throughput (Ulysses step / UPipe step) for every UPipe row with a
+    Ulysses row of the same ranks and length, measured and predicted on each profile."""
+    ok = table[table["status"] == "ok"]
+    base = ok[ok["method"] == "ulysses"].set_index(["nproc", "seq_len"])
+    out = []
+    for r in ok[ok["method"] == "upipe"].itertuples():
+        if (r.nproc, r.seq_len) not in base.index:
+            continue
+        u = base.loc[(r.nproc, r.seq_len)]
+        rec = {"cell_id": r.cell_id, "extra": r.extra, "measured": u["step_s"] / r.step_s}
+        for p in profiles:
+            col = f"predicted_s_{p}"
+            if pd.notna(u.get(col)) and pd.notna(getattr(r, col, None)):
+                rec[p] = u[col] / getattr(r, col)
+                rec[f"{p}_abs_error"] = abs(rec[p] - rec["measured"])
+        out.append(rec)
+    return out
+
+
+def summarize_gpu_validation(table: pd.DataFrame, profiles: list[str]) -> dict:
+    """Per profile the median and worst |error| over the cells it predicted, the UPipe /
+    Ulysses ratios, and whether the issue's targets (``GPU_TARGETS``) are met."""
+    summary: dict = {"cells": len(table),
+                     "measured_ok": int((table.get("status") == "ok").sum()) if len(table) else 0,
+                     "ratios": _ratios(table, profiles) if len(table) else []}
+    for p in profiles:
+        err = table.get(f"error_{p}", pd.Series(dtype=float)).dropna().abs()
+        if err.empty:
+            continue
+        stats = {"cells": int(err.size), "median_abs_error": float(err.median()),
+                 "worst_abs_error": float(err.max()),
+                 "worst_cell": table.loc[err.idxmax(), "cell_id"]}
+        ratio_errs = [r[f"{p}_abs_error"] for r in summary["ratios"] if f"{p}_abs_error" in r]
+        if ratio_errs:
+            stats["worst_ratio_abs_error"] = max(ratio_errs)
+        targets = GPU_TARGETS.get(p, {})
+        met = [stats[k] <= v for k, v in targets.items() if k in stats]
+        met += [stats.get("worst_ratio_abs_error", 0.0) <= targets["ratio_abs_error"]
+                ] if "ratio_abs_error" in targets else []
+        summary[p] = stats | {"targets": targets, "meets_targets": bool(met) and all(met)}
+    return summary
+
+
+def plot_gpu_validation(table: pd.DataFrame, profiles: list[str], path: Path) -> None:
+    """Each profile's error (predicted / measured - 1) per cell, against the +-8% band."""
+    long = pd.concat([table.assign(profile=p, error=table[f"error_{p}"])
+                      for p in profiles if f"error_{p}" in table], ignore_index=True)
+    long = long.dropna(subset=["error"])
+    long["cell"] = (long["method"] + " P=" + long["nproc"].astype(str) + " "
+                    + (long["seq_len"] // 1024).astype(str) + "K " + long["extra"].fillna(""))
+    fig = Figure(figsize=(8, 0.3 * long["cell"].nunique() + 2), layout="constrained")
+    ax = fig.subplots()
+    sns.scatterplot(long, x="error", y="cell", hue="profile", style="profile", s=60, ax=ax)
+    ax.axvline(0, color="black", lw=1)
+    ax.axvspan(-0.08, 0.08, color="grey", alpha=0.2, label="+-8%")
+    ax.set(xlabel="emulated / measured step time - 1", ylabel="",
+           title="Emulated vs measured step on one GPU\n(rank 0 of P, no communication)")
+    ax.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)

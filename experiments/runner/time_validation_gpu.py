@@ -1,0 +1,116 @@
+"""The time model against one real GPU: ``upipe-bench validate-time --device cuda`` (DESIGN.md
+§9).
+
+On any single CUDA GPU, in one process:
+
+1. ``calibrate`` this GPU (one rank; ``--quick``: the small grid) into ``profile.json`` (a
+   failed calibration is reported in ``env.json``, and the cells are priced on the shipped
+   profile alone);
+2. measure the grid ``gpu_costs.STEP_CELLS`` (Llama3-8B shapes, 4 layers, bf16, ALST: Ulysses,
+   UPipe at U = 1 .. 4C, with overlap and on the long stack with chunks, zigzag ring, FPDT, USP,
+   DeepSpeed Ulysses; 1 rank at 32K, 8 ranks at 128K to 512K), each cell as rank 0 of its P on
+   the ``fake`` process group (real kernels and host copies, no communication), the allocator
+   cleaned between cells (``gpu_costs.measure_steps``);
+3. emulate each cell exactly (fake tensors, ``Hardware(device="cuda")``) and price its step on
+   the shipped profile of this GPU (``calibrate.DATASHEETS``; none for another GPU) and on the
+   calibration of step 1, without communication, as the cells ran;
+4. write ``<out>/time_validation_gpu/``: ``rows.csv`` (measured step and allocator peak beside
+   each profile's predicted step, its error, and the emulated peak), ``summary.json`` (median
+   and worst |error| per profile against the targets, UPipe / Ulysses step ratios measured and
+   predicted), ``predicted_vs_measured.png``, ``profile.json`` and ``env.json``.
+
+Nothing is fitted to the measured steps. Without a CUDA device it says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from experiments.config import Hardware, Status
+from experiments.emulation.calibrate import DATASHEETS, calibrate, write_profile
+from experiments.emulation.emulate import time_columns
+from experiments.emulation.fake_step import measure_fake
+from experiments.emulation.gpu_costs import STEP_CELLS, cell_of, measure_steps
+from experiments.emulation.profile import load_profile
+from experiments.provenance import provenance
+from experiments.reporting.validation import plot_gpu_validation, summarize_gpu_validation
+from experiments.store import write_json, write_text
+
+FOLDER = "time_validation_gpu"
+ITERS = 2  # timed steps per cell (one at 512K tokens), after a warm-up step
+
+
+class NoGPU(RuntimeError):
+    """No CUDA device: the GPU validation cannot run here."""
+
+
+def _predict(cell, profiles: dict) -> dict:
+    """The cell emulated once and priced on each profile: predicted step seconds (without
+    exposed communication: the measured cells ran on the fake process group) and the peak."""
+    cfg = cell.validate()
+    m = measure_fake(cell, cfg, Hardware(device="cuda"))
+    out = {"emulated_peak_bytes": m.peak_device_bytes}
+    for name, profile in profiles.items():
+        t = time_columns(cell, cfg, profile, m)
+        out[f"predicted_s_{name}"] = t["step_time_s"] - t["time_comm_exposed_s"]
+    return out
+
+
+def validate_gpu(out: Path, *, quick: bool = False, small: bool = False,
+                 progress: bool = True) -> dict:
+    """The validation of the module's docstring into ``out / FOLDER``; its summary. ``small``:
+    the CPU smoke test (tests only): ``gpu_costs.cell_of``'s sizes, measured on the CPU and
+    priced on the shipped ``h200`` profile, no calibration."""
+    if not torch.cuda.is_available() and not small:
+        raise NoGPU("validate-time --device cuda needs a CUDA GPU, and torch sees none here "
+                    "(torch.cuda.is_available() is False); validate-time without --device "
+                    "runs the CPU validation")
+    t0 = time.monotonic()
+    folder = out / FOLDER
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    profiles = {}
+    name = torch.cuda.get_device_name() if device.type == "cuda" else None
+    if DATASHEETS.get(name) or small:  # the smoke test prices on the H200's
+        profiles["shipped"] = load_profile(DATASHEETS.get(name, "h200"))
+    calibration_error = None
+    if device.type == "cuda":
+        try:  # fp32 too: the chunked loss's logits products run in fp32
+            write_profile(calibrate(nproc=1, device="cuda", quick=quick), folder / "profile.json")
+            profiles["calibrated"] = load_profile(str(folder / "profile.json"))
+        except Exception as e:  # noqa: BLE001 -- the cells are still measured and priced
+            calibration_error = f"{type(e).__name__}: {e}"[:1000]
+            print(f"calibration failed: {calibration_error}", file=sys.stderr)
+    rows = []
+    for method, nproc, seq_len, extra, _ in STEP_CELLS:
+        cell, ident = cell_of(method, nproc, seq_len, extra, small=small)
+        row, _, _ = measure_steps(cell, device, ITERS if seq_len < 2**19 else 1)
+        row = ident | {"cell_id": cell.cell_id()} | row
+        if row["status"] == Status.OK:
+            try:
+                row |= _predict(cell, profiles)
+            except Exception as e:  # noqa: BLE001 -- the measurement stays; the row says why
+                row["error"] = f"prediction failed: {type(e).__name__}: {e}"[:400]
+        for p in profiles:
+            if f"predicted_s_{p}" in row:
+                row[f"error_{p}"] = row[f"predicted_s_{p}"] / row["step_s"] - 1
+        rows.append(row)
+        if progress:
+            print({k: v for k, v in row.items() if k != "times"}, file=sys.stderr, flush=True)
+        write_text(folder / "rows.csv", pd.DataFrame(rows).to_csv(index=False,
+                                                                 float_format="%.6g"))
+    table = pd.DataFrame(rows)
+    summary = summarize_gpu_validation(table, list(profiles))
+    write_json(folder / "summary.json", summary)
+    if any(f"error_{p}" in table for p in profiles):
+        plot_gpu_validation(table, list(profiles), folder / "predicted_vs_measured.png")
+    write_json(folder / "env.json", {
+        "command": "upipe-bench validate-time --device cuda" + (" --quick" if quick else ""),
+        "profiles": {p: prof.path for p, prof in profiles.items()},
+        "calibration_error": calibration_error,
+        "wall_s": round(time.monotonic() - t0, 1), **provenance()})
+    return summary

@@ -5,9 +5,11 @@ One process, one GPU; every cell on the ``fake`` process group (one GPU plays ra
 kernels and host copies, no-op collectives), the allocator cleaned between cells as
 ``gpu_check`` does. Written under ``--out`` (each a CSV unless named):
 
-- ``steps``: step seconds (median of ``--iters`` after a warm-up step) of Llama3-8B-shaped cells
-  (4 layers, bf16, ALST): Ulysses and UPipe on one rank at 32K with U = 1 .. 32 (32 .. 1
-  stages: a stage's cost is the slope), and on 8 ranks at 128K;
+- ``steps``: step seconds (median of ``--iters`` after a warm-up step), allocator peak and
+  counters of ``STEP_CELLS``, Llama3-8B-shaped (4 layers, bf16, ALST): Ulysses and UPipe on one
+  rank at 32K with U = 1 .. 32 (32 .. 1 stages: a stage's cost is the slope), every method on
+  8 ranks at 128K, and 256K, 512K (``--only-profiled``: the four profiled cells); the profiled
+  ones also count PyTorch's host-device synchronisations in one more step;
 - ``ops``: for the profiled cells, the GPU time of each aten op by input shapes (one step under
   ``torch.profiler``): what each kind of kernel really costs in the step;
 - ``timeline``: per profiled cell, the step's wall time, its kernels' summed time and the time
@@ -22,8 +24,14 @@ kernels and host copies, no-op collectives), the allocator cleaned between cells
 - ``host_copy``: host<->device copies, pinned and pageable, first touch and warm;
 - ``profile_quick.json`` / ``profile_full.json``: ``calibrate`` on this GPU as it stands.
 
+``--merge-into PROFILE`` measures nothing: it writes the profile constants a run's CSVs give
+(``profile_constants``: flash attention by heads, narrow-matmul caps, the host's cost per op)
+into a profile JSON, as the shipped ``h200`` and ``h100-sxm`` took them.
+
     python -m experiments.emulation.gpu_costs --out results/gpu_costs   # needs a GPU
     python -m experiments.emulation.gpu_costs --out /tmp/x --small       # CPU smoke test
+    python -m experiments.emulation.gpu_costs --out results/gpu_costs_h200/kernels \
+        --merge-into experiments/emulation/profiles/h200.json --where "..."
 """
 
 from __future__ import annotations

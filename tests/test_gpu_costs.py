@@ -1,0 +1,44 @@
+"""``experiments.emulation.gpu_costs``: its CPU smoke run, and the shipped GPU profiles holding
+exactly the constants its committed H200 run gives."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from experiments.emulation import gpu_costs
+from experiments.emulation.profile import PROFILE_DIR
+
+KERNELS = Path(__file__).resolve().parent.parent / "results" / "gpu_costs_h200" / "kernels"
+
+
+@pytest.mark.parametrize("name", ["h200", "h100-sxm"])
+def test_shipped_profiles_hold_the_h200_runs_constants(name):
+    """What ``--merge-into`` wrote is what the committed CSVs give, and each source names the
+    run: a profile edited by hand, or a CSV changed without the profile, fails here."""
+    want = gpu_costs.profile_constants(KERNELS, "x")
+    raw = json.loads((PROFILE_DIR / f"{name}.json").read_text())
+    for pass_, const in want["attention_sdpa_bf16"].items():
+        got = raw["attention"]["sdpa"]["bf16"][pass_]
+        assert got["value"] == const["value"]
+        assert "results/gpu_costs_h200/kernels" in got["source"]
+    assert raw["matmul_narrow"]["bf16"]["value"] == want["matmul_narrow"]["bf16"]["value"]
+    assert raw["host_op_s"]["value"] == want["host_op_s"]["value"]
+    assert "results/gpu_costs_h200/kernels" in raw["host_op_s"]["source"]
+
+
+def test_the_profiled_cells_run_on_cpu(tmp_path):
+    """The smoke sizes on the CPU: every profiled cell a row, its op table and timeline."""
+    assert gpu_costs.main(["--out", str(tmp_path), "--small", "--only-profiled", "--skip",
+                           "dispatch,memory,matmul,attention,host_copy"]) == 0
+    steps = pd.read_csv(tmp_path / "steps.csv")
+    assert len(steps) == sum(p for *_, p in gpu_costs.STEP_CELLS)
+    assert (steps["status"] == "ok").all() and (steps["step_s"] > 0).all()
+    assert len(pd.read_csv(tmp_path / "timeline.csv")) == len(steps)
+    ops = pd.read_csv(tmp_path / "ops.csv")
+    assert {"aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu"} <= set(ops["op"])
+    env = json.loads((tmp_path / "env.json").read_text())
+    assert "--only-profiled" in env["command"]

@@ -39,8 +39,8 @@ GPU_FOLDERS = (
     ("chunked_backward_gpu", "UPipe's chunked attention backward against one kernel call "
      "(beyond the paper)", "measured",
      "python -m experiments.emulation.gpu_chunk_bench --out results/chunked_backward_gpu"),
-    ("time_validation_gpu", "emulated step time vs measured on one GPU (DESIGN.md §9; no "
-     "paper table)", "measured + emulated",
+    ("time_validation_gpu", "emulated step time vs measured on one GPU (no paper table)",
+     "measured + emulated",
      "upipe-bench validate-time --device cuda --quick --out results"),
 )
 COLUMNS = ("sweep", "reproduces", "mode", "scale", "device", "date", "git rev", "versions",

@@ -1,5 +1,5 @@
-"""The time model against one real GPU: ``upipe-bench validate-time --device cuda`` (DESIGN.md
-§9).
+"""The time model against one real GPU: ``upipe-bench validate-time --device cuda`` (README,
+"Emulated time and the planner").
 
 On any single CUDA GPU, in one process:
 

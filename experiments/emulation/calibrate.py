@@ -161,8 +161,8 @@ def _time(fn: Callable, sync: Callable, grid: Grid) -> float:
         return (time.perf_counter() - t0) / n
 
     # an untimed call first: a shape's first call pays one-off costs (cuBLAS's heuristics and
-    # workspace, a kernel's first load: a 645-wide bf16 matmul's first call ran at 7.5 TFLOP/s
-    # on an H200, 48.7 after it, results/gpu_costs_h200/kernels/profile_quick.json)
+    # workspace, a kernel's first load), and a call longer than half the budget is its own
+    # sample below, so without it a process's first matmul was timed cold
     fn()
     once = run(1)  # sizes the loop
     if 2 * once > grid.budget_s:  # one-off costs are lost in a call this long: it is the sample
@@ -218,9 +218,9 @@ def _measure_compute(grid: Grid, device: torch.device, dtypes, kernels, barrier)
         for copy in HOST_COPIES:
             out["host_copy", copy] = out["memory_bandwidth",] / 2
     for memory in ("pinned", "pageable") if device.type == "cuda" else ():
-        # written once first: a fresh pageable buffer's first copy faults its pages in (1.6
-        # GB/s device to host on an H200 against 18 warm, results/gpu_costs_h200/kernels), a
-        # cost the offload's reused host buffers do not pay on every step
+        # written once first: a fresh pageable buffer's first copy faults its pages in (1 GiB
+        # device to host on an H200: 1.8 GB/s first, 18 warm, results/gpu_costs_h200/kernels/
+        # host_copy.csv), a cost the offload's reused host buffers do not pay every step
         host = torch.zeros(x.shape, pin_memory=memory == "pinned")
         timed(("host_copy", f"h2d_{memory}"), partial(x.copy_, host), grid.stream_bytes)
         timed(("host_copy", f"d2h_{memory}"), partial(host.copy_, x), grid.stream_bytes)

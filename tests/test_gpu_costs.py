@@ -42,3 +42,13 @@ def test_the_profiled_cells_run_on_cpu(tmp_path):
     assert {"aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu"} <= set(ops["op"])
     env = json.loads((tmp_path / "env.json").read_text())
     assert "--only-profiled" in env["command"]
+
+
+def test_merge_into_refuses_a_folder_without_the_runs_csvs(tmp_path, capsys):
+    profile = tmp_path / "p.json"
+    profile.write_text((PROFILE_DIR / "h200.json").read_text())
+    with pytest.raises(SystemExit) as e:
+        gpu_costs.main(["--out", str(tmp_path / "none"), "--merge-into", str(profile)])
+    assert e.value.code == 2
+    assert "lacks attention.csv, matmul.csv, dispatch.csv" in capsys.readouterr().err
+    assert profile.read_text() == (PROFILE_DIR / "h200.json").read_text()  # untouched

@@ -498,6 +498,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --merge-into: the run the sources name (device, date, folder)")
     args = p.parse_args(argv)
     if args.merge_into is not None:
+        missing = [f for f in ("attention.csv", "matmul.csv", "dispatch.csv")
+                   if not (args.out / f).is_file()]
+        if missing or not args.merge_into.is_file():
+            p.error(f"--merge-into needs the profile JSON ({args.merge_into}) and a run's "
+                    f"kernels folder as --out; {args.out} lacks {', '.join(missing)}"
+                    if missing else f"--merge-into: no profile file {args.merge_into}")
         merge_into_profile(args.merge_into, args.out, args.where or str(args.out))
         return 0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -15,15 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments.config import Cell, Hardware
+from experiments.emulation import op_costs
 from experiments.emulation.emulate import emulate_cell
-from experiments.emulation.fake_step import critical_rank, measure_fake
+from experiments.emulation.fake_step import critical_rank, fake_world, measure_fake
 from experiments.emulation.op_costs import StepWork
 from experiments.emulation.profile import ProfileError, attention_flops, load_profile
 from experiments.emulation.time_model import WindowTime, price, step_time
 from experiments.emulation.work_fit import quadratic_at
-from experiments.instruments.memory import MemoryTracker
+from experiments.harness.train import build
+from experiments.instruments.collectives import COLLECTIVE_NAMESPACES
+from experiments.instruments.memory import MemoryTracker, tensor_leaves
 from upipe.staging import make_stage_plan
 
 DATA = Path(__file__).parent / "data"
@@ -454,3 +458,42 @@ def test_an_attention_calls_key_carries_its_key_length_and_heads():
         ("attention", "sdpa", "fp32", "bwd_causal", 16, (128, 6)):
             attention_flops(2, 3, 128, 128, 16, "bwd_causal"),
     }
+
+
+class _KernelCount(TorchDispatchMode):
+    """Counts the ops that launch a kernel, by ``op_costs``' rule: not a view, an allocation or
+    a collective, and touching a tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if (func.namespace not in COLLECTIVE_NAMESPACES and not func.is_view
+                and func not in op_costs._NO_KERNEL and func.namespace != "prim"
+                and (tensor_leaves((args, kwargs), []) or tensor_leaves(out, []))):
+            self.n += 1
+        return out
+
+
+@pytest.mark.parametrize("method,nproc,extra", [
+    ("ulysses", 1, {}), ("upipe", 1, {"heads_per_stage": 1}), ("upipe", 2, {}),
+    ("zigzag-ring", 2, {})], ids=["ulysses", "upipe-U1", "upipe-P2", "zigzag-P2"])
+def test_the_fake_steps_kernels_are_a_real_steps(method, nproc, extra):
+    """The kernels the time model prices are the ones a real step launches: rank 0 of the job
+    on the fake process group with real CPU tensors (collectives do nothing, every other op
+    runs), counted in its second step, equals the fake step's count, replayed calls included.
+    The ``ac`` stack: the ALST offload's host copies are kernels on neither side, but on a CPU
+    the real run cannot tell them from device ops."""
+    cell = Cell(method=method, model="tiny", nproc=nproc, seq_len=256, stack="ac", **extra)
+    cfg = cell.validate()
+    fake = measure_fake(cell, cfg, Hardware(device="cpu"))
+    with fake_world(cell.world):
+        state = build(cell, cfg, distributed=True, device=torch.device("cpu"))
+        state.step()  # the optimizer's states, as the fake step has them
+        count = _KernelCount()
+        with count:
+            state.step()
+    assert count.n == sum(w.get(("kernels",), 0) for _, w in fake.work) > 0

@@ -19,6 +19,7 @@ from experiments.reporting.validation import (
     summarize_gpu_validation,
     write_time_validation,
 )
+from experiments.runner import time_validation_gpu as tvg
 from experiments.runner.time_validation import predictions
 from experiments.store import BadResultFile, write_json
 
@@ -111,3 +112,23 @@ def test_validate_time_on_cuda_without_a_gpu_exits_2(monkeypatch, capsys, tmp_pa
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and "torch.cuda.is_available() is False" in err
     assert not any(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+def test_the_gpu_validation_runs_end_to_end_at_smoke_sizes(monkeypatch, tmp_path):
+    """Measure, emulate, price, summarise and write, on the CPU at the smoke sizes (two cells;
+    priced on the shipped h200 profile, no calibration): every file, a prediction and an
+    error per cell, the UPipe / Ulysses ratio."""
+    monkeypatch.setattr(tvg, "STEP_CELLS", [("ulysses", 1, 2**15, {}, False),
+                                            ("upipe", 1, 2**15, {"heads_per_stage": 4}, False)])
+    summary = tvg.validate_gpu(tmp_path, small=True, progress=False)
+    folder = tmp_path / tvg.FOLDER
+    assert {p.name for p in folder.iterdir()} == {"rows.csv", "summary.json", "env.json",
+                                                  "predicted_vs_measured.png"}
+    rows = pd.read_csv(folder / "rows.csv")
+    assert list(rows["status"]) == ["ok", "ok"]
+    assert (rows["predicted_s_shipped"] > 0).all()
+    assert rows["error_shipped"].tolist() == pytest.approx(  # rows.csv keeps 6 digits
+        (rows["predicted_s_shipped"] / rows["step_s"] - 1).tolist(), rel=1e-4)
+    assert summary["shipped"]["cells"] == 2 and len(summary["ratios"]) == 1
+    assert json.loads((folder / "env.json").read_text())["profiles"]["shipped"].endswith(
+        "h200.json")

@@ -18,15 +18,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments.config import Cell, Hardware
-from experiments.emulation import op_costs
 from experiments.emulation.emulate import emulate_cell
 from experiments.emulation.fake_step import critical_rank, fake_world, measure_fake
-from experiments.emulation.op_costs import StepWork
+from experiments.emulation.op_costs import StepWork, launches_kernel
 from experiments.emulation.profile import ProfileError, attention_flops, load_profile
 from experiments.emulation.time_model import WindowTime, price, step_time
 from experiments.emulation.work_fit import quadratic_at
 from experiments.harness.train import build
-from experiments.instruments.collectives import COLLECTIVE_NAMESPACES
 from experiments.instruments.memory import MemoryTracker, tensor_leaves
 from upipe.staging import make_stage_plan
 
@@ -461,8 +459,8 @@ def test_an_attention_calls_key_carries_its_key_length_and_heads():
 
 
 class _KernelCount(TorchDispatchMode):
-    """Counts the ops that launch a kernel, by ``op_costs``' rule: not a view, an allocation or
-    a collective, and touching a tensor."""
+    """Counts the ops of a real step that launch a kernel (``op_costs.launches_kernel``, on a
+    tensor): what ``StepWork`` counts op by op in the fake step, replays aside."""
 
     def __init__(self):
         super().__init__()
@@ -471,9 +469,8 @@ class _KernelCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if (func.namespace not in COLLECTIVE_NAMESPACES and not func.is_view
-                and func not in op_costs._NO_KERNEL and func.namespace != "prim"
-                and (tensor_leaves((args, kwargs), []) or tensor_leaves(out, []))):
+        if launches_kernel(func) and (tensor_leaves((args, kwargs), []) or
+                                      tensor_leaves(out, [])):
             self.n += 1
         return out
 

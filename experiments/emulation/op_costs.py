@@ -93,6 +93,13 @@ _NO_KERNEL = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empt
               _aten.record_stream.default, _aten._unsafe_view.default}
 
 
+def launches_kernel(func) -> bool:
+    """Whether an aten op may launch a kernel: not a collective, a view, an allocation or a
+    primitive (``StepWork`` counts it when it touches a device tensor)."""
+    return (func.namespace not in COLLECTIVE_NAMESPACES and not func.is_view
+            and func not in _NO_KERNEL and func.namespace != "prim")
+
+
 def _attention_op(func) -> tuple[str, str, bool] | None:
     """(kernel name, pass, layout "bhsd" | "bshd") of an attention kernel op, else None."""
     name = f"{func.namespace}::{func._opname}"
@@ -235,7 +242,7 @@ class StepWork(TorchDispatchMode):
         tracker's observer: either way after the tracker has counted the op's outputs)."""
         if func.namespace in COLLECTIVE_NAMESPACES:
             self._collective(func, args, kwargs)
-        elif not func.is_view and func not in _NO_KERNEL and func.namespace != "prim":
+        elif launches_kernel(func):
             self._kernel(func, args, kwargs, out)
 
     def _collective(self, func, args, kwargs) -> None:

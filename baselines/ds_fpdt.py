@@ -98,6 +98,8 @@ class DSFPDTAttention(ContextParallelAttention):
     steady_chunks: ClassVar[int] = 5
     # FPDT takes one fused bias-free qkv weight and theta's RoPE tables (see forward).
     projection_features = frozenset()
+    own_kernel = ("flash-attn", "DeepSpeed's FPDT calls flash-attn's kernels itself on CUDA "
+                                "(on CPU, stand-ins through upipe's dispatch)")
     documents_unsupported = (
         "DeepSpeed's FPDT_Attention takes no document boundaries (dense flash-attn per chunk, "
         "RoPE at global positions); use 'fpdt'")

@@ -93,6 +93,7 @@ class RFAZigzagAttention(ZigzagRingAttention):
     zigzag. ``group`` is passed through (ring-flash-attn 0.1.8 maps group ranks to global ones).
     """
 
+    own_kernel = ("flash-attn", "ring-flash-attn calls flash-attn's kernels itself")
     documents_unsupported = (
         "ring-flash-attn's varlen zigzag (zigzag_ring_flash_attn_varlen_func) zigzags every "
         "document separately, a layout other than this method's; use 'zigzag-ring'")

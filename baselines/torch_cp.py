@@ -186,6 +186,10 @@ class TorchCPAttention(ZigzagRingAttention):
     and the emulator's fake tensors.
     """
 
+    own_kernel = ("sdpa", "torch's ring (_templated_ring_attention) calls the fused op SDPA picks, "
+                          "PyTorch's flash kernel for fp16/bf16 on CUDA; its cuDNN ring passes "
+                          "the full-sequence max_q/max_k to the backward of half-sequence blocks, "
+                          "which the cuDNN op checks against its inputs' shapes")
     documents_unsupported = (
         "torch's SDPA ring (_templated_ring_attention, the paper's PyTorch CP) takes no mask; "
         "PyTorch keeps documents apart only in its flex_attention CP, with block masks; use "

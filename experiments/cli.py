@@ -215,7 +215,7 @@ def cmd_max_context(a) -> int:
 
 PLAN_COLUMNS = {  # row key -> column title of the plan table
     "method": "method", "mesh": "mesh", "heads_per_stage": "U", "overlap": "overlap",
-    "chunk_size": "chunk", "stack": "stack",
+    "chunk_size": "chunk", "stack": "stack", "kernel_ran": "kernel",
     "fits": "fits", "peak_device_gib": "device GiB", "peak_host_gib": "host GiB/rank",
     "tokens_per_s_per_gpu": "tokens/s/GPU", "mfu": "MFU", "step_time_s": "step s",
     "why": "why not",
@@ -244,7 +244,8 @@ def _plan_line(row: dict) -> dict:
             "heads_per_stage": "-" if u is None else u,
             "overlap": "yes" if row.get("overlap") else "-",
             "chunk_size": format_size(row["chunk_size"]) if row.get("chunk_size") else "-",
-            "stack": row["stack"], "fits": fits,
+            "stack": row["stack"], "kernel_ran": row.get("kernel_ran") or row.get("kernel"),
+            "fits": fits,
             "peak_device_gib": gib["peak_device_bytes"], "peak_host_gib": gib["peak_host_bytes"],
             "tokens_per_s_per_gpu": row.get("tokens_per_s_per_gpu"), "mfu": row.get("mfu"),
             "step_time_s": row.get("step_time_s"),

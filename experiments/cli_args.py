@@ -167,7 +167,9 @@ def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
     p.add_argument("--dtype", default=dtype,
                    help=f"one of {', '.join(DTYPES)} (default {dtype_default})")
     p.add_argument("--kernel", default="auto", choices=KERNELS,
-                   help="attention kernel (default auto: sdpa)")
+                   help="attention kernel (default auto: the fastest this machine runs, or on "
+                        "an emulated GPU the fastest PyTorch kernel there: cudnn on Hopper in "
+                        "bf16/fp16, else sdpa; rows record it as kernel_ran)")
     p.add_argument("--workload", default="step", choices=WORKLOADS,
                    help="step: one training step of the model (default); attention: one "
                         "attention layer's forward and backward, the model's heads and width")
@@ -385,7 +387,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=size, required=True, help="global tokens per step: 4M")
     p.add_argument("--dtype", default="bf16", choices=DTYPES, help="default bf16")
     p.add_argument("--kernel", default="auto", choices=KERNELS,
-                   help="attention kernel (default auto: sdpa; the paper ran fa3)")
+                   help="attention kernel (default auto: the fastest PyTorch kernel on the "
+                        "profile's GPU, cudnn on Hopper in bf16/fp16, else sdpa; the paper ran "
+                        "fa3)")
     p.add_argument("--methods", default=None, metavar="A,B",
                    help="only these methods (default: every registered method)")
     p.add_argument("--stacks", default=None, metavar="A,B",

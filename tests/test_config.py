@@ -86,7 +86,7 @@ def test_overrides_are_typed_and_checked():
     ({"method": "ulysses", "heads_per_stage": 4}, "applies to upipe only"),
     ({"dtype": "fp8"}, "dtype must be one of"),
     ({"budget_mib": 0}, "budget_mib must be positive"),
-    ({"kernel": "cudnn"}, "kernel"),
+    ({"kernel": "cudnn-v9"}, "kernel"),
 ])
 def test_cell_validation_names_field_and_rule(fields, msg):
     cell = Cell(**({"method": "upipe"} | fields))

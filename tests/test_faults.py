@@ -316,7 +316,7 @@ def test_bad_values_are_refused_naming_the_rule(capsys, argv, says):
     (["sweep", "bench_attention", "--timeout", "-1"], "--timeout"),
     (["run", "--method", "upipe", "--nproc", "0"], "--nproc"),
     (["run", "--method", "upipe", "--iters", "-1"], "--iters"),
-    (["run", "--method", "upipe", "--kernel", "cudnn"], "--kernel"),
+    (["run", "--method", "upipe", "--kernel", "cudnn-v9"], "--kernel"),
 ])
 def test_bad_flags_are_refused_before_anything_runs(capsys, argv, flag):
     with pytest.raises(SystemExit) as e:
@@ -432,7 +432,7 @@ def test_every_flag_has_help_and_kernel_lists_its_choices():
                for name, sub in subparsers.choices.items() for action in sub._actions
                if action.help in (None, "") and action.dest != "help"]
     assert not missing, f"flags without a help text: {missing}"
-    assert "{auto,sdpa,math,flash-attn,fa3}" in subparsers.choices["run"].format_help()
+    assert "{auto,sdpa,math,flash-attn,fa3,cudnn}" in subparsers.choices["run"].format_help()
 
 
 def test_dry_run_says_which_cells_resume(tmp_path, capsys):

@@ -21,13 +21,44 @@ def test_shipped_profiles_hold_the_h200_runs_constants(name):
     run: a profile edited by hand, or a CSV changed without the profile, fails here."""
     want = gpu_costs.profile_constants(KERNELS, "x")
     raw = json.loads((PROFILE_DIR / f"{name}.json").read_text())
-    for pass_, const in want["attention_sdpa_bf16"].items():
-        got = raw["attention"]["sdpa"]["bf16"][pass_]
-        assert got["value"] == const["value"]
-        assert "results/gpu_costs_h200/kernels" in got["source"]
+    where = raw["host_op_s"]["source"].split(", dispatch.csv: ")[0]
+    for kernel in ("sdpa", "cudnn"):
+        assert set(want[f"attention_{kernel}_bf16"]) == {"fwd_causal", "bwd_causal"}
+        for pass_, const in want[f"attention_{kernel}_bf16"].items():
+            got = raw["attention"][kernel]["bf16"][pass_]
+            assert got["value"] == const["value"]
+            assert "results/gpu_costs_h200/kernels" in got["source"]
+            # every constant of the run names it in the same words (one --where)
+            assert got["source"].startswith(where + ", attention.csv: ")
+    assert "cuDNN SDPA backend" in raw["attention"]["cudnn"]["bf16"]["fwd_causal"]["source"]
     assert raw["matmul_narrow"]["bf16"]["value"] == want["matmul_narrow"]["bf16"]["value"]
     assert raw["host_op_s"]["value"] == want["host_op_s"]["value"]
     assert "results/gpu_costs_h200/kernels" in raw["host_op_s"]["source"]
+
+
+def test_cudnn_constants_skip_failed_shapes_and_runs_without_cudnn(tmp_path):
+    """A shape cuDNN refused (cudnn_error, no times) is left out of its table; a run without
+    cuDNN columns (a CPU run) gives no cuDNN constants, and merging it leaves them alone."""
+    for f in ("matmul.csv", "dispatch.csv"):
+        (tmp_path / f).write_text((KERNELS / f).read_text())
+    att = pd.read_csv(KERNELS / "attention.csv")
+    failed = (att["heads"] == 32) & (att["seq"] == 32768)
+    att.loc[failed, ["cudnn_fwd_s", "cudnn_bwd_s"]] = float("nan")
+    att.to_csv(tmp_path / "attention.csv", index=False)
+    c = gpu_costs.profile_constants(tmp_path, "x")
+    for pass_ in ("fwd_causal", "bwd_causal"):
+        assert [s for s, _ in c["attention_cudnn_bf16"][pass_]["value"]["128"]["32"]] == [
+            4096, 16384]
+        assert [s for s, _ in c["attention_sdpa_bf16"][pass_]["value"]["128"]["32"]] == [
+            4096, 16384, 32768]
+    att.drop(columns=["cudnn_fwd_s", "cudnn_bwd_s"]).to_csv(tmp_path / "attention.csv",
+                                                            index=False)
+    assert "attention_cudnn_bf16" not in gpu_costs.profile_constants(tmp_path, "x")
+    profile = tmp_path / "p.json"
+    profile.write_text((PROFILE_DIR / "h200.json").read_text())
+    gpu_costs.merge_into_profile(profile, tmp_path, "x")
+    assert (json.loads(profile.read_text())["attention"]["cudnn"] ==
+            json.loads((PROFILE_DIR / "h200.json").read_text())["attention"]["cudnn"])
 
 
 def test_the_profiled_cells_run_on_cpu(tmp_path):

@@ -71,7 +71,7 @@ def test_autograd_wrapper_matches_explicit_backward():
 def test_unknown_kernel_is_a_value_error():
     (q, k, v), _ = _inputs(4, 2, 2, 8, torch.float32)
     with pytest.raises(ValueError, match="kernel must be one of"):
-        attention_forward(q, k, v, causal=True, kernel="cudnn")
+        attention_forward(q, k, v, causal=True, kernel="cudnn-v9")
 
 
 @pytest.mark.skipif(flash_attn_available(), reason="flash-attn is installed")

@@ -70,7 +70,8 @@ def test_shipped_profile_loads_and_validates(name):
     assert p.peak_flops("bf16") > p.peak_flops("fp32") > 0
     for dtype in ("bf16", "fp32"):
         assert p.matmul_rate(dtype, 4096, 4096, 4096) <= p.peak_flops(dtype)
-    kernels = ("fa3", "flash-attn", "sdpa") if name != "a100-80gb" else ("flash-attn", "sdpa")
+    kernels = ("fa3", "flash-attn", "sdpa", "cudnn") if name != "a100-80gb" else (
+        "flash-attn", "sdpa", "cudnn")
     for kernel in kernels:
         for pass_ in PASSES:
             for seq in (512, 4096, 16384):
@@ -83,6 +84,77 @@ def test_shipped_profile_loads_and_validates(name):
             assert bw > 0 and lat > 0
     for direction in ("h2d", "d2h"):
         assert p.host_copy(direction, pinned=True) > p.host_copy(direction, pinned=False) > 0
+
+
+@pytest.mark.parametrize("name", shipped_profiles())
+def test_shipped_profile_has_cudnn_bf16_rates_for_every_pass(name):
+    """Its own table for each pass: a causal pass missing would fall back to the non-causal
+    rate silently (attention_rate), so the tables themselves are checked."""
+    tables = load_profile(name).values["attention"]["cudnn"]["bf16"]
+    assert set(tables) == set(PASSES)
+    assert all("128" in tables[pass_] for pass_ in PASSES)
+
+
+@pytest.mark.parametrize("name,cc", [("h100-sxm", (9, 0)), ("h200", (9, 0)),
+                                     ("a100-80gb", (8, 0))])
+def test_shipped_compute_capability(name, cc):
+    assert load_profile(name).compute_capability == cc
+
+
+def test_compute_capability_is_optional(tmp_path):
+    assert load_profile(_write(tmp_path, _minimal())).compute_capability is None
+    prof = _minimal()
+    prof["compute_capability"] = _c("10.3")
+    assert load_profile(_write(tmp_path, prof, "cc.json")).compute_capability == (10, 3)
+
+
+@pytest.mark.parametrize("value", ["9", "9.0.1", "9.x", "sm90", " 9.0", "9.0 ", "", "-9.0",
+                                   "\u0669.0", 9.0, ["9", "0"], None])
+def test_malformed_compute_capability_is_refused(tmp_path, value):
+    prof = _minimal()
+    prof["compute_capability"] = _c(value)
+    with pytest.raises(ProfileError, match=r"compute_capability: must be a string "
+                                           '"<major>.<minor>"'):
+        load_profile(_write(tmp_path, prof))
+
+
+def test_compute_capability_without_source_is_refused(tmp_path):
+    prof = _minimal()
+    prof["compute_capability"] = "9.0"  # a bare string: the other strings' loophole
+    with pytest.raises(ProfileError, match="compute_capability: write it as a constant"):
+        load_profile(_write(tmp_path, prof))
+    prof["compute_capability"] = {"value": "9.0"}
+    with pytest.raises(ProfileError, match="compute_capability: a constant needs"):
+        load_profile(_write(tmp_path, prof, "nosource.json"))
+
+
+def test_shipped_h200_cudnn_beats_flash_where_measured():
+    """The H200 run's data: at 32 heads and 32K, cuDNN's causal kernels ran faster than the
+    flash backend's (attention.csv: 15.0 vs 25.6 ms forward, 40.9 vs 69.6 ms backward)."""
+    p = load_profile("h200")
+    for pass_ in ("fwd_causal", "bwd_causal"):
+        cudnn = p.attention_rate("cudnn", "bf16", pass_, 128, 32768, 32)
+        sdpa = p.attention_rate("sdpa", "bf16", pass_, 128, 32768, 32)
+        assert cudnn > 1.5 * sdpa
+
+
+def test_a100_cudnn_is_082_of_its_sdpa():
+    """No A100 cuDNN measurement: every point is 0.82 x the profile's own sdpa rate at the same
+    length (huggingface/transformers PR #48163), in every pass."""
+    p = load_profile("a100-80gb")
+    tables = p.values["attention"]
+    for pass_ in PASSES:
+        cudnn, sdpa = tables["cudnn"]["bf16"][pass_], tables["sdpa"]["bf16"][pass_]
+        assert set(cudnn) == set(sdpa)
+        for dim, sdpa_points in sdpa.items():
+            assert [x for x, _ in cudnn[dim]] == [x for x, _ in sdpa_points]
+            for (_, got), (_, flash) in zip(cudnn[dim], sdpa_points, strict=True):
+                assert got == pytest.approx(0.82 * flash, rel=1e-4)  # 5 significant digits
+        for seq in (512, 3000, 16384, 1 << 17):
+            assert p.attention_rate("cudnn", "bf16", pass_, 128, seq) == pytest.approx(
+                0.82 * p.attention_rate("sdpa", "bf16", pass_, 128, seq), rel=1e-4)
+    assert "transformers PR #48163" in json.loads(
+        Path(p.path).read_text())["attention"]["cudnn"]["bf16"]["fwd"]["source"]
 
 
 def test_shipped_names():

@@ -30,7 +30,7 @@ RULES = [
     # 0 is not "the default" (U = C): it is refused like any other non-positive U
     (dict(dim=32, n_heads=8, n_kv_heads=2, head_dim=8, heads_per_stage=0), ("upipe",),
      "heads_per_stage (0) must be a positive multiple of the CP degree (2)"),
-    (dict(dim=32, n_heads=8, n_kv_heads=2, head_dim=8, kernel="cudnn"), METHODS,
+    (dict(dim=32, n_heads=8, n_kv_heads=2, head_dim=8, kernel="cudnn-v9"), METHODS,
      "kernel must be one of"),
     (dict(dim=30, n_heads=8, n_kv_heads=2), METHODS,
      "dim (30) must be divisible by n_heads (8)"),

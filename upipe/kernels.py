@@ -16,7 +16,15 @@ Kernels (selected by name):
 * ``"flash-attn"`` -- Dao-AILab flash-attn 2 (CUDA only), behind an import check.
 * ``"fa3"`` -- FlashAttention-3, the Hopper kernels of the same repository (``hopper/``, Python
   module ``flash_attn_interface``; CUDA only, H100-class GPUs), behind an import check.
-* ``"auto"`` -- ``"sdpa"`` (the project's default on CPU and CUDA).
+* ``"cudnn"`` -- PyTorch's cuDNN attention ops (``_scaled_dot_product_cudnn_attention`` and its
+  backward; CUDA only, fp16/bf16, sm80+, cuDNN 9): NVIDIA's fused kernels, in every CUDA build of
+  PyTorch, no extra package. They return the log-sum-exp the merges need (as (B, H, S, 1),
+  returned here as (B, H, S)) and take K/V with fewer heads than q (GQA) as they are.
+* ``"auto"`` -- the fastest kernel this machine runs for the tensors' device and dtype
+  (:func:`auto_kernel`): on a CUDA GPU of compute capability 9.x (Hopper) ``fa3`` if it is
+  installed, else ``cudnn``; on other GPUs ``flash-attn`` if installed, else ``sdpa``; fp32 and
+  the CPU ``sdpa``. Resolved at each call from the tensors (``resolve_kernel``), so a module
+  built with ``"auto"`` runs what its inputs' device allows.
 
 ``kernel_dispatch`` changes the choice for code running inside it: kernels picked as if the
 tensors lived on another device type, and named kernels replaced by other implementations. The
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Callable
 
@@ -47,14 +56,16 @@ import torch
 from upipe.documents import DocBlocks
 from upipe.pure import metadata_pure
 
-KERNELS = ("auto", "sdpa", "math", "flash-attn", "fa3")
+KERNELS = ("auto", "sdpa", "math", "flash-attn", "fa3", "cudnn")
+HALF = (torch.float16, torch.bfloat16)
 
 
 def check_kernel(name: str) -> str:
-    """Validate a kernel name and resolve ``"auto"``; raises ``ValueError`` naming the field."""
+    """Validate a kernel name (``"auto"`` stays ``"auto"``: it is resolved per call, from the
+    tensors, by :func:`resolve_kernel`); raises ``ValueError`` naming the field."""
     if name not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
-    return "sdpa" if name == "auto" else name
+    return name
 
 
 # (forward, backward): forward(q, k, v, causal, scale) -> (out, lse);
@@ -62,21 +73,26 @@ def check_kernel(name: str) -> str:
 KernelImpl = tuple[Callable, Callable]
 
 # (device type the kernels are chosen for or None: the tensors', {kernel name: replacement},
-#  the scope around PyTorch's fused attention ops called directly, or None)
+#  the scope around PyTorch's fused attention ops called directly, or None, what "auto" is for
+#  a dtype or None: the machine's own choice)
 _DISPATCH: contextvars.ContextVar[
-    tuple[str | None, dict[str, KernelImpl], Callable[[], contextlib.AbstractContextManager] | None]
-] = contextvars.ContextVar("upipe_kernel_dispatch", default=(None, {}, None))
+    tuple[str | None, dict[str, KernelImpl], Callable[[], contextlib.AbstractContextManager] | None,
+          Callable[[torch.Tensor], str] | None]
+] = contextvars.ContextVar("upipe_kernel_dispatch", default=(None, {}, None, None))
 
 
 @contextlib.contextmanager
 def kernel_dispatch(device_type: str | None = None,
                     overrides: dict[str, KernelImpl] | None = None,
-                    op_scope: Callable[[], contextlib.AbstractContextManager] | None = None):
+                    op_scope: Callable[[], contextlib.AbstractContextManager] | None = None,
+                    auto: Callable[[torch.Tensor], str] | None = None):
     """Inside, pick kernels as if tensors were on ``device_type``, use ``overrides[name]``
-    instead of the kernel ``name`` (names as resolved: ``"auto"`` is ``"sdpa"``), and run code
+    instead of the kernel ``name`` (names as resolved: ``"auto"`` is what it picks), run code
     that calls PyTorch's fused attention ops itself (``torch-cp``'s ring) inside ``op_scope()``
-    (:func:`fused_op_scope`; the emulator's model of what those ops allocate inside)."""
-    token = _DISPATCH.set((device_type, dict(overrides or {}), op_scope))
+    (:func:`fused_op_scope`; the emulator's model of what those ops allocate inside), and
+    resolve ``"auto"`` to ``auto(q)`` for a call's query (B, S, H, D) (the emulator: what
+    ``"auto"`` picks on the emulated GPU, not on this machine)."""
+    token = _DISPATCH.set((device_type, dict(overrides or {}), op_scope, auto))
     try:
         yield
     finally:
@@ -85,15 +101,67 @@ def kernel_dispatch(device_type: str | None = None,
 
 def kernel_dispatch_state() -> tuple:
     """What the ``kernel_dispatch`` in force decides, as a hashable value (device type,
-    overrides, op scope): a call that runs kernels does the same under equal states."""
-    device_type, overrides, op_scope = _DISPATCH.get()
-    return device_type, tuple(sorted(overrides.items())), op_scope
+    overrides, op scope, auto): a call that runs kernels does the same under equal states."""
+    device_type, overrides, op_scope, auto = _DISPATCH.get()
+    return device_type, tuple(sorted(overrides.items())), op_scope, auto
 
 
 def kernel_device_type(t: torch.Tensor) -> str:
     """The device type kernels are chosen for with ``t`` as input: ``kernel_dispatch``'s, else
     ``t``'s own (the emulator's fake CPU tensors take the CUDA path this way)."""
     return _DISPATCH.get()[0] or t.device.type
+
+
+def auto_kernel(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None = None,
+                installed: frozenset[str] | set[str] = frozenset(),
+                head_dim: int | None = None) -> str:
+    """What ``"auto"`` runs: the fastest kernel a machine runs for ``dtype``, by rule (no timing).
+
+    ``capability``: the CUDA GPU's compute capability; ``installed``: the optional kernel
+    libraries present (``"fa3"``, ``"flash-attn"``). CPU and fp32: ``sdpa``. On compute
+    capability 9.x (Hopper) fp16/bf16: ``fa3`` if installed (FlashAttention-3's Hopper
+    kernels, the paper's), else ``cudnn`` (measured on one H200 at about 2x PyTorch's flash
+    backend forward and 1.7x backward: results/gpu_costs_h200/kernels/attention.csv, and
+    arXiv 2407.08608 Figs. 5-6 on the H100), if the head dim is one it takes. Elsewhere
+    ``flash-attn`` if installed, else ``sdpa``: cuDNN's attention is slower than
+    FlashAttention-2 on the A100 (0.82x, huggingface/transformers PR #48163's benchmark across
+    six GPUs, which is why PyTorch's own SDPA prefers cuDNN on sm90 only).
+    """
+    if device_type != "cuda" or dtype not in HALF:
+        return "sdpa"
+    hopper = capability is not None and capability[0] == 9
+    if hopper and "fa3" in installed:
+        return "fa3"
+    if hopper and cudnn_shape_reason(head_dim, capability) is None:
+        return "cudnn"
+    return "flash-attn" if "flash-attn" in installed else "sdpa"
+
+
+@functools.cache
+def machine_auto_kernel(device_index: int, dtype: torch.dtype, head_dim: int) -> str:
+    """:func:`auto_kernel` on this machine's CUDA device ``device_index`` (cached: a failed
+    import is retried on every call otherwise)."""
+    installed = {name for name, (available, _) in _CUDA_ONLY.items()
+                 if name != "cudnn" and available()}
+    if cudnn_unavailable_reason() is not None:
+        return auto_kernel("cuda", dtype, None, installed, head_dim)
+    cap = torch.cuda.get_device_capability(device_index)
+    return auto_kernel("cuda", dtype, cap, installed, head_dim)
+
+
+def resolve_kernel(kernel: str, t: torch.Tensor) -> str:
+    """The kernel ``kernel`` names for inputs like ``t`` (B, S, H, D): itself unless
+    ``"auto"``, which :func:`auto_kernel` resolves for ``t``'s device and dtype (inside a
+    ``kernel_dispatch`` with ``auto``, that function's choice: the emulated GPU's)."""
+    kernel = check_kernel(kernel)
+    if kernel != "auto":
+        return kernel
+    device_type, _, _, auto = _DISPATCH.get()
+    if auto is not None:
+        return auto(t)
+    if (device_type or t.device.type) != "cuda" or t.device.type != "cuda":
+        return "sdpa"
+    return machine_auto_kernel(t.device.index or 0, t.dtype, t.shape[-1])
 
 
 def fused_op_scope() -> contextlib.AbstractContextManager:
@@ -104,22 +172,29 @@ def fused_op_scope() -> contextlib.AbstractContextManager:
 
 
 def kernel_functions(kernel: str, device_type: str) -> KernelImpl:
-    """The (forward, backward) pair the dispatch runs for ``kernel`` on ``device_type``,
-    ignoring ``kernel_dispatch`` overrides (a replacement may wrap the real pair)."""
+    """The (forward, backward) pair the dispatch runs for ``kernel`` (a resolved name, not
+    ``"auto"``) on ``device_type``, ignoring ``kernel_dispatch`` overrides (a replacement may
+    wrap the real pair)."""
     kernel = check_kernel(kernel)
+    if kernel == "auto":
+        raise ValueError("kernel_functions takes a resolved kernel name: resolve 'auto' first "
+                         "(resolve_kernel)")
     if kernel == "math":
         return _math_forward, _math_backward
     if kernel == "flash-attn":
         return _flash_attn_forward, _flash_attn_backward
     if kernel == "fa3":
         return _fa3_forward, _fa3_backward
+    if kernel == "cudnn":
+        return _cudnn_forward, _cudnn_backward
     if device_type == "cuda":
         return _sdpa_cuda_forward, _sdpa_cuda_backward
     return _sdpa_cpu_forward, _sdpa_cpu_backward
 
 
 def _resolve(kernel: str, t: torch.Tensor) -> KernelImpl:
-    device_type, overrides, _ = _DISPATCH.get()
+    kernel = resolve_kernel(kernel, t)
+    device_type, overrides, _, _ = _DISPATCH.get()
     impl = overrides.get(kernel)
     return impl if impl is not None else kernel_functions(kernel, device_type or t.device.type)
 
@@ -143,27 +218,86 @@ def fa3_available() -> bool:
     return True
 
 
+# cuDNN's SDPA needs cuDNN 9 (PyTorch's SDPA checks the same before it picks the backend)
+CUDNN_MIN_VERSION = 90000
+# the head dims cuDNN's SDPA takes (NVIDIA cudnn-frontend docs, "Attention", support matrix):
+# up to 128 forward and backward on Ampere/Ada, up to 256 on Hopper; a multiple of 8 (its tensor
+# core tiles)
+CUDNN_MAX_HEAD_DIM = {8: 128, 9: 256}
+
+
+def cudnn_unavailable_reason() -> str | None:
+    """Why PyTorch's cuDNN attention cannot run on this machine's CUDA device, or None."""
+    if not torch.cuda.is_available():
+        return "kernel 'cudnn' needs a CUDA GPU, and torch sees none"
+    if not torch.backends.cudnn.is_available():
+        return "kernel 'cudnn' needs cuDNN, which this torch build does not load"
+    if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+        return ("kernel 'cudnn' needs torch's cuDNN attention op, absent in torch "
+                f"{torch.__version__}")
+    version = torch.backends.cudnn.version() or 0
+    if version < CUDNN_MIN_VERSION:
+        return f"kernel 'cudnn' needs cuDNN >= 9.0, this torch loads {version}"
+    cap = torch.cuda.get_device_capability()
+    if cap[0] < 8:
+        return (f"kernel 'cudnn' needs compute capability 8.0 or newer (cuDNN's SDPA), this GPU "
+                f"has {cap[0]}.{cap[1]}")
+    return None
+
+
+def cudnn_shape_reason(head_dim: int | None, capability: tuple[int, int] | None = None
+                       ) -> str | None:
+    """Why cuDNN's SDPA refuses ``head_dim`` on a GPU of ``capability`` (None: Hopper's
+    limit), or None."""
+    if head_dim is None:
+        return None
+    limit = CUDNN_MAX_HEAD_DIM.get(capability[0] if capability else 9, 128)
+    if head_dim % 8 or head_dim > limit:
+        return (f"kernel 'cudnn' takes head dims that are multiples of 8 up to {limit} on this "
+                f"GPU, got {head_dim}")
+    return None
+
+
+def cudnn_dtype_reason(dtype) -> str | None:
+    """Why cuDNN's SDPA refuses ``dtype`` (a torch dtype or its name), or None."""
+    name = str(dtype).removeprefix("torch.")
+    if name in ("float16", "fp16", "bfloat16", "bf16"):
+        return None
+    return (f"kernel 'cudnn' takes fp16/bf16 only (cuDNN's SDPA has no {name} kernel); use "
+            "'sdpa' (PyTorch's memory-efficient kernel in fp32) or 'auto'")
+
+
 # CUDA-only kernels: name -> (whether its library imports, what to install)
 _CUDA_ONLY = {
     "flash-attn": (flash_attn_available, "the optional flash-attn package (pip install "
                                          "'upipe[flash]')"),
     "fa3": (fa3_available, "FlashAttention-3 (module flash_attn_interface, built from "
                            "flash-attention's hopper/ directory; Hopper GPUs)"),
+    "cudnn": (lambda: cudnn_unavailable_reason() is None, "cuDNN 9 and a GPU of compute "
+                                                          "capability 8.0+"),
 }
 
 
-def kernel_unavailable_reason(kernel: str, device_type: str) -> str | None:
-    """Why ``kernel`` cannot run on ``device_type`` ("cpu"/"cuda") on this machine, or None.
+def kernel_unavailable_reason(kernel: str, device_type: str, dtype=None,
+                              head_dim: int | None = None) -> str | None:
+    """Why ``kernel`` cannot run on ``device_type`` ("cpu"/"cuda") on this machine, or None;
+    ``dtype`` (a torch dtype or its name) and ``head_dim``, when given, are checked too.
 
-    flash-attn and fa3 are CUDA only and need their library; the harness turns a reason into a
-    ``skipped`` row, as it does a method's ``unavailable_reason``.
+    flash-attn, fa3 and cudnn are CUDA only; flash-attn and fa3 need their library, cudnn
+    PyTorch's cuDNN attention (cuDNN 9, sm80+) and fp16/bf16 inputs. The harness turns a reason
+    into a ``skipped`` row, as it does a method's ``unavailable_reason``.
     """
     kernel = check_kernel(kernel)
     if kernel not in _CUDA_ONLY:
         return None
-    available, library = _CUDA_ONLY[kernel]
     if device_type != "cuda":
         return f"kernel {kernel!r} is CUDA only (not on {device_type!r})"
+    if kernel == "cudnn":
+        reason = cudnn_dtype_reason(dtype) if dtype is not None else None
+        reason = reason or cudnn_unavailable_reason()
+        cap = torch.cuda.get_device_capability() if reason is None else None
+        return reason or cudnn_shape_reason(head_dim, cap)
+    available, library = _CUDA_ONLY[kernel]
     if not available():
         return f"kernel {kernel!r} needs {library}, which is not installed"
     return None
@@ -198,7 +332,7 @@ def attention_forward(
         out (B, S_q, Hq, D) in q's dtype, lse (B, Hq, S_q) fp32 (natural log of the softmax
         denominator of the scaled scores; -inf, with out 0, for rows outside every block).
     """
-    kernel = check_kernel(kernel)
+    kernel = resolve_kernel(kernel, q)
     forward, _ = _resolve(kernel, q)
     scale = _default_scale(q, scale)
     if blocks is None or _whole(blocks, q, k):
@@ -229,7 +363,7 @@ def attention_backward(
     (dq, dk, dv) with the shapes of (q, k, v): for GQA, dk/dv are already summed over each KV
     head's query heads; 0 outside every block.
     """
-    kernel = check_kernel(kernel)
+    kernel = resolve_kernel(kernel, q)
     _, backward = _resolve(kernel, q)
     scale = _default_scale(q, scale)
     lse = _kernel_lse(lse, q)
@@ -489,7 +623,7 @@ def _varlen_ok(kernel: str, blocks: DocBlocks, q: torch.Tensor, k: torch.Tensor)
     """flash-attn's varlen kernel runs ``blocks`` in one call when they are aligned (each
     document's queries over its own keys, the ranges tiling both sequences) and the real
     library is in use (the emulator's replacement is modelled block by block)."""
-    device_type, overrides, _ = _DISPATCH.get()
+    device_type, overrides, _, _ = _DISPATCH.get()
     if kernel != "flash-attn" or "flash-attn" in overrides or q.shape[1] != k.shape[1]:
         return False
     if (device_type or q.device.type) != "cuda":
@@ -589,6 +723,69 @@ def _fa3_backward(dout, q, k, v, out, lse, causal, scale):
     fa3._flash_attn_backward(dout, q, k, v, out, lse, *(None,) * _FA3_BWD_UNUSED, dq, dk, dv,
                              scale, causal)
     return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# cuDNN (PyTorch's cuDNN attention ops; CUDA only; exercised by the gpu-marked tests)
+
+
+def _cudnn_check(q: torch.Tensor) -> None:
+    """Refuse what cuDNN's SDPA does not take, naming the rule (before the op's own, less
+    specific, error)."""
+    if kernel_device_type(q) != "cuda":
+        raise RuntimeError(f"kernel='cudnn' is CUDA only; the tensors are on {q.device.type!r}")
+    reason = cudnn_dtype_reason(q.dtype)
+    if reason is None and q.device.type == "cuda":
+        reason = cudnn_shape_reason(q.shape[-1], torch.cuda.get_device_capability(q.device))
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last (head) dim is dense, else a contiguous copy: cuDNN takes any
+    strides but a unit one there."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _cudnn_forward(q, k, v, causal, scale):
+    """(B, S_q, H, D), (B, S_k, Hkv, D) x 2 -> out (B, S_q, H, D), lse (B, H, S_q) fp32.
+
+    The op takes (B, H, S, D) views of the BSHD inputs (no copy) and K/V with their own head
+    count (GQA, no repeated K/V); its output has q's memory layout, so ``out`` comes back BSHD
+    contiguous; its LSE is (B, H, S_q, 1), returned as the (B, H, S_q) view.
+    """
+    _cudnn_check(q)
+    qh, kh, vh = (_last_dim_dense(t).transpose(1, 2) for t in (q, k, v))
+    with fused_op_scope():
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qh, kh, vh, None, True, 0.0, causal, False, scale=scale)
+    return out.transpose(1, 2), lse[..., 0]
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
+    """Gradients from the saved out and (B, H, S_q) lse; dk/dv with k/v's head count.
+
+    cuDNN reads dO in O's layout, so dout and out are made BSHD contiguous where they are not
+    (a slice of a larger BSHD tensor is: its strides are those of a BSHD tensor), and the LSE is
+    passed as the op's (B, H, S_q, 1) view of a contiguous (B, H, S_q) one (``_kernel_lse``).
+    """
+    _cudnn_check(q)
+    if k.shape[1] == 1:
+        # cuDNN's backward refuses one key ("s_q = s_kv = 1 is not supported", an H100 with
+        # cuDNN 9.19): a one-token document's block. Its softmax is 1 whatever the scores, so
+        # the math kernel's backward is exact and costs next to nothing at this size
+        return _math_backward(dout, q, k, v, out, lse, causal, scale)
+    q, k, v, out, dout = (_last_dim_dense(t) for t in (q, k, v, out, dout))
+    if dout.stride() != out.stride():
+        dout, out = dout.contiguous(), out.contiguous()
+    t = lambda x: x.transpose(1, 2)  # noqa: E731  BSHD <-> BHSD views
+    no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout is 0: unused
+    with fused_op_scope():
+        # attn_bias and cum_seq_q/k undefined (None): no bias, dense (not ragged) inputs
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            t(dout), t(q), t(k), t(v), t(out), lse[..., None], no_rng, no_rng, None, None,
+            None, q.shape[1], k.shape[1], 0.0, causal, scale=scale)
+    return t(dq), t(dk), t(dv)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -112,6 +112,11 @@ class ContextParallelAttention(nn.Module):
     #: why this method cannot keep attention inside packed documents (``cu_seqlens``), or None
     #: when it can; :meth:`documents` raises it, before any collective.
     documents_unsupported: ClassVar[str | None] = None
+    #: methods that call an attention library themselves instead of upipe's kernel dispatch:
+    #: (the kernel they run on CUDA, as :data:`upipe.kernels.KERNELS` names it; why) -- what
+    #: a row records as the kernel that ran, and why ``kernel="cudnn"`` is refused; None:
+    #: ``kernel=`` is honoured
+    own_kernel: ClassVar[tuple[str, str] | None] = None
     #: methods with sequence chunks (a ``chunk_size`` option): the fewest chunks from which
     #: each further chunk adds the same memory and work (the chunk loop's steady state), where
     #: the emulator's fit starts sampling. 3 for a loop that prefetches the next chunk: with 2,

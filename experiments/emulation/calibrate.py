@@ -74,7 +74,7 @@ BASE_ON_CUDA = "h100-sxm"  # one GPU measures no collectives: they come from its
 # names: an "NVIDIA H100 PCIe" or "NVIDIA H200 NVL" has other peaks)
 DATASHEETS = {"NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H200": "h200",
               "NVIDIA A100-SXM4-80GB": "a100-80gb"}
-HALF_ONLY = {"flash-attn", "fa3"}  # kernels without an fp32 path
+HALF_ONLY = {"flash-attn", "fa3", "cudnn"}  # kernels without an fp32 path
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def attention_heads(device: str, head_dim: int) -> int:
 def attention_kernels(device: str) -> tuple[str, ...]:
     """Kernels timed on ``device``: every one that runs here, math only on CPU (it is the
     reference; on a GPU its (S, S) scores at the long lengths take tens of GiB)."""
-    names = ("sdpa", "math") if device == "cpu" else ("sdpa", "flash-attn", "fa3")
+    names = ("sdpa", "math") if device == "cpu" else ("sdpa", "cudnn", "flash-attn", "fa3")
     return tuple(k for k in names if kernel_unavailable_reason(k, device) is None)
 
 
@@ -516,6 +516,9 @@ def _device_fields(device: str, src: _Sources) -> dict:
                                               "side streams run beside the compute stream")),
             "gpu_mem_gib": _c(mem / 2**30, src.fact("torch.cuda.get_device_properties()."
                                                     "total_memory of GPU 0")),
+            # what "auto" picks on an emulated GPU of this profile (kernel_models.auto_on)
+            "compute_capability": _c("{}.{}".format(*torch.cuda.get_device_capability()),
+                                     src.fact("torch.cuda.get_device_capability() of GPU 0")),
         }
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {

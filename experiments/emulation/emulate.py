@@ -29,16 +29,16 @@ from experiments.config import (
     ModelConfig,
     Status,
 )
-from experiments.emulation.fake_step import Measurement, measure_fake
+from experiments.emulation.fake_step import Measurement, emulated_capability, measure_fake
 from experiments.emulation.fit import N_SAMPLE, depth_lower_bound, fitted, sequence_chunk
-from experiments.emulation.kernel_models import MODELLED_KERNELS
+from experiments.emulation.kernel_models import MODELLED_KERNELS, auto_on
 from experiments.emulation.profile import Profile, profile_for
 from experiments.emulation.time_model import price, step_time
 from experiments.harness.flops import step_flops
-from experiments.harness.launch import describe, unrun
+from experiments.harness.launch import describe, kernel_ran, method_kernel_refusal, unrun
 from experiments.harness.train import packed_cu_seqlens
 from experiments.provenance import provenance
-from upipe.kernels import kernel_unavailable_reason
+from upipe.kernels import cudnn_dtype_reason, cudnn_shape_reason, kernel_unavailable_reason
 from upipe.registry import get_method
 from upipe.stack import pin_host_memory
 
@@ -57,12 +57,25 @@ def emulation_unavailable(cell: Cell, hw: Hardware) -> str | None:
     """
     if cell.workload != "step":
         return f"cannot be emulated: the emulator runs the training step, not {cell.workload!r}"
-    reason = get_method(cell.method).unavailable_reason("cpu")
-    if reason is None and not (hw.device == "cuda" and cell.kernel in MODELLED_KERNELS):
+    reason = get_method(cell.method).unavailable_reason("cpu") or method_kernel_refusal(cell)
+    if reason is None and hw.device == "cuda" and cell.kernel == "cudnn":
+        # PyTorch's cuDNN ops run on fake tensors (their meta functions) wherever torch is;
+        # what the emulated GPU's cuDNN refuses is refused here
+        head_dim = cell.validate().head_dim
+        reason = cudnn_dtype_reason(cell.dtype) or cudnn_shape_reason(
+            head_dim, emulated_capability(hw))
+    elif reason is None and not (hw.device == "cuda" and cell.kernel in MODELLED_KERNELS):
         reason = kernel_unavailable_reason(cell.kernel, hw.device)
         if reason is not None and hw.device == "cpu":
             reason += "; emulate a cuda device (--emulate-device cuda) for its memory model"
     return None if reason is None else f"cannot be emulated: {reason}"
+
+
+def kernel_column(cell: Cell, cfg: ModelConfig, hw: Hardware) -> dict:
+    """The row's ``kernel_ran``: the attention kernel the emulated step runs (``"auto"``
+    resolved as on the emulated GPU, ``kernel_models.auto_on``)."""
+    auto = auto_on(emulated_capability(hw)) if hw.device == "cuda" else None
+    return {"kernel_ran": kernel_ran(cell, cfg, hw.device, auto)}
 
 
 def _row_metrics(cell: Cell, cfg: ModelConfig, hw: Hardware, m: Measurement) -> dict:
@@ -155,7 +168,8 @@ def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
             "status": Status.ERROR, "mode": "emulated",
             "error": f"{type(e).__name__}: {e}\n" + traceback.format_exc()[-ERROR_TAIL_CHARS:]}
     # provenance as launched rows carry it (versions, git revision, host, date)
-    return describe(cell, cfg) | _row_metrics(cell, cfg, hw, m) | time_columns(
+    return describe(cell, cfg) | kernel_column(cell, cfg, hw) | _row_metrics(
+        cell, cfg, hw, m) | time_columns(
         cell, cfg, profile, m) | extra | {
         "emulation_s": round(time.monotonic() - t0, 2)} | provenance()
 
@@ -201,7 +215,7 @@ def _lower_bound_row(cell: Cell, cfg: ModelConfig, hw: Hardware, m: Measurement,
                      how: str) -> dict:
     """The ``oom`` row of a cell whose device peak is at least ``m``'s (its memory columns
     are the bounds), saying ``how`` the bound was found."""
-    return describe(cell, cfg) | _row_metrics(cell, cfg, hw, m) | {
+    return describe(cell, cfg) | kernel_column(cell, cfg, hw) | _row_metrics(cell, cfg, hw, m) | {
         "error": (f"device peak at least {m.peak_device_bytes / GiB:.2f} GiB > budget "
                   f"{hw.device_budget(cell) / GiB:.2f} GiB ({how})"),
         "peak_device_is_lower_bound": True, "emulation": "lower bound",

@@ -37,6 +37,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from experiments.config import Cell, Hardware, ModelConfig
 from experiments.emulation.kernel_models import cuda_kernels
 from experiments.emulation.op_costs import StepWork, Window
+from experiments.emulation.profile import profile_for
 from experiments.emulation.replay import CallReplay
 from experiments.harness.train import build, make_meshes
 from experiments.instruments.collectives import CollectiveCounter
@@ -85,9 +86,15 @@ def fake_world(world: int, rank: int = 0):
 
 
 def _kernels(hw: Hardware):
-    if hw.device == "cuda":
-        return cuda_kernels()
+    if hw.device == "cuda":  # "auto" as on the profile's GPU
+        return cuda_kernels(emulated_capability(hw))
     return contextlib.nullcontext()
+
+
+def emulated_capability(hw: Hardware) -> tuple[int, int] | None:
+    """The compute capability of the emulated GPU (its profile's; None: not stated)."""
+    profile = profile_for(hw)
+    return None if profile is None else profile.compute_capability
 
 
 def _label_phases(model, tracker: MemoryTracker) -> list:

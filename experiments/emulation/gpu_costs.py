@@ -26,8 +26,8 @@ kernels and host copies, no-op collectives), the allocator cleaned between cells
 - ``profile_quick.json`` / ``profile_full.json``: ``calibrate`` on this GPU as it stands.
 
 ``--merge-into PROFILE`` measures nothing: it writes the profile constants a run's CSVs give
-(``profile_constants``: flash attention by heads, narrow-matmul caps, the host's cost per op)
-into a profile JSON, as the shipped ``h200`` and ``h100-sxm`` took them.
+(``profile_constants``: flash and cuDNN attention by heads, narrow-matmul caps, the host's cost
+per op) into a profile JSON, as the shipped ``h200`` and ``h100-sxm`` took them.
 
     python -m experiments.emulation.gpu_costs --out results/gpu_costs   # needs a GPU
     python -m experiments.emulation.gpu_costs --out /tmp/x --small       # CPU smoke test
@@ -419,22 +419,50 @@ def _median_rate(samples: list[float]) -> float:
     return float(statistics.median(samples))
 
 
-def profile_constants(folder: Path, where: str) -> dict:
-    """The hardware-profile constants (``profile.py``'s schema) that ``kernels/`` of a
-    ``gpu_costs`` run measures: ``attention.sdpa.bf16.{fwd,bwd}_causal`` by heads, the bf16
-    ``matmul_narrow`` caps and ``host_op_s``; ``where`` names the run in each source."""
-    att = pd.read_csv(folder / "attention.csv")
+#: attention.csv's (forward, backward) seconds columns per profile kernel, and what they time
+ATTENTION_COLUMNS = {
+    "sdpa": (("flash_fwd_s", "flash_bwd_s"),
+             "upipe.kernels attention_forward / attention_backward, kernel sdpa (PyTorch's flash "
+             "backend), bf16, causal, B = 1, head dim 128, by query heads per call and S_q = "
+             "S_k"),
+    "cudnn": (("cudnn_fwd_s", "cudnn_bwd_s"),
+              "cudnn_fwd_s / cudnn_bwd_s: PyTorch's cuDNN SDPA backend "
+              "(F.scaled_dot_product_attention under sdpa_kernel(SDPBackend.CUDNN_ATTENTION), "
+              "gpu_costs._cudnn), bf16, causal, B = 1, head dim 128, q, k and v with the query "
+              "heads per call each, by those heads and S_q = S_k; the forward under "
+              "torch.no_grad, the backward torch.autograd.grad through a kept forward"),
+}
+
+
+def _attention_constants(att: pd.DataFrame, kernel: str, where: str) -> dict | None:
+    """``attention.<kernel>.bf16.{fwd,bwd}_causal`` by heads from attention.csv's columns for
+    ``kernel`` (rows without a time skipped); None when the run has no such times."""
+    cols, how = ATTENTION_COLUMNS[kernel]
+    if not set(cols) <= set(att.columns):
+        return None
     tables: dict = {"fwd_causal": {}, "bwd_causal": {}}
     for (h, s), r in att.set_index(["heads", "seq"]).sort_index().iterrows():
-        for pass_, col in (("fwd_causal", "flash_fwd_s"), ("bwd_causal", "flash_bwd_s")):
+        for pass_, col in zip(("fwd_causal", "bwd_causal"), cols, strict=True):
+            if pd.isna(r[col]):  # the kernel failed on this shape (cudnn_error)
+                continue
             rate = attention_flops(1, int(h), int(s), int(s), 128, pass_) / r[col]
             tables[pass_].setdefault(str(int(h)), []).append([int(s), float(f"{rate:.4g}")])
-    attention = {pass_: {"value": {"128": by_heads}, "source": (
-        f"measured: {where}, attention.csv: upipe.kernels attention_forward / "
-        "attention_backward, kernel sdpa (PyTorch's flash backend), bf16, causal, B = 1, "
-        "head dim 128, by query heads per call and S_q = S_k; FLOPs by profile."
-        "attention_flops; median of 3 timed calls after two warm-ups")}
+    if not all(tables.values()):
+        return None
+    return {pass_: {"value": {"128": by_heads}, "source": (
+        f"measured: {where}, attention.csv: {how}; FLOPs by profile.attention_flops; median "
+        "of 3 timed calls after two warm-ups")}
         for pass_, by_heads in tables.items()}
+
+
+def profile_constants(folder: Path, where: str) -> dict:
+    """The hardware-profile constants (``profile.py``'s schema) that ``kernels/`` of a
+    ``gpu_costs`` run measures: ``attention.sdpa.bf16.{fwd,bwd}_causal`` and, when the run
+    timed cuDNN, ``attention.cudnn.bf16.{fwd,bwd}_causal`` by heads, the bf16 ``matmul_narrow``
+    caps and ``host_op_s``; ``where`` names the run in each source."""
+    att = pd.read_csv(folder / "attention.csv")
+    attention = _attention_constants(att, "sdpa", where)
+    cudnn = _attention_constants(att, "cudnn", where)
     mm = pd.read_csv(folder / "matmul.csv")
     rows = mm[mm.m == mm.m.max()]
     out_side: dict = {}
@@ -460,7 +488,8 @@ def profile_constants(folder: Path, where: str) -> dict:
         f"measured: {where}, dispatch.csv: host seconds to issue one eager op with autograd "
         "(x * w, w requiring grad, 1024 floats), 5000 issued back to back without "
         "synchronising; the op of a training step at the least (module code adds to it)")}
-    return {"attention_sdpa_bf16": attention, "matmul_narrow": narrow, "host_op_s": host}
+    out = {"attention_sdpa_bf16": attention, "matmul_narrow": narrow, "host_op_s": host}
+    return out | ({"attention_cudnn_bf16": cudnn} if cudnn is not None else {})
 
 
 def merge_into_profile(profile_path: Path, folder: Path, where: str) -> None:
@@ -468,6 +497,9 @@ def merge_into_profile(profile_path: Path, folder: Path, where: str) -> None:
     raw = json.loads(profile_path.read_text())
     c = profile_constants(folder, where)
     raw["attention"]["sdpa"]["bf16"].update(c["attention_sdpa_bf16"])
+    if "attention_cudnn_bf16" in c:
+        raw["attention"].setdefault("cudnn", {}).setdefault("bf16", {}).update(
+            c["attention_cudnn_bf16"])
     raw["matmul_narrow"] = c["matmul_narrow"]
     raw["host_op_s"] = c["host_op_s"]
     profile_path.write_text(_profile_json(raw))

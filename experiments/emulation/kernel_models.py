@@ -18,6 +18,19 @@ The emulator runs fake tensors on the CPU. Inside ``cuda_kernels()`` the attenti
     attention_backward.cu``, ``_efficient_attention_backward``): ``delta`` (B, H, S_q) fp32. Its
     gradient accumulators are only needed when the output type is narrower than fp32.
 
+* ``cudnn`` runs ``upipe.kernels``' own CUDA code too: PyTorch's cuDNN attention ops, whose meta
+  functions give the outputs (``out`` in q's memory layout, the (B, H, S_q, 1) fp32 log-sum-exp;
+  the backward's dq/dk/dv like q/k/v). What the backward takes from the caching allocator for
+  cuDNN's workspace while it runs is added as a workspace, from cudnn-frontend's SDPA backward
+  (``include/cudnn_frontend/node/scaled_dot_product_flash_attention.h`` at commit 3929da2,
+  the composite backward node that PyTorch's ``aten/src/ATen/native/cudnn/MHA.cpp`` builds):
+  ``dQ_accum`` (B, H, S_q, D) fp32 (the dP-workspace path that would replace it runs only on
+  cuDNN 8.9.5-9.0, older than the 9.x this kernel needs) and ``softmax_sum`` (B, H, S_q) fp32.
+  The backend's own plan workspace is not counted: its size is cuDNN's choice per plan and
+  not published (the GPU check, ``gpu_check``, compares the total with the allocator's). The
+  forward's frontend workspace is empty (it holds ALiBi slopes only). GQA K/V are taken as they
+  are (no expanded copies).
+
 * ``flash-attn`` (Dao-AILab flash-attn 2, absent on CPU machines) is replaced by a model of
   ``upipe.kernels``' wrapper plus flash-attn's ``mha_fwd``/``mha_bwd``: forward ``out`` like q,
   ``softmax_lse`` (B, H, S_q) fp32 and the 2-element int64 RNG state; backward: the wrapper's
@@ -52,12 +65,18 @@ The custom ops standing for flash-attn and fa3 (``upipe_emul::flash_fwd``/``flas
 at the dispatch level (a ``TorchDispatchMode``) reads from an op's arguments whether the call is
 causal. FLOPs of the modelled kernels are counted with torch's own SDPA formulas
 (``torch.utils.flop_counter.sdpa_flop_count``), as for PyTorch's fused ops: dense, causal
-masking not discounted. cuDNN attention is not one of upipe's kernels and is not modelled.
+masking not discounted.
+
+``auto`` resolves as on the emulated GPU, not as on this machine (``auto_on``): PyTorch's kernels
+only (a user planning a cluster is told the speed PyTorch gives out of the box; fa3 and
+flash-attn are named to be priced), chosen by ``upipe.kernels.auto_kernel`` from the profile's
+compute capability: ``cudnn`` on Hopper in fp16/bf16, else ``sdpa``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -67,7 +86,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from upipe.kernels import kernel_dispatch
+from upipe.kernels import auto_kernel, kernel_dispatch
 
 
 def _round_up(n: int, m: int) -> int:
@@ -94,12 +113,21 @@ def _efficient_workspace(q: torch.Tensor) -> list[torch.Tensor]:
     return [torch.empty(b, h, s, dtype=torch.float32, device=q.device)]
 
 
+def _cudnn_workspace(q: torch.Tensor) -> list[torch.Tensor]:
+    """cuDNN SDPA backward scratch for q (B, H, S, D): dQ_accum (B, H, S, D) and softmax_sum
+    (B, H, S), fp32 (module docstring)."""
+    b, h, s, d = q.shape
+    return [torch.empty(b, h, s, d, dtype=torch.float32, device=q.device),
+            torch.empty(b, h, s, dtype=torch.float32, device=q.device)]
+
+
 # aten op -> scratch for its query argument (BHSD, the op's layout)
 _OP_WORKSPACE = {
     torch.ops.aten._scaled_dot_product_flash_attention_backward.default:
         lambda q: _flash_workspace(q.transpose(1, 2)),
     torch.ops.aten._scaled_dot_product_efficient_attention_backward.default:
         _efficient_workspace,
+    torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_workspace,
 }
 
 
@@ -269,10 +297,20 @@ def _fa3_backward(dout, q, k, v, out, lse, causal, scale):
 MODELLED_KERNELS = ("flash-attn", "fa3")
 
 
+@functools.cache
+def auto_on(capability: tuple[int, int] | None):
+    """What ``"auto"`` runs on an emulated GPU of compute ``capability`` (None: unknown, so
+    ``sdpa``), for a call's query q (B, S, H, D): PyTorch's own kernels only (module
+    docstring). One function per capability: the replay cache keys on it
+    (``kernel_dispatch_state``)."""
+    return lambda q: auto_kernel("cuda", q.dtype, capability, frozenset(), q.shape[-1])
+
+
 @contextlib.contextmanager
-def cuda_kernels():
-    """Attention inside runs the CUDA kernels' code path and allocations (see the module)."""
+def cuda_kernels(capability: tuple[int, int] | None = None):
+    """Attention inside runs the CUDA kernels' code path and allocations (see the module), with
+    ``"auto"`` resolved for a GPU of compute ``capability`` (``auto_on``)."""
     overrides = {"flash-attn": (_flash_attn_forward, _flash_attn_backward),
                  "fa3": (_fa3_forward, _fa3_backward)}
-    with kernel_dispatch("cuda", overrides, op_scope=_OpWorkspace):
+    with kernel_dispatch("cuda", overrides, op_scope=_OpWorkspace, auto=auto_on(capability)):
         yield

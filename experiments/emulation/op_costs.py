@@ -113,6 +113,8 @@ _ATTENTION_OPS = {
     "aten::_scaled_dot_product_flash_attention_backward": ("sdpa", "bwd", "bhsd"),
     "aten::_scaled_dot_product_efficient_attention": ("sdpa", "fwd", "bhsd"),
     "aten::_scaled_dot_product_efficient_attention_backward": ("sdpa", "bwd", "bhsd"),
+    "aten::_scaled_dot_product_cudnn_attention": ("cudnn", "fwd", "bhsd"),
+    "aten::_scaled_dot_product_cudnn_attention_backward": ("cudnn", "bwd", "bhsd"),
     "upipe_emul::flash_fwd": ("flash-attn", "fwd", "bshd"),
     "upipe_emul::flash_bwd": ("flash-attn", "bwd", "bshd"),
     "upipe_emul::fa3_fwd": ("fa3", "fwd", "bshd"),

@@ -11,6 +11,7 @@ Schema (``value`` of each constant)::
 
     name, description                  strings (not constants)
     device                             "cuda" | "cpu" (the kernel paths the rates are for)
+    compute_capability (optional)      "<major>.<minor>": the GPU's CUDA compute capability
     gpu_mem_gib                        device memory visible to the allocator, GiB
     side_streams                       bool: copies/collectives on side streams run beside
                                        compute (CUDA streams); False: everything is serial
@@ -31,7 +32,7 @@ Schema (``value`` of each constant)::
                                        fwd, bwd, fwd_causal, bwd_causal (causal rates count
                                        the causal FLOPs, half the dense ones, as the
                                        FlashAttention papers do); kernel in sdpa, flash-attn,
-                                       fa3, math
+                                       fa3, cudnn, math
     memory_bandwidth                   bytes/s that memory-bound kernels reach (read + write)
     launch_overhead_s                  seconds a kernel occupies its stream at the least
     host_op_s (optional)               seconds the host needs to issue one eager op (Python,
@@ -52,6 +53,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -125,6 +127,15 @@ def _positive(value, field: str) -> float:
     return float(value)
 
 
+def _capability(value) -> tuple[int, int]:
+    """(major, minor) of a ``compute_capability`` value, a string "<major>.<minor>"."""
+    m = re.fullmatch(r"([0-9]+)\.([0-9]+)", value) if isinstance(value, str) else None
+    if m is None:
+        raise ProfileError('compute_capability: must be a string "<major>.<minor>" (e.g. '
+                           f'"9.0"), got {value!r}')
+    return int(m.group(1)), int(m.group(2))
+
+
 @dataclass(frozen=True, eq=False)  # identity hash: cached lookups per loaded profile
 class Profile:
     """One hardware profile, validated; rates are looked up by the methods below."""
@@ -154,6 +165,12 @@ class Profile:
     @property
     def launch_overhead_s(self) -> float:
         return float(self.values["launch_overhead_s"])
+
+    @property
+    def compute_capability(self) -> tuple[int, int] | None:
+        """The GPU's CUDA compute capability (major, minor), None when the profile has none."""
+        cc = self.values.get("compute_capability")
+        return None if cc is None else _capability(cc)
 
     @property
     def host_op_s(self) -> float:
@@ -247,6 +264,8 @@ class Profile:
             _positive(v[f], f)
         if "host_op_s" in v:
             _positive(v["host_op_s"], "host_op_s")
+        if "compute_capability" in v:
+            _capability(v["compute_capability"])
         for dtype, peak in v["peak_flops"].items():
             _positive(peak, f"peak_flops.{dtype}")
         for scope in SCOPES:
@@ -341,6 +360,10 @@ def load_profile(name_or_path: str) -> Profile:
         raise ProfileError(f"hardware profile {str(path)!r}: must be a JSON object")
     name = raw.get("name") or path.stem
     values = {k: v for k, v in raw.items() if k not in ("name", "description")}
+    cc = values.get("compute_capability")
+    if cc is not None and not (isinstance(cc, dict) and "value" in cc):  # a string passes _strip
+        raise ProfileError('compute_capability: write it as a constant {"value": '
+                           '"<major>.<minor>", "source": "..."}')
     profile = Profile(name=name, path=str(path), values=_strip(values, ""))
     profile.validate()
     return profile

@@ -37,6 +37,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,12 +49,14 @@ from experiments.config import (
     Cell,
     ModelConfig,
     Status,
+    resolve_model,
 )
 from experiments.harness.attention_layer import measure_attention
 from experiments.harness.interrupts import TERMINATING
 from experiments.harness.measure import measure_cell
+from experiments.harness.train import TORCH_DTYPES
 from experiments.provenance import provenance
-from upipe.kernels import kernel_unavailable_reason
+from upipe.kernels import kernel_unavailable_reason, machine_auto_kernel
 from upipe.registry import get_method
 
 WORKLOADS = {"step": measure_cell, "attention": measure_attention}
@@ -244,10 +247,53 @@ def _in_process(cell: Cell, cfg: ModelConfig, progress: bool) -> dict:
 def unavailable_reason(cell: Cell) -> str | None:
     """Why the cell cannot run on this machine, or None; decided before anything is launched:
     by the method class (e.g. a CUDA-only adapter on a CPU machine), then by the kernel (a
-    CUDA-only kernel, flash-attn or fa3, on a CPU machine or without its library)."""
+    CUDA-only kernel, flash-attn, fa3 or cudnn, on a CPU machine, without its library, or in
+    a dtype or head dim it refuses; a kernel the method does not take)."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     reason = get_method(cell.method).unavailable_reason(device_type)
-    return reason if reason is not None else kernel_unavailable_reason(cell.kernel, device_type)
+    if reason is None:
+        reason = method_kernel_refusal(cell)
+    if reason is None:
+        reason = kernel_unavailable_reason(cell.kernel, device_type, cell.dtype,
+                                           _head_dim(cell))
+    return reason
+
+
+def _head_dim(cell: Cell) -> int | None:
+    try:
+        return resolve_model(cell.model, cell.overrides).head_dim
+    except ValueError:  # an invalid model: the cell's validation says why
+        return None
+
+
+def method_kernel_refusal(cell: Cell) -> str | None:
+    """Why the cell's method does not run the kernel ``cudnn`` it names (a method calling an
+    attention library itself, ``own_kernel``), or None. Only ``cudnn`` is refused: a row of
+    such a method records the kernel that really ran (``kernel_ran``) whatever it names."""
+    own = get_method(cell.method).own_kernel
+    if own is not None and cell.kernel == "cudnn":
+        return f"method {cell.method!r} does not take kernel 'cudnn': {own[1]}"
+    return None
+
+
+def kernel_ran(cell: Cell, cfg: ModelConfig, device_type: str,
+               auto: Callable[[torch.Tensor], str] | None = None) -> str:
+    """The attention kernel a cell's step runs on ``device_type`` (never ``"auto"``): a method's
+    own library's on CUDA (``own_kernel``), else the kernel the cell names, ``"auto"``
+    resolved as ``upipe.kernels.resolve_kernel`` resolves it there (``auto``: for a query
+    (B, S, H, D); default: this machine's choice)."""
+    own = get_method(cell.method).own_kernel
+    if own is not None and device_type == "cuda":
+        return own[0]
+    if cell.kernel != "auto":
+        return cell.kernel
+    q = torch.empty(1, 1, cfg.n_heads, cfg.head_dim, dtype=TORCH_DTYPES[cell.dtype],
+                    device="meta")
+    if auto is not None:
+        return auto(q)
+    if device_type != "cuda":
+        return "sdpa"
+    return machine_auto_kernel(torch.cuda.current_device(), q.dtype, cfg.head_dim)
 
 
 def run_cell(cell: Cell, timeout_s: float | None = None, progress: bool = False) -> dict:
@@ -273,7 +319,9 @@ def run_cell(cell: Cell, timeout_s: float | None = None, progress: bool = False)
            else _spawn(cell, cfg, timeout_s, threads, progress))
     res.setdefault("error", "")
     # load averages flag other work on the machine during the cell (timing noise)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
     return describe(cell, cfg) | res | {
+        "kernel_ran": kernel_ran(cell, cfg, device_type),
         "mode": "measured", "wall_s": round(time.monotonic() - t0, 2), "load_1m_start": load0,
         "load_1m_end": os.getloadavg()[0], "threads_per_rank": threads,
         "launcher": "torchrun" if torchrun else "spawn"}

@@ -42,6 +42,9 @@ GPU_FOLDERS = (
     ("time_validation_gpu", "emulated step time vs measured on one GPU (no paper table)",
      "measured + emulated",
      "upipe-bench validate-time --device cuda --quick --out results"),
+    ("kernels_gpu", "a training step with PyTorch's cuDNN attention against its flash kernel "
+     "(no paper table)", "measured",
+     "python -m experiments.runner.kernels_gpu --out results/kernels_gpu"),
 )
 COLUMNS = ("sweep", "reproduces", "mode", "scale", "device", "date", "git rev", "versions",
            "rows (by status)", "plots", "regenerate")

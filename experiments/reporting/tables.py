@@ -32,8 +32,9 @@ SOURCES = {ROWS: ("runs", "*/row.json"), MAXCTX: ("searches", "*.json")}
 # first columns of rows.csv; the rest follow in the order the rows first name them
 ROW_COLUMNS = ["sweep", "cell_id", "method", "heads_per_stage", "ring_degree", "chunk_size",
                "doc_len", "overlap", "model", "seq_len", "nproc", "stack", "dtype", "kernel",
-               "budget_mib", "overrides", "status", "mode", "emulation", "time_median_s",
-               "time_p20_s", "time_p80_s", "step_time_s", "tokens_per_s_per_gpu", "mfu",
+               "kernel_ran", "budget_mib", "overrides", "status", "mode", "emulation",
+               "time_median_s", "time_p20_s", "time_p80_s", "step_time_s",
+               "tokens_per_s_per_gpu", "mfu",
                "hardware_profile", "time_compute_s", "time_comm_exposed_s",
                "time_offload_exposed_s", "time_overhead_s", "peak_device_bytes", "peak_host_bytes",
                "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes",

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from experiments.config import Cell, Hardware, Status, resolve_model, takes_option
 from experiments.config.cell import check_independent_of_method
-from experiments.emulation.emulate import device_lower_bound, emulate_cell
+from experiments.emulation.emulate import device_lower_bound, emulate_cell, kernel_column
 from experiments.emulation.fit import sequence_chunk
 from experiments.harness.launch import unrun
 from upipe.registry import available_methods, get_method
@@ -196,11 +196,13 @@ def plan_configuration(alst: Cell, hw: Hardware, stacks: tuple[str, ...],
                                 "more on it" + (", as overlapped stages do" if alst.overlap
                                                 else ""), "emulated")
             rows[stack]["plan_inferred_from"] = f"heads_per_stage={over[stack]}"
+            rows[stack] |= kernel_column(cell, cell.validate(), hw)
         elif blocking:
             rows[stack] = unrun(cell, None, Status.SKIPPED,
                                 f"not emulated: the {blocking[0]} stack keeps less on the device "
                                 "and does not fit it either", "emulated")
             rows[stack]["plan_inferred_from"] = blocking[0]
+            rows[stack] |= kernel_column(cell, cell.validate(), hw)
         elif stack == "alst":  # the level most likely to fit: its memory and time at once
             rows[stack] = emulate_cell(cell, hw, exact=exact, bound_first=True)
         else:

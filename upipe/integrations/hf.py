@@ -311,7 +311,8 @@ def parallelize(
         method: any registered CP method (``upipe.available_methods()``); default UPipe.
         group / mesh: the CP process group (default: the default group), or a 2-D
             (``ring``, ``ulysses``) mesh for the hybrids (``usp``, ``upipe``).
-        kernel: attention kernel (``auto`` = SDPA, ``math``, ``flash-attn``).
+        kernel: attention kernel (:data:`upipe.kernels.KERNELS`; ``auto``: the fastest the
+            inputs' device runs, ``upipe.kernels.auto_kernel``).
         stack: the long-context memory stack (``upipe.integrations.hf_stack``): None (attention
             only), a level (``"ac"``, ``"offload"``, ``"alst"``) or a ``upipe.stack.MemoryStack``;
             checkpointing needs ``model.train()``; with ``chunked_loss``, ``logits`` is None

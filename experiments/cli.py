@@ -244,7 +244,7 @@ def _plan_line(row: dict) -> dict:
             "heads_per_stage": "-" if u is None else u,
             "overlap": "yes" if row.get("overlap") else "-",
             "chunk_size": format_size(row["chunk_size"]) if row.get("chunk_size") else "-",
-            "stack": row["stack"], "kernel_ran": row.get("kernel_ran") or row.get("kernel"),
+            "stack": row["stack"], "kernel_ran": row.get("kernel_ran") or "-",  # not run: none
             "fits": fits,
             "peak_device_gib": gib["peak_device_bytes"], "peak_host_gib": gib["peak_host_bytes"],
             "tokens_per_s_per_gpu": row.get("tokens_per_s_per_gpu"), "mfu": row.get("mfu"),

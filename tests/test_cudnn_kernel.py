@@ -166,6 +166,8 @@ def test_emulated_llama3_8b_at_1m_is_faster_with_cudnn_by_the_ratio_of_the_rates
     assert rows["cudnn"]["step_time_s"] < rows["sdpa"]["step_time_s"]
     assert rows["auto"]["kernel_ran"] == "cudnn" and rows["sdpa"]["kernel_ran"] == "sdpa"
     assert rows["auto"]["step_time_s"] == rows["cudnn"]["step_time_s"]
+    # the same FLOPs counted (GQA's K/V as if expanded: op_flops counts cuDNN's ops itself)
+    assert rows["cudnn"]["rank_flops_per_step"] == rows["sdpa"]["rank_flops_per_step"]
     # no K/V expanded to the query heads: less memory too
     assert rows["cudnn"]["peak_device_bytes"] < rows["sdpa"]["peak_device_bytes"]
 

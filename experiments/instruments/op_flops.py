@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 _aten = torch.ops.aten
 # In-place products: the same FLOPs as their out-of-place op, whose formula torch registers
@@ -16,10 +16,35 @@ _aten = torch.ops.aten
 _IN_PLACE = {_aten.addmm_: _aten.addmm, _aten.baddbmm_: _aten.baddbmm}
 
 
+def _as_query_heads(q_shape, kv_shape) -> tuple[int, ...]:
+    """A (B, Hkv, S, D) K/V shape as if expanded to the query's heads: the FLOPs of GQA, where
+    every query head attends over its KV head's keys."""
+    b, _, s, d = kv_shape
+    return (b, q_shape[1], s, d)
+
+
+def _cudnn_fwd_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    q = tuple(query.shape)
+    return sdpa_flop_count(q, _as_query_heads(q, key.shape), _as_query_heads(q, value.shape))
+
+
+def _cudnn_bwd_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    q = tuple(query.shape)
+    return sdpa_backward_flop_count(tuple(grad_out.shape), q, _as_query_heads(q, key.shape),
+                                    _as_query_heads(q, value.shape))
+
+
+# PyTorch's cuDNN attention ops take K/V with fewer heads than q (GQA); torch's own formulas
+# for them assert equal head counts before torch 2.13 (2.11: "sdpa_flop_count: query/key/value
+# shapes are incompatible"), so the emulator counts them here, by the same SDPA formulas
+_OWN = {_aten._scaled_dot_product_cudnn_attention: _cudnn_fwd_flops,
+        _aten._scaled_dot_product_cudnn_attention_backward: _cudnn_bwd_flops}
+
+
 def flop_formula(func):
     """Torch's FLOPs formula of an op (``formula(*args, **kwargs, out_val=out)``), or None."""
     packet = func._overloadpacket
-    return flop_registry.get(_IN_PLACE.get(packet, packet))
+    return _OWN.get(packet) or flop_registry.get(_IN_PLACE.get(packet, packet))
 
 
 class CountedFlops(TorchDispatchMode):

@@ -29,11 +29,6 @@ from experiments import store
 from experiments.config.sizes import MiB
 from experiments.config.status import Status
 from experiments.reporting import paper_grid, plots
-from experiments.reporting.paper_tables import (
-    PAPER_THROUGHPUT,
-    PAPER_UPIPE_VS_ULYSSES,
-    UNREAD_CELLS,
-)
 from experiments.reporting.plots import memory_unit  # noqa: F401  (the notebooks' too)
 from experiments.reporting.tables import (
     MAXCTX,
@@ -319,34 +314,32 @@ def time_breakdown(emulated: pd.DataFrame) -> pd.DataFrame:
     return table.rename(index=tokens, level="seq_len")
 
 
-def vs_paper(emulated: pd.DataFrame, artefact: str) -> pd.DataFrame:
-    """Emulated tokens/s per GPU beside the paper's published value and their ratio, per cell
-    the paper's table has (``paper_tables``), and UPipe / Ulysses beside the paper's ratio
-    where the paper states one; a note row where nothing of the paper's is transcribed."""
-    table = artefact.split("_")[0]
-    key = ["method", "seq_len"]
-    ours = emulated[emulated["heads_per_stage"].isna() | (emulated["method"] == "upipe")]
-    ours = ours.groupby(key, observed=True)["tokens_per_s_per_gpu"].median()
-    paper = pd.DataFrame([r for r in PAPER_THROUGHPUT if r["table"] == table])
-    out = []
-    if not paper.empty:
-        p = paper.set_index(key)["tokens_per_s_per_gpu"]
-        for (method, n), value in p.items():
-            mine = ours.get((method, n))
-            out.append({"what": f"{method} tokens/s per GPU", "seq_len": tokens(n),
-                        "emulated": mine, "paper": value,
-                        "ratio": None if mine is None or not value else mine / value})
-    for r in (r for r in PAPER_UPIPE_VS_ULYSSES if r["table"] == table):
-        up, uly = ours.get(("upipe", r["seq_len"])), ours.get(("ulysses", r["seq_len"]))
-        mine = None if up is None or uly is None else up / uly
-        out.append({"what": "UPipe / Ulysses", "seq_len": tokens(r["seq_len"]),
-                    "emulated": mine, "paper": r["ratio"],
-                    "ratio": None if mine is None else mine / r["ratio"], "source": r["source"]})
-    if paper.empty:
-        out.append({"what": "tokens/s per GPU", "seq_len": "-", "emulated": None, "paper": None,
-                    "ratio": None, "source": f"not transcribed: {len(UNREAD_CELLS)} cells of "
-                                             "the paper's tables unread (paper_tables.py)"})
-    return pd.DataFrame(out)
+VS_PAPER_COLUMNS = ["what", "length", "emulated", "paper", "ratio", "note"]
+
+
+def vs_paper(results: Path, artefact: str) -> pd.DataFrame:
+    """Emulated tokens/s per GPU beside the paper's published value and their ratio, a row per
+    cell of the artefact's table in the paper (both outcomes in ``note``), then UPipe over
+    Ulysses and over FPDT per length, emulated beside the paper's (``VS_PAPER_COLUMNS``; read
+    from ``results/paper_grid/throughput_vs_paper.csv`` and ``upipe_ratios.csv``, written by
+    ``python -m experiments.reporting.paper_grid``); empty when they have not been written or
+    the artefact is not Table 3 or 4."""
+    folder = results / paper_grid.OUT_DIR
+    tables = [t for t, sweep in paper_grid.SWEEPS.items() if sweep == f"{artefact}-emulated"]
+    cells, ratios = folder / "throughput_vs_paper.csv", folder / "upipe_ratios.csv"
+    if not tables or not cells.exists() or not ratios.exists():
+        return pd.DataFrame(columns=VS_PAPER_COLUMNS)
+    tp, rt = (df[df["table"] == tables[0]] for df in (read_csv(cells), read_csv(ratios)))
+    fits = ("paper " + tp["paper_status"] + ", emulated " + tp["emulated_status"]
+            + tp["note"].fillna("").map(lambda n: f"; {n}" if n else ""))
+    out = [pd.DataFrame({"what": tp["method"] + " " + tp["mesh"] + " tokens/s per GPU",
+                         "length": tp["length"], "emulated": tp["emulated_tokens_per_s"],
+                         "paper": tp["paper_tokens_per_s"], "ratio": tp["ratio"],
+                         "note": fits}),
+           pd.DataFrame({"what": rt["ratio"], "length": rt["length"], "emulated": rt["emulated"],
+                         "paper": rt["paper"], "ratio": rt["emulated_over_paper"],
+                         "note": rt["note"]})]
+    return pd.concat(out, ignore_index=True)[VS_PAPER_COLUMNS]
 
 
 def grid_vs_paper(results: Path, artefact: str) -> pd.DataFrame:

@@ -1,45 +1,57 @@
-"""The paper's published throughput and memory tables, as plain data (a validation target).
+"""The paper's published throughput tables and figures, as plain data (a validation target).
 
-Source: Ghadia, Abraham, Vorobyov, Ryabinin, "Untied Ulysses: Memory-Efficient Context
-Parallelism via Headwise Chunking", arXiv 2602.21196, version v1 (24 Feb 2026),
-https://arxiv.org/html/2602.21196v1 -- Table 3 (Llama3-8B, one node of 8x H100: tokens/s per
-GPU and peak memory per method and context length, 128K..5M) and Table 4 (Qwen3-32B, two nodes,
-16x H100, 128K..4M), in the paper's experiments section.
+Source: the UPipe project page, https://rghadia.github.io/untied_ulysses_proj, whose two
+throughput tables the README of the official code (togethercomputer/Untied-Ulysses) calls
+Table 3 (Llama3-8B, one node of 8x H100 80 GB) and Table 4 (Qwen3-32B shapes, two nodes, 16x
+H100): tokens/s per GPU per method and context length, 128K..5M, OOM where a run ran out of
+memory. The paper: Ghadia, Abraham, Vorobyov, Ryabinin, "Untied Ulysses: Memory-Efficient
+Context Parallelism via Headwise Chunking", arXiv 2602.21196 (v1, 24 Feb 2026).
 
 These numbers check the emulator; nothing may be fitted to them.
 
-Status of the transcription: only the v1 abstract could be read (the stored copy of the HTML
-page this was written from ends before the experiments section, and no other copy of the tables
-was found). So ``PAPER_THROUGHPUT`` and ``PAPER_MEMORY`` hold no cells yet. Every cell of the
-tables is listed in ``UNREAD_CELLS`` instead. That grid comes from the benchmark scripts in the
-authors' repository (togethercomputer/Untied-Ulysses, whose README says they reproduce
-Table 3), so the paper's own table layout is not checked against it. Nothing here is guessed:
-a cell moves from ``UNREAD_CELLS`` to ``PAPER_THROUGHPUT`` (and ``PAPER_MEMORY``) only once
-someone has read it in the paper. Until then, ``PAPER_CLAIMS`` holds the numbers the abstract
-gives, and ``PAPER_SETUP`` the setup facts, each with its source: the abstract, or a file of
-the authors' repository where the paper's setup section could not be read.
+Status of the transcription:
 
-Row formats (one row per table cell, OOM cells included):
+- ``PAPER_THROUGHPUT``: every cell of Tables 3 and 4, OOM cells included (67 cells: 35 in
+  Table 3, 32 in Table 4). A row of
+  the source table stops at its first OOM: the blank cells after it are not cells and are not
+  listed (nothing is invented for them; ``paper_grid`` reports an emulated row there as past
+  the paper's OOM).
+- ``PAPER_MAX_CONTEXT``: the max-context sentences under each table (the last ok cell of each
+  row; tests check that they agree).
+- ``PAPER_OUTCOMES``: fits / OOM of each cell, derived from ``PAPER_THROUGHPUT``; a peak in GiB
+  only where the paper is quoted with one.
+- ``PAPER_LADDER_3M``: the memory-wall figure (Llama3-8B, 8x H100, 3M tokens): GiB per GPU of
+  model states / attention / other per rung, and the rungs that run out of memory with the GiB
+  the figure writes beside OOM.
+- ``PAPER_TWO_NODE``: the figure of Llama3-8B on two nodes (USP 8x2 against UPipe 8x2): peaks
+  and relative tokens/s, read off a chart, so approximate (``approximate`` is True).
+- ``PAPER_LIMITS``: UPipe's limits as the paper states them (its overhead at 128K).
+- ``PAPER_CLAIMS``: the abstract's numbers; ``PAPER_SETUP``: setup facts, each with its source.
 
-    PAPER_THROUGHPUT: {"table": "table3" | "table4", "model": "llama3-8b" | "qwen3-32b",
-        "gpus": 8 | 16, "method": <our method name>, "mesh": "<ulysses>x<ring>",
-        "seq_len": <tokens>, "tokens_per_s_per_gpu": float | None (None for OOM),
-        "status": "ok" | "oom", "source": "arXiv 2602.21196v1 Table 3"}
-    PAPER_MEMORY: the same keys with "peak_memory_gib": float | None in place of
-        "tokens_per_s_per_gpu", plus "memory_kind": "allocated" | "reserved" (as the paper
-        states it).
+The tables give tokens/s only, no per-cell memory; the memory the paper shows is in the two
+figures.
 
-Method names, the paper's -> ours: Ring (zigzag ring attention) -> "zigzag-ring"; Ulysses ->
-"ulysses". The paper calls it DeepSpeed Ulysses, but the authors' scripts run it as yunchang's
-USP with ring degree 1, not DeepSpeed's code; "ds-ulysses" is DeepSpeed's own. FPDT ->
-"ds-fpdt": the paper's FPDT is DeepSpeed's (Megatron-DeepSpeed); our "fpdt" is a different,
-stronger implementation. PyTorch native CP -> "torch-cp"; UPipe -> "upipe"; hybrid Ulysses x
-Ring (USP) -> "usp". "mesh" is always "<Ulysses degree>x<ring degree>" ("8x1" Ulysses-style,
-"1x8" ring-style, "8x2" the two-node hybrids), so a method run on two meshes gives two rows.
+Row format of ``PAPER_THROUGHPUT`` (one row per table cell, OOM cells included):
 
-Sequence lengths: K = 1024 and M = 1024 * 1024 tokens (``SEQ_LEN_TOKENS``). The authors'
-scripts list their runs as "Sequence lengths from the paper table (in tokens)": 131072 (128K)
-... 5242880 (5M). The paper text's own definition was not read.
+    {"table": "table3" | "table4", "model": "llama3-8b" | "qwen3-32b", "gpus": 8 | 16,
+     "method": <our method name>, "mesh": "<ulysses>x<ring>", "paper_method": <the table's
+     row name>, "seq_len": <tokens>, "tokens_per_s_per_gpu": float | None (None for OOM),
+     "status": "ok" | "oom", "source": "UPipe project page, Table 3"}
+
+Method names, the paper's -> ours: native PyTorch CP -> "torch-cp" (mesh 1xN); Ring (zigzag
+ring attention) -> "zigzag-ring" (1xN); Ulysses -> "ulysses" 8x1 in Table 3, and Table 4's
+"Ulysses (USP 8x2)" -> "usp" 8x2. The paper calls it DeepSpeed Ulysses, but the authors'
+scripts run it as yunchang's USP, not DeepSpeed's code; "ds-ulysses" is DeepSpeed's own.
+FPDT (DeepSpeed) -> "ds-fpdt" (Megatron-DeepSpeed's FPDT; our "fpdt" is a different, stronger
+implementation): 8x1 in Table 3, 16x1 in Table 4 (sequence-parallel size 16, as the authors'
+32B script and our emulated Table 4 sweep run it). UPipe -> "upipe" 8x1 (Table 3), 8x2 (Table
+4, UPipe with ring attention over the ring axis). "mesh" is always "<Ulysses degree>x<ring
+degree>".
+
+Sequence lengths: K = 1024 and M = 1024 * 1024 tokens (``SEQ_LEN_TOKENS``): "3M" is 3145728 =
+3 x 2^20 tokens, as the authors' scripts label their runs ("Sequence lengths from the paper
+table (in tokens)": 131072 # 128K ... 5242880 # 5M). Global tokens of one sequence per step
+(batch 1), spread over all the GPUs.
 
 Imports nothing from the project (a reporting module may import only experiments.config,
 experiments.store and experiments.reporting; this one needs none of them).
@@ -47,12 +59,14 @@ experiments.store and experiments.reporting; this one needs none of them).
 
 from __future__ import annotations
 
-SOURCE = "arXiv 2602.21196v1"
+PAPER = "arXiv 2602.21196v1"
 PAPER_URL = "https://arxiv.org/html/2602.21196v1"
+PROJECT_PAGE = "https://rghadia.github.io/untied_ulysses_proj"
 REPO = "togethercomputer/Untied-Ulysses"
+PAGE = "UPipe project page"  # the sources below: f"{PAGE}, Table 3", ...
 
 # K = 2**10, M = 2**20 tokens, as labelled in the authors' torchtitan/exps/llama3_8b/run_all_8B.sh
-# ("131072 # 128K" ... "5242880 # 5M").
+# ("131072 # 128K" ... "5242880 # 5M"). The columns of Tables 3 and 4, in order.
 SEQ_LEN_TOKENS: dict[str, int] = {
     "128K": 131072,
     "256K": 262144,
@@ -63,11 +77,57 @@ SEQ_LEN_TOKENS: dict[str, int] = {
     "4M": 4194304,
     "5M": 5242880,
 }
+_M = 2**20
+OOM = None  # a table cell that ran out of memory
 
-# Table 3 and Table 4 cells, transcribed from the paper. Empty: the tables could not be read
-# (see the module docstring); every cell is in UNREAD_CELLS.
-PAPER_THROUGHPUT: list[dict] = []
-PAPER_MEMORY: list[dict] = []
+# (our method, mesh, the table's row name): tokens/s per GPU from 128K on, in the columns'
+# order; a row ends at its first OOM (the source leaves the cells after it blank).
+_TABLE3 = [
+    ("torch-cp", "1x8", "native PyTorch CP", (1373.87, 845.99, 474.30, 249.85, OOM)),
+    ("zigzag-ring", "1x8", "Ring", (2064.90, 1387.67, 841.05, 458.51, 237.99, 159.96, OOM)),
+    ("ulysses", "8x1", "Ulysses", (2320.47, 1503.80, 878.63, 475.33, 246.05, 162.41, OOM)),
+    ("ds-fpdt", "8x1", "FPDT (DeepSpeed)",
+     (1171.68, 884.75, 621.20, 382.42, 219.53, 153.48, 119.76, OOM)),
+    ("upipe", "8x1", "UPipe", (2281.05, 1487.29, 867.17, 472.53, 246.07, 166.32, 125.56, 98.25)),
+]
+_TABLE4 = [
+    ("torch-cp", "1x16", "native PyTorch CP", (127.03, 112.20, 91.39, OOM)),
+    ("zigzag-ring", "1x16", "Ring", (418.39, 308.88, 194.44, 110.27, 58.45, OOM)),
+    ("usp", "8x2", "Ulysses (USP 8x2)", (545.29, 370.70, 217.04, 117.02, 59.98, OOM)),
+    ("ds-fpdt", "16x1", "FPDT (DeepSpeed)",
+     (286.40, 217.85, 151.91, 95.88, 55.41, 38.86, 27.66, OOM)),
+    ("upipe", "8x2", "UPipe (8x2)", (483.29, 339.56, 204.46, 113.26, 59.56, 40.42, 29.97, OOM)),
+]
+TABLES = {"table3": ("llama3-8b", 8, "Table 3", _TABLE3),
+          "table4": ("qwen3-32b", 16, "Table 4", _TABLE4)}
+
+
+def _cells() -> list[dict]:
+    out = []
+    for table, (model, gpus, name, rows) in TABLES.items():
+        for method, mesh, paper_method, values in rows:
+            for length, value in zip(SEQ_LEN_TOKENS, values, strict=False):
+                out.append({"table": table, "model": model, "gpus": gpus, "method": method,
+                            "mesh": mesh, "paper_method": paper_method,
+                            "seq_len": SEQ_LEN_TOKENS[length], "tokens_per_s_per_gpu": value,
+                            "status": "oom" if value is OOM else "ok",
+                            "source": f"{PAGE}, {name}"})
+    return out
+
+
+PAPER_THROUGHPUT: list[dict] = _cells()
+
+# The sentence under each table: "Max context: native 1M, Ring 3M, Ulysses 3M, FPDT 4M, UPipe
+# 5M (+25% over FPDT)" (Table 3); "native 512K, Ring 2M, Ulysses 2M, FPDT 4M, UPipe 4M" (Table 4).
+_MAX3 = {"torch-cp": "1M", "zigzag-ring": "3M", "ulysses": "3M", "ds-fpdt": "4M", "upipe": "5M"}
+_MAX4 = {"torch-cp": "512K", "zigzag-ring": "2M", "usp": "2M", "ds-fpdt": "4M", "upipe": "4M"}
+PAPER_MAX_CONTEXT: list[dict] = [
+    {"table": table, "model": TABLES[table][0], "gpus": TABLES[table][1], "method": method,
+     "mesh": mesh, "max_context": SEQ_LEN_TOKENS[maxima[method]],
+     "source": f"{PAGE}, {TABLES[table][2]} (max context)"}
+    for table, maxima in (("table3", _MAX3), ("table4", _MAX4))
+    for method, mesh, _, _ in TABLES[table][3]
+]
 
 # Numbers stated in the v1 abstract, read directly.
 PAPER_CLAIMS: list[dict] = [
@@ -75,98 +135,116 @@ PAPER_CLAIMS: list[dict] = [
      "value": SEQ_LEN_TOKENS["5M"],
      "text": "UPipe can support the context length of 5M tokens when training Llama3-8B on a "
              "single 8xH100 node",
-     "source": f"{SOURCE} Abstract"},
+     "source": f"{PAPER} Abstract"},
     {"claim": "max_context_gain_over_prior_pct", "model": "llama3-8b", "gpus": 8,
      "method": "upipe", "value": 25.0, "bound": "over",
      "text": "improving upon prior methods by over 25%",
-     "source": f"{SOURCE} Abstract"},
+     "source": f"{PAPER} Abstract"},
     {"claim": "attention_intermediate_memory_reduction_pct", "model": "32B Transformers",
      "gpus": None, "method": "upipe", "value": 87.5, "bound": "up to",
      "text": "reduces intermediate tensor memory usage in the attention layer by as much as "
              "87.5% for 32B Transformers",
-     "source": f"{SOURCE} Abstract"},
+     "source": f"{PAPER} Abstract"},
 ]
 
-# UPipe's tokens/s over Ulysses', as quoted from the paper (its discussion of UPipe's limits) in
-# this project's issue 17: read there, not in the paper's tables, which could not be read here.
-PAPER_UPIPE_VS_ULYSSES: list[dict] = [
+# UPipe's limits as the paper states them: more kernel launches and smaller collectives cost
+# throughput at short lengths; U (heads per stage) must be a multiple of C (the Ulysses degree).
+# The percentages are UPipe's tokens/s against Ulysses' (Table 4: USP 8x2) at 128K, which the
+# tables give too (tests check that they agree).
+PAPER_LIMITS: list[dict] = [
     {"table": "table3", "model": "llama3-8b", "gpus": 8, "seq_len": SEQ_LEN_TOKENS["128K"],
-     "ratio": 0.98, "source": f"{SOURCE}, as quoted in issue 17 ('0.98x Ulysses on Llama3-8B "
-                              "at 128K')"},
+     "upipe_vs_ulysses_pct": -1.7, "source": f"{PAGE} (UPipe's stated limits)"},
     {"table": "table4", "model": "qwen3-32b", "gpus": 16, "seq_len": SEQ_LEN_TOKENS["128K"],
-     "ratio": 0.89, "source": f"{SOURCE}, as quoted in issue 17 ('0.89x on Qwen3-32B (16 "
-                              "GPUs) at 128K')"},
+     "upipe_vs_ulysses_pct": -11.4, "source": f"{PAGE} (UPipe's stated limits)"},
 ]
 
+# Peaks quoted from the paper for single cells, in GiB allocated: (table, method, mesh, length).
+_QUOTED_PEAKS = {("table3", "zigzag-ring", "1x8", SEQ_LEN_TOKENS["3M"]): (
+    73.5, f"{PAPER}, as quoted in issue 15 ('Ring fits 3M at 73.5 GiB allocated')")}
 
-# Fits / OOM outcomes of grid cells that are known without the tables: stated in the abstract,
-# quoted from the paper in this project's issue 15, or implied by the abstract (each says which).
-# status: "ok" (trains) or "oom"; peak_memory_gib: the allocated peak where the quote gives it.
-_ISSUE15 = f"{SOURCE}, as quoted in issue 15"
-_BEYOND = ("implied by the Abstract: UPipe's 5M improves on every prior method by over 25%, "
-           "so no prior method trains 5M / 1.25 = 4M tokens or more")
-PAPER_OUTCOMES: list[dict] = [
-    {"table": "table3", "model": "llama3-8b", "gpus": 8, "method": "upipe", "mesh": "8x1",
-     "seq_len": SEQ_LEN_TOKENS["5M"], "status": "ok", "peak_memory_gib": None,
-     "source": f"{SOURCE} Abstract"},
-    {"table": "table3", "model": "llama3-8b", "gpus": 8, "method": "zigzag-ring", "mesh": "1x8",
-     "seq_len": SEQ_LEN_TOKENS["3M"], "status": "ok", "peak_memory_gib": 73.5,
-     "source": f"{_ISSUE15} ('Ring fits 3M at 73.5 GiB allocated')"},
-] + [
-    {"table": "table3", "model": "llama3-8b", "gpus": 8, "method": method, "mesh": mesh,
-     "seq_len": SEQ_LEN_TOKENS["5M"], "status": "oom", "peak_memory_gib": None,
-     "source": f"{SOURCE} Abstract ({_BEYOND})"}
-    for method, mesh in (("ulysses", "8x1"), ("zigzag-ring", "1x8"), ("torch-cp", "1x8"),
-                         ("ds-fpdt", "8x1"))
-]
 
-# The memory wall at 3M tokens, Llama3-8B on 8x H100 (the paper's figure, as quoted in issue
-# 15): GiB per rank by part, and which rungs run out of memory. Rungs in the ladder's names
-# (experiments/sweeps/memory_ladder.py).
+
+def _outcomes() -> list[dict]:
+    """Fits / OOM of each table cell (its status in PAPER_THROUGHPUT), with the allocated peak
+    where the paper is quoted with one (else None)."""
+    out = []
+    for c in PAPER_THROUGHPUT:
+        peak, source = _QUOTED_PEAKS.get((c["table"], c["method"], c["mesh"], c["seq_len"]),
+                                         (None, None))
+        out.append({k: c[k] for k in ("table", "model", "gpus", "method", "mesh", "seq_len",
+                                      "status")}
+                   | {"peak_memory_gib": peak,
+                      "source": c["source"] + (f"; peak: {source}" if source else "")})
+    return out
+
+
+PAPER_OUTCOMES: list[dict] = _outcomes()
+
+# The memory wall at 3M tokens (3 x 2^20), Llama3-8B on 8x H100: GiB per GPU by part, rung by
+# rung. A rung is matched to the emulated rows by (method, stack, nproc) (the memory_wall
+# sweep, experiments/sweeps/memory_ladder.py); ``label`` is its name in our plots
+# (plots.ladder_rung; the figure says "+ AC" for "+ checkpointing"). An OOM rung gives the GiB
+# the figure writes beside OOM (``oom_gib``): for FSDP only, its attention activations
+# (``oom_part``); for + offload, in the place of "other" after 15.0 / 33.0; for + Ulysses and
+# + AC the figure does not name the part.
+_WALL = f"{PAGE}, memory-wall figure (Llama3-8B, 8x H100, 3M tokens)"
 PAPER_LADDER_3M: list[dict] = [
-    {"rung": "alst", "method": "ulysses", "model_gib": 15.0, "attention_gib": 33.0,
-     "other_gib": 16.6, "source": _ISSUE15},
-    {"rung": "upipe", "method": "upipe", "model_gib": 15.0, "attention_gib": 19.5,
-     "other_gib": 16.6, "source": _ISSUE15},
+    {"rung": "fsdp", "label": "FSDP only", "method": "ulysses", "stack": "none", "nproc": 1,
+     "status": "oom", "model_gib": None, "attention_gib": None, "other_gib": None,
+     "oom_gib": 7680.0, "oom_part": "attention", "source": _WALL},
+    {"rung": "ulysses", "label": "+ Ulysses", "method": "ulysses", "stack": "none", "nproc": 8,
+     "status": "oom", "model_gib": None, "attention_gib": None, "other_gib": None,
+     "oom_gib": 960.0, "oom_part": None, "source": _WALL},
+    {"rung": "ac", "label": "+ checkpointing", "method": "ulysses", "stack": "ac", "nproc": 8,
+     "status": "oom", "model_gib": None, "attention_gib": None, "other_gib": None,
+     "oom_gib": 126.0, "oom_part": None, "source": _WALL},
+    {"rung": "offload", "label": "+ offload", "method": "ulysses", "stack": "offload",
+     "nproc": 8, "status": "oom", "model_gib": 15.0, "attention_gib": 33.0, "other_gib": None,
+     "oom_gib": 368.0, "oom_part": "other", "source": _WALL},
+    {"rung": "alst", "label": "ALST", "method": "ulysses", "stack": "alst", "nproc": 8,
+     "status": "ok", "model_gib": 15.0, "attention_gib": 33.0, "other_gib": 16.6,
+     "oom_gib": None, "oom_part": None, "source": _WALL},
+    {"rung": "upipe", "label": "UPipe", "method": "upipe", "stack": "alst", "nproc": 8,
+     "status": "ok", "model_gib": 15.0, "attention_gib": 19.5, "other_gib": 16.6,
+     "oom_gib": None, "oom_part": None, "source": _WALL},
 ]
 
+# Llama3-8B on two nodes (16x H100): USP 8x2 against UPipe 8x2, peak GiB per GPU and UPipe's
+# tokens/s over USP's. Read off a chart: every number is approximate (to the chart's
+# resolution). At 8M USP runs out of memory and only UPipe trains.
+_TWO = f"{PAGE}, two-node figure (Llama3-8B, 16x H100; read off the chart, approximate)"
+PAPER_TWO_NODE: list[dict] = [
+    {"model": "llama3-8b", "gpus": 16, "mesh": "8x2", "seq_len": n, "usp_status": us,
+     "usp_peak_gib": u, "upipe_status": "ok", "upipe_peak_gib": p,
+     "upipe_vs_usp_tokens_per_s": r, "approximate": True, "source": _TWO}
+    for n, us, u, p, r in ((SEQ_LEN_TOKENS["512K"], "ok", 16.2, 15.7, 0.955),
+                           (2 * _M, "ok", 28.7, 26.4, 0.985),
+                           (4 * _M, "ok", 45.3, 40.8, 0.995),
+                           (6 * _M, "ok", 62.0, 55.2, 1.00),
+                           (8 * _M, "oom", None, 69.5, None))
+]
 
-def _grid(table: str, model: str, gpus: int, runs: list[tuple[str, str, list[str], str]]):
-    return [{"table": table, "model": model, "gpus": gpus, "method": method, "mesh": mesh,
-             "seq_len": SEQ_LEN_TOKENS[s], "script": script}
-            for method, mesh, lengths, script in runs for s in lengths]
-
-
-_ALL8 = ["128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M"]
-_ALL7 = ["128K", "256K", "512K", "1M", "2M", "3M", "4M"]
+# The authors' benchmark scripts (paths in REPO) behind each row of the tables. The FPDT 8B
+# sweep lists no 3M run, yet Table 3 has FPDT at 3M; the FPDT 32B sweep runs to 5M where the
+# other Table 4 sweeps stop at 4M.
 _TT8 = "torchtitan/exps/llama3_8b/run_all_8B.sh"
 _TT32 = "torchtitan/exps/qwen3_32b/run_all_multinode_32B.sh"
-_FPDT8 = "FPDT/Megatron-DeepSpeed/examples_deepspeed/sequence_parallel/run_all_8B.sh"
-_FPDT32 = "FPDT/Megatron-DeepSpeed/examples_deepspeed/sequence_parallel/run_all_multinode_32B.sh"
+_FPDT = "FPDT/Megatron-DeepSpeed/examples_deepspeed/sequence_parallel/"
+PAPER_SCRIPTS: dict[tuple[str, str], str] = {
+    ("table3", "upipe"): f"{_TT8} (upipe upipe_fa3_offload_tiled_mlp 8 1)",
+    ("table3", "ulysses"): f"{_TT8} (usp-ulysses usp_fa3_offload_tiled_mlp 8 1)",
+    ("table3", "zigzag-ring"): f"{_TT8} (usp-ring usp_fa3_offload_tiled_mlp 1 8)",
+    ("table3", "torch-cp"): f"{_TT8} (torch torch_ring_alltoall 1 8)",
+    ("table3", "ds-fpdt"): f"{_FPDT}run_all_8B.sh (sp_size=8)",
+    ("table4", "upipe"): f"{_TT32} (upipe upipe_fa3_offload_tiled_mlp 8 2)",
+    ("table4", "usp"): f"{_TT32} (orig_usp_ulysses usp_fa3_offload_tiled_mlp 8 2)",
+    ("table4", "zigzag-ring"): f"{_TT32} (orig_usp_ring usp_fa3_offload_tiled_mlp 1 16)",
+    ("table4", "torch-cp"): f"{_TT32} (torch_ring torch_ring_alltoall 1 16)",
+    ("table4", "ds-fpdt"): f"{_FPDT}run_all_multinode_32B.sh (sp_size=16)",
+}
 
-# The cells not transcribed, one per (table, method, mesh, seq_len): the runs of the authors'
-# benchmark scripts (``script``, a path in REPO). Whether each of them is a cell of the
-# paper's table, and its value or OOM, are unread. The FPDT 8B sweep has no 3M run; the FPDT
-# 32B sweep runs to 5M where the other Table 4 sweeps stop at 4M.
-UNREAD_CELLS: list[dict] = (
-    _grid("table3", "llama3-8b", 8, [
-        ("upipe", "8x1", _ALL8, _TT8),          # "upipe upipe_fa3_offload_tiled_mlp 8 1"
-        ("ulysses", "8x1", _ALL8, _TT8),        # "usp-ulysses usp_fa3_offload_tiled_mlp 8 1"
-        ("zigzag-ring", "1x8", _ALL8, _TT8),    # "usp-ring usp_fa3_offload_tiled_mlp 1 8"
-        ("torch-cp", "1x8", _ALL8, _TT8),       # "torch torch_ring_alltoall 1 8"
-        ("ds-fpdt", "8x1", [s for s in _ALL8 if s != "3M"], _FPDT8),  # sp_size=8
-    ])
-    + _grid("table4", "qwen3-32b", 16, [
-        ("upipe", "8x2", _ALL7, _TT32),         # "upipe upipe_fa3_offload_tiled_mlp 8 2"
-        ("usp", "8x2", _ALL7, _TT32),           # "orig_usp_ulysses usp_fa3_offload_tiled_mlp 8 2"
-        ("zigzag-ring", "1x16", _ALL7, _TT32),  # "orig_usp_ring usp_fa3_offload_tiled_mlp 1 16"
-        ("torch-cp", "1x16", _ALL7, _TT32),     # "torch_ring torch_ring_alltoall 1 16"
-        ("ds-fpdt", "16x1", _ALL8, _FPDT32),    # sp_size=16
-    ])
-)
-
-# Setup facts bearing on throughput. The paper's setup section was not readable, so each names
-# its source: the abstract, or a file of the authors' repository (REPO).
+# Setup facts bearing on throughput, each with its source: the abstract, or a file of the
+# authors' repository (REPO).
 PAPER_SETUP: dict[str, str] = {
     "hardware": "Llama3-8B on a single node of 8x H100 (Abstract); Qwen3-32B on 2 nodes x 8 "
                 "H100 = 16 GPUs (repo README: 'Qwen3 32B ... Full benchmark (128K-4M, "

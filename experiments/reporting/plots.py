@@ -207,7 +207,7 @@ def _vs_ulysses(df: pd.DataFrame, value: str, keys: list[str]) -> np.ndarray:
 
 
 @contextmanager
-def _figure(path: Path, ncols: int = 1, width: float = 7.5, height: float = 4.8):
+def figure(path: Path, ncols: int = 1, width: float = 7.5, height: float = 4.8):
     """Axes in a row on a whitegrid figure, saved to `path` on exit.
 
     A bare ``Figure`` (matplotlib's object API, not pyplot): saving needs no backend and no
@@ -273,7 +273,7 @@ def plot_max_context(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bo
     fits, fails = df["max_seq_len"].fillna(0), df["first_failing_seq_len"]
     gap = (fails - fits).fillna(0)
     pal, x = _palette(labels), np.arange(len(labels))
-    with _figure(path, width=max(6.0, 1.4 * len(labels) + 2.5)) as (fig, (ax,)):
+    with figure(path, width=max(6.0, 1.4 * len(labels) + 2.5)) as (fig, (ax,)):
         ax.bar(x, fits, color=[pal[lb] for lb in labels], width=0.6)
         has = fails.notna().to_numpy()  # no whisker where the search limit passed
         ax.errorbar(x[has], fits[has], yerr=[np.zeros(has.sum()), gap[has]], fmt="none",
@@ -312,7 +312,7 @@ def plot_memory_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
     scale, unit = memory_unit(pd.concat([df["peak_device_bytes"], df["device_memory_bytes"]]))
     df = df.assign(mem=df["peak_device_bytes"] / scale)
     pal = _palette(labels)
-    with _figure(path) as (fig, (ax,)):
+    with figure(path) as (fig, (ax,)):
         sns.lineplot(df[df["status"] == Status.OK], x="seq_len", y="mem", hue="label", palette=pal,
                      hue_order=labels, marker="o", estimator="median", errorbar=None, ax=ax)
         oom = df[df["status"] == Status.OOM]
@@ -348,7 +348,7 @@ def plot_throughput_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path)
     df, labels = _labelled(df)
     pal = _palette(labels)
     agg = df.groupby(["label", "seq_len"])[["tps", "lo", "hi"]].median()
-    with _figure(path) as (fig, (ax,)):
+    with figure(path) as (fig, (ax,)):
         for label in labels:
             g = agg.loc[label]
             err = [(g["tps"] - g["lo"]).clip(lower=0).fillna(0),
@@ -372,7 +372,7 @@ def plot_throughput_vs_ulysses(rows: pd.DataFrame, maxctx: pd.DataFrame, path: P
     lengths = sorted(df["seq_len"].unique())
     df = df.assign(length=df["seq_len"].map(format_tokens))
     width = min(16.0, max(7.5, 0.4 * len(lengths) * len(labels) + 3))
-    with _figure(path, width=width) as (fig, (ax,)):
+    with figure(path, width=width) as (fig, (ax,)):
         sns.barplot(df, x="length", y="ratio", hue="label", hue_order=labels,
                     order=[format_tokens(n) for n in lengths], palette=_palette(labels),
                     estimator="median", errorbar=None, ax=ax)
@@ -424,7 +424,7 @@ def plot_memory_ladder(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
     stacks = sorted(df["stack"].dropna().unique(), key=lambda s: (_stack_rank(s), s))
     cols = ["peak_device_bytes", "peak_host_bytes"]
     scale, unit = memory_unit(df.loc[df["status"] == Status.OK, cols].stack())
-    with _figure(path, ncols=len(labels), width=3.2 * len(labels) + 2.2) as (fig, axes):
+    with figure(path, ncols=len(labels), width=3.2 * len(labels) + 2.2) as (fig, axes):
         for ax, label in zip(axes, labels, strict=True):
             _ladder_panel(ax, df[df["label"] == label], stacks, scale)
             ax.set(title=label, xlabel="memory stack")
@@ -459,7 +459,7 @@ def plot_heads_per_stage(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -
     if len(timed):
         panels.append(("tps", _titled("tokens/s per GPU", df)))
     width = max(4.5 * len(panels), 0.8 * len(panels) * len(labels) + 2 * len(panels))
-    with _figure(path, ncols=len(panels), width=width) as (fig, axes):
+    with figure(path, ncols=len(panels), width=width) as (fig, axes):
         for ax, (col, name) in zip(axes, panels, strict=True):
             agg = df.groupby(["label", "method", "heads_per_stage", *keys], dropna=False,
                              sort=False)[col].median().reset_index()
@@ -517,7 +517,7 @@ def plot_memory_wall(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bo
     paper = {r["rung"]: r for r in PAPER_LADDER_3M} if df["seq_len"].iloc[0] == 3 * 2**20 else {}
     paper_x = {"ALST": "alst", "UPipe": "upipe"}
     x = np.arange(len(df))
-    with _figure(path, width=max(7.5, 1.3 * len(df) + 2)) as (fig, (ax,)):
+    with figure(path, width=max(7.5, 1.3 * len(df) + 2)) as (fig, (ax,)):
         bottom, pbottom = np.zeros(len(df)), np.zeros(len(df))
         papers = [paper.get(paper_x.get(r)) for r in df["rung"]]
         ours_kind = "emulated" if _emulated(df) else "measured"

@@ -178,11 +178,13 @@ def other_lines(results: Path) -> list[str]:
         # derived from the emulated Table 3/4 rows, whose provenance is their sweeps'
         agree = _counts((r.get("agree", "?") for r in rows), ("yes", "no", "—"))
         lines.append(_line(
-            "paper_grid", "Tables 3 and 4: emulated fits / OOM beside the paper's",
+            "paper_grid", "Tables 3 and 4: emulated tokens/s and fits / OOM beside the "
+            "paper's published cells",
             [{"mode": "emulated"}], "emulated",
             ["derived from the emulated Table 3/4 sweeps' rows", "—", "—", "—"],
             f"[{len(rows)} cells](paper_grid/grid_vs_paper.csv) (agree: {agree}); "
-            "[the table](paper_grid/grid_vs_paper.md)", "",
+            "[the table](paper_grid/grid_vs_paper.md); "
+            "[the report](paper_grid/reproduction.md)", "",
             f"`{PAPER_GRID_COMMAND}`"))
     return lines
 

@@ -142,7 +142,7 @@ def test_auto_resolves_as_the_rule_says_on_this_gpu():
     q = torch.zeros(1, 8, 4, 128, device="cuda", dtype=torch.bfloat16)
     cap = torch.cuda.get_device_capability()
     installed = {name for name, ok in (("fa3", fa3_available()),
-                                       ("flash-attn", flash_attn_available())) if ok}
+                                       ("flash-attn", flash_attn_available())) if ok} | {"cudnn"}
     assert resolve_kernel("auto", q) == auto_kernel("cuda", q.dtype, cap, installed, 128)
     if cap[0] == 9 and "fa3" not in installed:
         assert resolve_kernel("auto", q) == "cudnn"

@@ -36,17 +36,19 @@ def test_auto_is_sdpa_on_the_cpu(dtype):
 
 
 @pytest.mark.parametrize("cap,installed,dtype,head_dim,expected", [
-    ((9, 0), set(), BF16, 128, "cudnn"),  # Hopper, PyTorch alone
-    ((9, 0), set(), FP16, 128, "cudnn"),
-    ((9, 0), {"fa3", "flash-attn"}, BF16, 128, "fa3"),  # FlashAttention-3 installed
-    ((9, 0), {"flash-attn"}, BF16, 128, "cudnn"),  # cuDNN before FlashAttention-2 on Hopper
-    ((9, 0), set(), BF16, 512, "sdpa"),  # a head dim cuDNN refuses
-    ((9, 0), {"flash-attn"}, BF16, 512, "flash-attn"),
-    ((9, 0), {"fa3"}, FP32, 128, "sdpa"),  # fp32: the memory-efficient kernel
-    ((8, 0), set(), BF16, 128, "sdpa"),  # A100: cuDNN is slower than FlashAttention-2 there
-    ((8, 0), {"flash-attn", "fa3"}, BF16, 128, "flash-attn"),  # no FA3 off Hopper
-    ((10, 0), set(), BF16, 128, "sdpa"),
-    (None, set(), BF16, 128, "sdpa"),  # unknown GPU
+    ((9, 0), {"cudnn"}, BF16, 128, "cudnn"),  # Hopper, PyTorch alone
+    ((9, 0), {"cudnn"}, FP16, 128, "cudnn"),
+    ((9, 0), set(), BF16, 128, "sdpa"),  # no cuDNN 9 loaded
+    ((9, 0), {"fa3", "flash-attn", "cudnn"}, BF16, 128, "fa3"),  # FlashAttention-3 installed
+    ((9, 0), {"fa3"}, BF16, 128, "fa3"),
+    ((9, 0), {"flash-attn", "cudnn"}, BF16, 128, "cudnn"),  # before FlashAttention-2 on Hopper
+    ((9, 0), {"cudnn"}, BF16, 512, "sdpa"),  # a head dim cuDNN refuses
+    ((9, 0), {"flash-attn", "cudnn"}, BF16, 512, "flash-attn"),
+    ((9, 0), {"fa3", "cudnn"}, FP32, 128, "sdpa"),  # fp32: the memory-efficient kernel
+    ((8, 0), {"cudnn"}, BF16, 128, "sdpa"),  # A100: cuDNN is slower than FlashAttention-2 there
+    ((8, 0), {"flash-attn", "fa3", "cudnn"}, BF16, 128, "flash-attn"),  # no FA3 off Hopper
+    ((10, 0), {"cudnn"}, BF16, 128, "sdpa"),
+    (None, {"cudnn"}, BF16, 128, "sdpa"),  # unknown GPU
 ])
 def test_auto_picks_the_fastest_kernel_the_machine_runs(cap, installed, dtype, head_dim,
                                                        expected):

@@ -74,7 +74,7 @@ KernelImpl = tuple[Callable, Callable]
 
 # (device type the kernels are chosen for or None: the tensors', {kernel name: replacement},
 #  the scope around PyTorch's fused attention ops called directly, or None, what "auto" is for
-#  a dtype or None: the machine's own choice)
+#  a call's query or None: the machine's own choice)
 _DISPATCH: contextvars.ContextVar[
     tuple[str | None, dict[str, KernelImpl], Callable[[], contextlib.AbstractContextManager] | None,
           Callable[[torch.Tensor], str] | None]
@@ -117,10 +117,11 @@ def auto_kernel(device_type: str, dtype: torch.dtype, capability: tuple[int, int
                 head_dim: int | None = None) -> str:
     """What ``"auto"`` runs: the fastest kernel a machine runs for ``dtype``, by rule (no timing).
 
-    ``capability``: the CUDA GPU's compute capability; ``installed``: the optional kernel
-    libraries present (``"fa3"``, ``"flash-attn"``). CPU and fp32: ``sdpa``. On compute
-    capability 9.x (Hopper) fp16/bf16: ``fa3`` if installed (FlashAttention-3's Hopper
-    kernels, the paper's), else ``cudnn`` (measured on one H200 at about 2x PyTorch's flash
+    ``capability``: the CUDA GPU's compute capability; ``installed``: the kernels that can run
+    there beside ``sdpa`` (``"fa3"``, ``"flash-attn"``: their libraries import; ``"cudnn"``:
+    PyTorch loads cuDNN 9). CPU and fp32: ``sdpa``. On compute capability 9.x (Hopper)
+    fp16/bf16: ``fa3`` if installed (FlashAttention-3's Hopper kernels, the paper's), else
+    ``cudnn`` (measured on one H200 at about 2x PyTorch's flash
     backend forward and 1.7x backward: results/gpu_costs_h200/kernels/attention.csv, and
     arXiv 2407.08608 Figs. 5-6 on the H100), if the head dim is one it takes. Elsewhere
     ``flash-attn`` if installed, else ``sdpa``: cuDNN's attention is slower than
@@ -132,7 +133,7 @@ def auto_kernel(device_type: str, dtype: torch.dtype, capability: tuple[int, int
     hopper = capability is not None and capability[0] == 9
     if hopper and "fa3" in installed:
         return "fa3"
-    if hopper and cudnn_shape_reason(head_dim, capability) is None:
+    if hopper and "cudnn" in installed and cudnn_shape_reason(head_dim, capability) is None:
         return "cudnn"
     return "flash-attn" if "flash-attn" in installed else "sdpa"
 
@@ -141,10 +142,7 @@ def auto_kernel(device_type: str, dtype: torch.dtype, capability: tuple[int, int
 def machine_auto_kernel(device_index: int, dtype: torch.dtype, head_dim: int) -> str:
     """:func:`auto_kernel` on this machine's CUDA device ``device_index`` (cached: a failed
     import is retried on every call otherwise)."""
-    installed = {name for name, (available, _) in _CUDA_ONLY.items()
-                 if name != "cudnn" and available()}
-    if cudnn_unavailable_reason() is not None:
-        return auto_kernel("cuda", dtype, None, installed, head_dim)
+    installed = {name for name, (available, _) in _CUDA_ONLY.items() if available()}
     cap = torch.cuda.get_device_capability(device_index)
     return auto_kernel("cuda", dtype, cap, installed, head_dim)
 

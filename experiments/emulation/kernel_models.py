@@ -297,13 +297,17 @@ def _fa3_backward(dout, q, k, v, out, lse, causal, scale):
 MODELLED_KERNELS = ("flash-attn", "fa3")
 
 
+# what PyTorch itself runs beside sdpa on a CUDA GPU, with no other package installed
+PYTORCH_KERNELS = frozenset({"cudnn"})
+
+
 @functools.cache
 def auto_on(capability: tuple[int, int] | None):
     """What ``"auto"`` runs on an emulated GPU of compute ``capability`` (None: unknown, so
     ``sdpa``), for a call's query q (B, S, H, D): PyTorch's own kernels only (module
     docstring). One function per capability: the replay cache keys on it
     (``kernel_dispatch_state``)."""
-    return lambda q: auto_kernel("cuda", q.dtype, capability, frozenset(), q.shape[-1])
+    return lambda q: auto_kernel("cuda", q.dtype, capability, PYTORCH_KERNELS, q.shape[-1])
 
 
 @contextlib.contextmanager

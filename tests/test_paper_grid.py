@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from experiments.config import GiB
-from experiments.reporting import paper_grid, reproduction
+from experiments.reporting import paper_grid, reproduction, reproduction_report
 from experiments.reporting.paper_tables import PAPER_OUTCOMES, PAPER_THROUGHPUT, SEQ_LEN_TOKENS
 
 M = SEQ_LEN_TOKENS
@@ -140,20 +140,21 @@ def test_upipe_ratios_and_memory_wall(results):
     assert wall.loc["ALST", "emulated_attention_gib"] == pytest.approx(24.4)
     assert wall.loc["UPipe", "paper_attention_gib"] == 19.5
     assert wall.loc["FSDP only", "emulated_status"] == "missing"
-    md = reproduction.to_markdown(reproduction.throughput(results),
+    md = reproduction_report.to_markdown(reproduction.throughput(results),
                                   reproduction.upipe_ratios(results),
-                                  reproduction.memory_wall(results), "")
+                                  reproduction.memory_wall(results), "",
+                                  reproduction.two_node(results))
     assert "3145728 = 3 x 2^20" in md and "| table3 | 35 | 3 | 29 |" in md
 
 
 def test_committed_report_is_what_the_generator_writes(tmp_path):
     paper_grid.write(RESULTS, tmp_path)
     committed = RESULTS / paper_grid.OUT_DIR
-    for name in ("grid_vs_paper.csv", "grid_vs_paper.md", *reproduction.FILES):
+    for name in ("grid_vs_paper.csv", "grid_vs_paper.md", *reproduction_report.FILES):
         assert (committed / name).read_text() == (tmp_path / name).read_text(), (
             f"results/paper_grid/{name} is stale or hand-edited: run "
             "`python -m experiments.reporting.paper_grid`")
-    for name in reproduction.FIGURES:
+    for name in reproduction_report.FIGURES:
         assert (committed / name).stat().st_size > 0 and (tmp_path / name).exists()
 
 

@@ -16,7 +16,7 @@ case the reserve, not the method's memory, decides the cell.
     python -m experiments.reporting.paper_grid [--results results]
 
 writes ``<results>/paper_grid/grid_vs_paper.csv`` and ``grid_vs_paper.md``, and the report of
-tokens/s and memory beside the paper's (``reproduction.FILES`` and ``FIGURES``).
+tokens/s and memory beside the paper's (``reproduction_report.FILES`` and ``FIGURES``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import pandas as pd
 
 from experiments.config import GiB, format_size
 from experiments.config.hardware import RESERVE_SOURCE
-from experiments.reporting import reproduction
+from experiments.reporting import reproduction_report
 from experiments.reporting.paper_tables import PAPER_OUTCOMES, SEQ_LEN_TOKENS, TABLES
 from experiments.reporting.reproduction import OUT_DIR, SWEEPS, mesh, overlapped
 
@@ -176,7 +176,7 @@ def to_markdown(df: pd.DataFrame) -> str:
 
 
 def write(results: Path, out: Path | None = None) -> Path:
-    """Write the grid's CSV and Markdown and the reproduction report (``reproduction.write``)
+    """Write the grid's CSV and Markdown and the reproduction report (``reproduction_report.write``)
     into ``out`` (default ``results/paper_grid``) from the sweeps under ``results``; returns
     the directory."""
     df = grid(results)
@@ -184,7 +184,7 @@ def write(results: Path, out: Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "grid_vs_paper.csv", index=False)
     (out / "grid_vs_paper.md").write_text(to_markdown(df))
-    reproduction.write(results, out)
+    reproduction_report.write(results, out)
     return out
 
 
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="results root holding the emulated Table 3/4 sweeps (default results/)")
     out = write(p.parse_args(argv).results)
     print(f"wrote {out}/: grid_vs_paper.csv, grid_vs_paper.md, "
-          + ", ".join((*reproduction.FILES, *reproduction.FIGURES)))
+          + ", ".join((*reproduction_report.FILES, *reproduction_report.FIGURES)))
     return 0
 
 

@@ -3,10 +3,14 @@
 For every cell of the paper's Tables 3 and 4: the emulated tokens/s per GPU beside the published
 value and their ratio, and the emulated fit / OOM beside the paper's; per length, UPipe over
 Ulysses (Table 4: USP 8x2) and UPipe over FPDT (DeepSpeed's), emulated beside the paper's; the
-memory wall at 3M tokens, emulated model / attention / other GiB beside the paper's figure; and
-two figures: emulated against published tokens/s (one point per cell, log-log, y = x) and their
-ratio per length. Written by ``python -m experiments.reporting.paper_grid`` beside the grid of
-outcomes, into ``results/paper_grid/``.
+memory wall at 3M tokens, emulated model / attention / other GiB beside the paper's figure; the
+two-node figure (Llama3-8B on 16 H100s, USP 8x2 against UPipe 8x2), each method's emulated peak
+GiB and fit / OOM and UPipe's tokens/s over USP's beside the figure's (read off a chart, so
+approximate); and three figures: emulated against published tokens/s (one point per cell,
+log-log, y = x), their ratio per length, and the two-node figure's peaks and ratio. Written by
+``python -m experiments.reporting.paper_grid`` beside the grid of outcomes, into
+``results/paper_grid/``. The two-node rows are chosen as a table's (below), from
+``TWO_NODE_SWEEP`` on the 8x2 mesh.
 
 Which emulated row stands for a paper cell (``paper_cells``): in the table's emulated sweep
 (``SWEEPS``), the timed rows (``iters`` > 0: a max-context probe times no step) of the paper's
@@ -36,11 +40,12 @@ from experiments.reporting.paper_tables import (
     SEQ_LEN_TOKENS,
     TABLES,
 )
-from experiments.reporting.reproduction_plots import plot_ratio_by_length, plot_vs_paper
 
 SWEEPS = {"table3": "table3_llama3_8b_h100x8-emulated",
           "table4": "table4_qwen3_32b_h100x16-emulated"}
 WALL_SWEEP = "memory_wall_llama3_8b_h100x8-emulated"
+TWO_NODE_SWEEP = "two_node_llama3_8b_h100x16-emulated"
+TWO_NODE_METHODS = ("usp", "upipe")  # the figure's two, both on its 8x2 mesh
 OUT_DIR = "paper_grid"
 PAPER_KERNEL = "fa3"
 WALL_SEQ_LEN = SEQ_LEN_TOKENS["3M"]
@@ -60,6 +65,11 @@ WALL_COLUMNS = (["rung", "method", "stack", "nproc", "emulated_status"]
                 + [f"emulated_{p}_gib" for p in (*WALL_PARTS, "peak")]
                 + ["paper_status"] + [f"paper_{p}_gib" for p in WALL_PARTS]
                 + ["paper_oom_gib", "paper_oom_part"])
+TWO_NODE_COLUMNS = (["seq_len", "length"]
+                    + [f"{side}_{m}_{what}" for m in TWO_NODE_METHODS
+                       for what in ("status", "peak_gib") for side in ("paper", "emulated")]
+                    + ["paper_upipe_vs_usp", "emulated_upipe_vs_usp", "budget_gib"]
+                    + [f"{m}_rows" for m in TWO_NODE_METHODS] + ["note"])
 
 
 def mesh(method: str, nproc: int, ring_degree: int) -> str:
@@ -197,6 +207,53 @@ def memory_wall(results: Path) -> pd.DataFrame:
     return pd.DataFrame(out, columns=WALL_COLUMNS)
 
 
+def _two_node_side(rows: pd.DataFrame, c: dict, method: str) -> tuple[dict, float]:
+    """One method's columns of a two-node row (figure ``c``; ``rows``: the sweep's 8x2 rows of
+    the paper's configuration), and its emulated tokens/s per GPU (NaN unless it fits)."""
+    found = rows[(rows["method"] == method) & (rows["seq_len"] == c["seq_len"])]
+    e = found.iloc[0] if len(found) else pd.Series(dtype=object)
+    status = e.get("status", "missing")
+    paper_peak = c[f"{method}_peak_gib"]
+    return ({f"paper_{method}_status": c[f"{method}_status"],
+             f"emulated_{method}_status": status,
+             f"paper_{method}_peak_gib": np.nan if paper_peak is None else paper_peak,
+             f"emulated_{method}_peak_gib": e.get("peak_device_bytes", np.nan) / GiB,
+             f"{method}_rows": len(found)},
+            float(e["tokens_per_s_per_gpu"]) if status == "ok" else np.nan)
+
+
+def two_node(results: Path) -> pd.DataFrame:
+    """One row per length of the paper's two-node figure (``PAPER_TWO_NODE``, approximate):
+    USP's and UPipe's peak GiB per GPU and fit / OOM, the figure's beside the emulated (the
+    first timed row of the paper's configuration, ``paper_cells``, of the method on the 8x2
+    mesh at the length; an OOM row keeps the peak it would need), UPipe's tokens/s over USP's
+    where both fit, the emulated budget, the matching rows per method and a note on what is
+    missing (``TWO_NODE_COLUMNS``)."""
+    rows = paper_cells(_read_rows(results / TWO_NODE_SWEEP / "rows.csv"))
+    rows = rows[rows["mesh"] == "8x2"]
+    out = []
+    for c in PAPER_TWO_NODE:
+        at = rows[rows["seq_len"] == c["seq_len"]]
+        budget = at["device_budget_bytes"] if "device_budget_bytes" in at else at["seq_len"][:0]
+        r = {"seq_len": c["seq_len"], "length": format_size(c["seq_len"]),
+             "budget_gib": budget.iloc[0] / GiB if len(budget) else np.nan}
+        tps = {}
+        for m in TWO_NODE_METHODS:
+            side, tps[m] = _two_node_side(rows, c, m)
+            r |= side
+        notes = [f"no emulated {m} 8x2 row" for m in TWO_NODE_METHODS if not r[f"{m}_rows"]]
+        if not notes and any(pd.isna(v) for v in tps.values()):
+            notes.append("no emulated ratio: " + ", ".join(
+                f"{m} {r[f'emulated_{m}_status']}" for m, v in tps.items() if pd.isna(v)))
+        if any(r[f"{m}_rows"] > 1 for m in TWO_NODE_METHODS):
+            notes.append("several timed rows match; the first in rows.csv is taken")
+        ratio = c["upipe_vs_usp_tokens_per_s"]
+        out.append(r | {"paper_upipe_vs_usp": np.nan if ratio is None else ratio,
+                        "emulated_upipe_vs_usp": tps["upipe"] / tps["usp"],
+                        "note": "; ".join(notes)})
+    return pd.DataFrame(out, columns=TWO_NODE_COLUMNS)
+
+
 def wall_in_table3(results: Path, wall: pd.DataFrame) -> str:
     """Whether the Table 3 sweep's own 3M rows of ALST (ulysses) and UPipe give the memory
     wall's split (to 0.01 GiB), as a sentence."""
@@ -230,121 +287,3 @@ def summary(tp: pd.DataFrame) -> pd.DataFrame:
                                               dis["paper_status"], dis["emulated_status"],
                                               strict=True)) or "none"})
     return pd.DataFrame(out)
-
-
-# -- the report ------------------------------------------------------------------------------
-
-
-def _f(v, fmt: str = "{:,.2f}") -> str:
-    return "—" if v is None or pd.isna(v) else fmt.format(v)
-
-
-TOKENS = ("Token counts: each row's `seq_len` is the global tokens of its one sequence per step "
-          "(batch 1), in binary units as the paper's scripts label them (128K = 131072, 1M = "
-          "1048576, 3M = 3145728 = 3 x 2^20); tokens/s per GPU = seq_len / GPUs / step time "
-          "(torchtitan's metric, the paper's).")
-RULE = ("Which emulated row stands for a paper cell: in the table's emulated sweep, the timed "
-        "rows (`iters` > 0; max-context probes time no step) on the paper's kernel (`fa3`), "
-        "UPipe's blocking stages (the `overlap` rows are beyond the paper) and no packing, with "
-        "the cell's method, mesh (<Ulysses degree>x<ring degree>) and length; of several, the "
-        "first in `rows.csv` order (`rows` counts them). Emulated tokens/s are shown where the "
-        "emulated cell fits; a ratio where both fit.")
-
-
-def _throughput_md(tp: pd.DataFrame, table: str) -> list[str]:
-    lines = [f"## {TABLES[table][2]}: {TABLES[table][0]} on {TABLES[table][1]} H100s, "
-             f"tokens/s per GPU (`{SWEEPS[table]}`)", "",
-             "| paper row | method | mesh | length | paper | emulated | emulated / paper | "
-             "paper fit | emulated fit | agree | rows | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in tp[tp["table"] == table].itertuples():
-        lines.append(f"| {r.paper_method} | {r.method} | {r.mesh} | {r.length} | "
-                     f"{_f(r.paper_tokens_per_s)} | {_f(r.emulated_tokens_per_s)} | "
-                     f"{_f(r.ratio, '{:.3f}')} | {r.paper_status} | {r.emulated_status} | "
-                     f"{r.agree} | {r.rows} | {r.note} |")
-    return lines + [""]
-
-
-def _summary_md(s: pd.DataFrame) -> list[str]:
-    lines = ["## Summary", "", "| table | cells | both fit | no emulated row | median "
-             "emulated / paper | range | outcomes that disagree |", "|---|---|---|---|---|---|---|"]
-    for r in s.itertuples():
-        lines.append(f"| {r.table} | {r.cells} | {r.both_ok} | {r.missing} | "
-                     f"{_f(r.median_ratio, '{:.3f}')} | {_f(r.min_ratio, '{:.3f}')}-"
-                     f"{_f(r.max_ratio, '{:.3f}')} | {r.disagree} |")
-    return lines + [""]
-
-
-def _ratios_md(rt: pd.DataFrame) -> list[str]:
-    lines = ["## UPipe over Ulysses and over FPDT, per length", "",
-             "Table 3: UPipe 8x1 over Ulysses 8x1; Table 4: UPipe 8x2 over the paper's Ulysses, "
-             "USP 8x2; both over FPDT (DeepSpeed's). Tokens/s per GPU.", "",
-             "| table | length | ratio | emulated | paper | emulated / paper | note |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rt.itertuples():
-        lines.append(f"| {r.table} | {r.length} | {r.ratio} | {_f(r.emulated, '{:.3f}')} | "
-                     f"{_f(r.paper, '{:.3f}')} | {_f(r.emulated_over_paper, '{:.3f}')} | "
-                     f"{r.note} |")
-    return lines + [""]
-
-
-def _wall_md(wall: pd.DataFrame, same: str) -> list[str]:
-    lines = [f"## The memory wall at 3M tokens (3145728), Llama3-8B on 8 H100s (`{WALL_SWEEP}`)",
-             "", "GiB per GPU, model states / attention / other; the paper's from its figure "
-             "(an OOM rung: the GiB it writes beside OOM, and the part where it names one). "
-             + same, "",
-             "| rung | emulated | model | attention | other | peak | paper | model | attention "
-             "| other | paper OOM GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in wall.itertuples():
-        part = f" ({r.paper_oom_part})" if isinstance(r.paper_oom_part, str) else ""
-        lines.append(f"| {r.rung} | {r.emulated_status} | {_f(r.emulated_model_gib, '{:.1f}')} "
-                     f"| {_f(r.emulated_attention_gib, '{:.1f}')} | "
-                     f"{_f(r.emulated_other_gib, '{:.1f}')} | {_f(r.emulated_peak_gib, '{:.1f}')}"
-                     f" | {r.paper_status} | {_f(r.paper_model_gib, '{:.1f}')} | "
-                     f"{_f(r.paper_attention_gib, '{:.1f}')} | {_f(r.paper_other_gib, '{:.1f}')}"
-                     f" | {_f(r.paper_oom_gib, '{:,.0f}')}{part} |")
-    return lines + [""]
-
-
-def to_markdown(tp: pd.DataFrame, rt: pd.DataFrame, wall: pd.DataFrame, same: str) -> str:
-    """The report: how rows are chosen, the summary, each table's cells, the UPipe ratios, the
-    memory wall, the figures."""
-    two = ", ".join(format_size(r["seq_len"]) for r in PAPER_TWO_NODE)
-    lines = ["# The emulated Tables 3 and 4 beside the paper's published numbers", "",
-             "Generated by `python -m experiments.reporting.paper_grid` from the emulated "
-             "sweeps' committed rows; do not edit. The paper's numbers: "
-             "`experiments/reporting/paper_tables.py` (the UPipe project page's Tables 3 and 4 "
-             "and figures); validation targets only, nothing is fitted to them. Fits / OOM of "
-             "every emulated cell: [grid_vs_paper.md](grid_vs_paper.md).", "", TOKENS, "",
-             RULE, ""]
-    lines += _summary_md(summary(tp))
-    lines += ["![Emulated against published tokens/s per GPU](throughput_vs_paper.png)", "",
-              "![Emulated over published tokens/s per GPU, per length](ratio_by_length.png)",
-              ""]
-    for table in TABLES:
-        lines += _throughput_md(tp, table)
-    lines += _ratios_md(rt) + _wall_md(wall, same)
-    lines += ["## Not reproduced", "",
-              f"The two-node figure (Llama3-8B on 16 H100s, USP 8x2 against UPipe 8x2 at {two}; "
-              "read off a chart, approximate; `paper_tables.PAPER_TWO_NODE`): no emulated sweep "
-              "runs Llama3-8B on 16 GPUs."]
-    return "\n".join(lines) + "\n"
-
-
-FILES = ("reproduction.md", "throughput_vs_paper.csv", "upipe_ratios.csv", "memory_wall_3m.csv")
-FIGURES = ("throughput_vs_paper.png", "ratio_by_length.png")
-
-
-def write(results: Path, out: Path) -> list[Path]:
-    """Write ``FILES`` and ``FIGURES`` into ``out`` from the sweeps under ``results``."""
-    tp = throughput(results)
-    rt = upipe_ratios(results)
-    wall = memory_wall(results)
-    out.mkdir(parents=True, exist_ok=True)
-    tp.to_csv(out / "throughput_vs_paper.csv", index=False)
-    rt.to_csv(out / "upipe_ratios.csv", index=False)
-    wall.to_csv(out / "memory_wall_3m.csv", index=False)
-    (out / "reproduction.md").write_text(to_markdown(tp, rt, wall, wall_in_table3(results, wall)))
-    drawn = [out / f for f, plot in zip(FIGURES, (plot_vs_paper, plot_ratio_by_length),
-                                         strict=True) if plot(tp, out / f)]
-    return [out / f for f in FILES] + drawn

@@ -28,6 +28,7 @@ from experiments.sweeps import (
     table3_llama3_8b_h100x8,
     table4_qwen3_32b_h100x16,
     time_validation_cpu,
+    two_node_llama3_8b_h100x16,
     upipe_overlap,
 )
 
@@ -37,7 +38,7 @@ PAPER_KERNEL = "fa3"
 
 _MODULES = (table3_llama3_8b_h100x8, table4_qwen3_32b_h100x16, memory_ladder,
             ablation_heads_per_stage, bench_attention, time_validation_cpu, upipe_overlap,
-            long_context)
+            long_context, two_node_llama3_8b_h100x16)
 
 
 def emulated_twin(paper: Sweep) -> Sweep:

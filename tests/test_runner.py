@@ -64,6 +64,7 @@ def test_hybrid_and_fpdt_cells_run_end_to_end():
     usp = run_cell(Cell("usp", ring_degree=2, **base), timeout_s=300)
     assert usp["status"] == "ok", usp["error"]
     assert usp["ring_degree"] == 2 and usp["tokens_per_s_per_gpu"] > 0
+    assert usp["kernel"] == "auto" and usp["kernel_ran"] == "sdpa"  # what auto ran on the CPU
     fpdt = run_cell(Cell("fpdt", chunk_size=256, **(base | {"stack": "ac"})), timeout_s=300)
     assert fpdt["status"] == "ok", fpdt["error"]
     assert fpdt["chunk_size"] == 256 and fpdt["peak_host_bytes"] > 0

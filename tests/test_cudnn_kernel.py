@@ -4,6 +4,8 @@ prices with it (the GPU comparisons against ``math`` are tests/test_cudnn_gpu.py
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -11,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from experiments.config import Cell, Hardware
 from experiments.emulation.emulate import emulate_cell
 from experiments.emulation.kernel_models import auto_on, cuda_kernels
-from experiments.emulation.profile import attention_flops, load_profile
+from experiments.emulation.profile import PROFILE_DIR, attention_flops, load_profile
 from experiments.harness.launch import unavailable_reason
 from experiments.instruments.memory import MemoryTracker
 from upipe.kernels import (
@@ -197,3 +199,16 @@ def test_every_method_taking_a_kernel_emulates_with_cudnn(method, ring):
         assert rows[kernel]["status"] == "ok", rows[kernel]["error"]
         assert rows[kernel]["kernel_ran"] == kernel
     assert rows["cudnn"]["peak_device_bytes"] <= rows["sdpa"]["peak_device_bytes"]
+
+
+def test_auto_on_an_emulated_hopper_whose_profile_prices_no_cudnn_is_sdpa(tmp_path):
+    """A calibration on a Hopper without cuDNN 9 states compute capability 9.0 but times no
+    cudnn: ``auto`` must not pick a kernel the time model cannot price."""
+    raw = json.loads((PROFILE_DIR / "h100-sxm.json").read_text())
+    del raw["attention"]["cudnn"]
+    path = tmp_path / "hopper-no-cudnn.json"
+    path.write_text(json.dumps(raw))
+    cell = Cell(method="ulysses", model="tiny", seq_len=1024, nproc=4, dtype="bf16")
+    row = emulate_cell(cell, Hardware(profile=str(path)), exact=True)
+    assert row["status"] == "ok" and row["kernel_ran"] == "sdpa"
+    assert row["step_time_s"] > 0  # priced: sdpa has rates

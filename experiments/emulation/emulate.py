@@ -29,7 +29,7 @@ from experiments.config import (
     ModelConfig,
     Status,
 )
-from experiments.emulation.fake_step import Measurement, emulated_capability, measure_fake
+from experiments.emulation.fake_step import Measurement, emulated_gpu, measure_fake
 from experiments.emulation.fit import N_SAMPLE, depth_lower_bound, fitted, sequence_chunk
 from experiments.emulation.kernel_models import MODELLED_KERNELS, auto_on
 from experiments.emulation.profile import Profile, profile_for
@@ -63,7 +63,7 @@ def emulation_unavailable(cell: Cell, hw: Hardware) -> str | None:
         # what the emulated GPU's cuDNN refuses is refused here
         head_dim = cell.validate().head_dim
         reason = cudnn_dtype_reason(cell.dtype) or cudnn_shape_reason(
-            head_dim, emulated_capability(hw))
+            head_dim, emulated_gpu(hw)[0])
     elif reason is None and not (hw.device == "cuda" and cell.kernel in MODELLED_KERNELS):
         reason = kernel_unavailable_reason(cell.kernel, hw.device)
         if reason is not None and hw.device == "cpu":
@@ -74,7 +74,7 @@ def emulation_unavailable(cell: Cell, hw: Hardware) -> str | None:
 def kernel_column(cell: Cell, cfg: ModelConfig, hw: Hardware) -> dict:
     """The row's ``kernel_ran``: the attention kernel the emulated step runs (``"auto"``
     resolved as on the emulated GPU, ``kernel_models.auto_on``)."""
-    auto = auto_on(emulated_capability(hw)) if hw.device == "cuda" else None
+    auto = auto_on(*emulated_gpu(hw)) if hw.device == "cuda" else None
     return {"kernel_ran": kernel_ran(cell, cfg, hw.device, auto)}
 
 

@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from experiments.config import Cell, Hardware, ModelConfig
-from experiments.emulation.kernel_models import cuda_kernels
+from experiments.emulation.kernel_models import PYTORCH_KERNELS, cuda_kernels
 from experiments.emulation.op_costs import StepWork, Window
 from experiments.emulation.profile import profile_for
 from experiments.emulation.replay import CallReplay
@@ -87,14 +87,19 @@ def fake_world(world: int, rank: int = 0):
 
 def _kernels(hw: Hardware):
     if hw.device == "cuda":  # "auto" as on the profile's GPU
-        return cuda_kernels(emulated_capability(hw))
+        return cuda_kernels(*emulated_gpu(hw))
     return contextlib.nullcontext()
 
 
-def emulated_capability(hw: Hardware) -> tuple[int, int] | None:
-    """The compute capability of the emulated GPU (its profile's; None: not stated)."""
+def emulated_gpu(hw: Hardware) -> tuple[tuple[int, int] | None, frozenset[str]]:
+    """(compute capability, PyTorch's kernels beside sdpa) of the emulated GPU: its profile's
+    capability (None: not stated) and cudnn where the profile prices it (a calibration on a
+    machine without cuDNN 9 has no cudnn rates, so ``"auto"`` must not pick it there)."""
     profile = profile_for(hw)
-    return None if profile is None else profile.compute_capability
+    if profile is None:
+        return None, frozenset()
+    priced = PYTORCH_KERNELS & set(profile.values["attention"])
+    return profile.compute_capability, frozenset(priced)
 
 
 def _label_phases(model, tracker: MemoryTracker) -> list:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from experiments.config import Cell, Hardware, takes_option
-from experiments.emulation.fake_step import Measurement, emulated_capability, measure_fake
+from experiments.emulation.fake_step import Measurement, emulated_gpu, measure_fake
 from experiments.emulation.work_fit import predict_work
 from upipe.registry import get_method
 
@@ -248,10 +248,10 @@ def _cached(cache: dict, cell: Cell, hw: Hardware, count: bool, make):
     """``cache``'s entry for ``cell``'s family, made by ``make()`` once per process. The family
     is every field but those that change nothing in one step's allocations: the length (the
     fit's variable), the step counts, the budget (it decides the status, after) and labels; the
-    node size decides which links collectives use, and the emulated GPU's compute capability
-    which kernel ``"auto"`` runs. A counted entry serves an uncounted one."""
+    node size decides which links collectives use, and the emulated GPU (its compute capability
+    and priced kernels) which kernel ``"auto"`` runs. A counted entry serves an uncounted one."""
     family = dataclasses.replace(cell, seq_len=0, warmup=0, iters=0, budget_mib=None, extra={})
-    cap = emulated_capability(hw) if hw.device == "cuda" else None
+    cap = emulated_gpu(hw) if hw.device == "cuda" else None
     key = (family, hw.device, hw.gpus_per_node, cap, count)
     if not count and (family, hw.device, hw.gpus_per_node, cap, True) in cache:
         return cache[(family, hw.device, hw.gpus_per_node, cap, True)]

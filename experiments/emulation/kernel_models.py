@@ -302,19 +302,23 @@ PYTORCH_KERNELS = frozenset({"cudnn"})
 
 
 @functools.cache
-def auto_on(capability: tuple[int, int] | None):
+def auto_on(capability: tuple[int, int] | None,
+            installed: frozenset[str] = PYTORCH_KERNELS):
     """What ``"auto"`` runs on an emulated GPU of compute ``capability`` (None: unknown, so
-    ``sdpa``), for a call's query q (B, S, H, D): PyTorch's own kernels only (module
-    docstring). One function per capability: the replay cache keys on it
-    (``kernel_dispatch_state``)."""
-    return lambda q: auto_kernel("cuda", q.dtype, capability, PYTORCH_KERNELS, q.shape[-1])
+    ``sdpa``) with ``installed`` kernels beside sdpa (PyTorch's own only: module docstring;
+    none where the profile prices no cudnn), for a call's query q (B, S, H, D). One function
+    per GPU: the replay cache keys on it (``kernel_dispatch_state``)."""
+    return lambda q: auto_kernel("cuda", q.dtype, capability, installed, q.shape[-1])
 
 
 @contextlib.contextmanager
-def cuda_kernels(capability: tuple[int, int] | None = None):
+def cuda_kernels(capability: tuple[int, int] | None = None,
+                 installed: frozenset[str] = PYTORCH_KERNELS):
     """Attention inside runs the CUDA kernels' code path and allocations (see the module), with
-    ``"auto"`` resolved for a GPU of compute ``capability`` (``auto_on``)."""
+    ``"auto"`` resolved for a GPU of compute ``capability`` and ``installed`` kernels
+    (``auto_on``)."""
     overrides = {"flash-attn": (_flash_attn_forward, _flash_attn_backward),
                  "fa3": (_fa3_forward, _fa3_backward)}
-    with kernel_dispatch("cuda", overrides, op_scope=_OpWorkspace, auto=auto_on(capability)):
+    with kernel_dispatch("cuda", overrides, op_scope=_OpWorkspace,
+                         auto=auto_on(capability, installed)):
         yield

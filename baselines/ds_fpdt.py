@@ -37,6 +37,11 @@ every layer's chunks alive until backward. Megatron-DeepSpeed checkpoints reentr
 (``deepspeed.checkpointing.checkpoint``: forward under no_grad, where FPDT records nothing), so
 the class asks the harness for that (``checkpoint_reentrant``).
 
+Kernel: FPDT calls flash-attn 2 on CUDA. ``kernel="fa3"`` runs FlashAttention-3 in its place
+on the same chunk pairs, as the paper's FPDT runs did (the authors' patch of fpdt_layer; see
+``ds_fpdt_portable.FA3_KERNEL``); every other kernel name leaves FPDT's own (rows record the
+kernel that ran, ``kernel_ran``).
+
 Limits inherited from FPDT: on CUDA flash-attn (fp16/bf16), causal only, no dropout, and it
 calls ``deepspeed.comm.barrier()`` on the default group every chunk, so the CP group should be
 the world (or every rank must run FPDT).
@@ -52,7 +57,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from baselines.ds_fpdt_portable import FPDTCall, flash_attn_stand_ins, fpdt_call
+from baselines.ds_fpdt_portable import FA3_KERNEL, FPDTCall, flash_attn_stand_ins, fpdt_call
 from baselines.ds_ulysses import _attach_deepspeed_comm
 from baselines.rfa_zigzag import check_half_precision, import_problem, requirements_reason
 from upipe.kernels import kernel_device_type
@@ -100,6 +105,8 @@ class DSFPDTAttention(ContextParallelAttention):
     projection_features = frozenset()
     own_kernel = ("flash-attn", "DeepSpeed's FPDT calls flash-attn's kernels itself on CUDA "
                                 "(on CPU, stand-ins through upipe's dispatch)")
+    # kernel="fa3": FlashAttention-3 in FPDT's place, as the paper's runs (ds_fpdt_portable)
+    own_kernel_choices = frozenset({FA3_KERNEL})
     documents_unsupported = (
         "DeepSpeed's FPDT_Attention takes no document boundaries (dense flash-attn per chunk, "
         "RoPE at global positions); use 'fpdt'")

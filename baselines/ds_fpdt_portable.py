@@ -13,7 +13,9 @@ globals, and this module replaces exactly those, only while an FPDT autograd Fun
   backward writing dq, dk, dv into FPDT's buffers. They run upipe's kernel dispatch
   (``upipe.kernels``): on real CPU tensors the module's kernel (``sdpa``/``math``), so the result
   is real attention; where the dispatch picks kernels for CUDA (the emulator's ``cuda_kernels``)
-  the kernel ``flash-attn``, so the emulator's flash-attn 2 memory model is what runs.
+  the kernel ``flash-attn``, so the emulator's flash-attn 2 memory model is what runs, or
+  ``fa3`` where the module names it (the paper's patched FPDT, ``FA3_KERNEL``), on real CUDA
+  too.
   One difference from flash-attn: ``attention_backward`` returns new dq/dk/dv that are then copied
   into FPDT's buffers, where flash-attn writes them directly; one chunk's q+k+v bytes, alive only
   during the call (the emulated model's wrapper allocates the same three, ``kernel_models``).
@@ -53,26 +55,38 @@ from upipe.pure import metadata_pure
 
 # the flash-attn call convention the stand-ins speak (FPDT switches on flash_attn_version)
 STAND_IN_API = version.parse("2.7.0")
+# The paper's FPDT runs call FlashAttention-3 instead of flash-attn 2: the authors' patch of
+# fpdt_layer (togethercomputer/Untied-Ulysses, FPDT/Megatron-DeepSpeed/megatron/patch/
+# fpdt_layer.py: _flash_attn_forward_fa3 / _flash_attn_backward_fa3 where use_fa3, which
+# run_single_8B.sh's --use-flash-attn-v3 sets). With this kernel the stand-ins replace FPDT's
+# two flash-attn calls on CUDA too, and run upipe's fa3 (the same kernels, forward and
+# backward, on the same chunk pairs); nothing else of FPDT changes.
+FA3_KERNEL = "fa3"
 _HOST_FLAG = "_upipe_fpdt_host"  # set on the host buffers FPDT makes (see _HostTorch)
 
 
 @dataclass(frozen=True)
 class FPDTCall:
     """What one FPDT call runs with: the module's kernel (used where kernels are picked for a
-    CPU device), the compute device, and the context host allocations are made in."""
+    CPU device, and on CUDA when it is ``fa3``), the compute device, and the context host
+    allocations are made in."""
 
     kernel: str
     device: torch.device
     host_context: Callable[[], contextlib.AbstractContextManager]
-    stand_ins: bool  # False on CUDA: the real flash-attn and accelerator, host accounting only
+    stand_ins: bool  # False on CUDA: the real accelerator and flash-attn (fa3: FA3_KERNEL)
 
 
 _CALL: contextvars.ContextVar[FPDTCall | None] = contextvars.ContextVar("fpdt_call", default=None)
 
 
 def _dispatch_kernel(q: torch.Tensor, kernel: str) -> str:
-    """flash-attn where kernels are picked for CUDA (FPDT's kernel), else the module's."""
-    return "flash-attn" if kernel_device_type(q) == "cuda" else kernel
+    """Where kernels are picked for CUDA: FlashAttention-3 when the module names it (the
+    paper's patched FPDT, ``FA3_KERNEL``), else flash-attn (FPDT's own); elsewhere the
+    module's kernel."""
+    if kernel_device_type(q) != "cuda":
+        return kernel
+    return "fa3" if kernel == FA3_KERNEL else "flash-attn"
 
 
 def _check_plain(dropout_p, window_left, window_right, softcap, alibi_slopes) -> None:
@@ -107,9 +121,26 @@ def _stand_in_backward(kernel: str) -> Callable:
     return backward
 
 
+_SIDE_STREAM: contextvars.ContextVar[bool] = contextvars.ContextVar("fpdt_side_stream",
+                                                                     default=False)
+
+
+def on_side_stream() -> bool:
+    """Whether FPDT runs inside ``get_accelerator().stream(s)`` of a side stream ``s`` (one it
+    made with ``Stream()``, not the default stream) of the stand-in accelerator. fpdt_layer
+    issues every host copy of its offloading path so (``SequenceChunk``'s offload and
+    ``load_to_gpu``, the dQ write-back), where on CUDA they run beside the attention kernels
+    of the compute stream (it waits for them once per chunk pair); the emulator's time model
+    prices such copies as side copies (``experiments.emulation.op_costs``)."""
+    return _SIDE_STREAM.get()
+
+
 class _NoStream:
     """A stream/event whose ordering calls do nothing: off CUDA every op is complete when it
-    returns, so there is nothing to order."""
+    returns, so there is nothing to order. ``side``: a stream FPDT made for its copies."""
+
+    def __init__(self, side: bool = False):
+        self.side = side
 
     def wait_stream(self, other) -> None: ...
     def wait_event(self, event) -> None: ...
@@ -127,13 +158,20 @@ class _StandInAccelerator:
         return self.device
 
     def Stream(self) -> _NoStream:  # noqa: N802  (DeepSpeed's name)
-        return _NoStream()
+        return _NoStream(side=True)
 
     def default_stream(self, device_index=None) -> _NoStream:
         return _NoStream()
 
-    def stream(self, stream) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def stream(self, stream: _NoStream):
+        """Nothing to switch; records whether the work inside is on a side stream
+        (``on_side_stream``)."""
+        token = _SIDE_STREAM.set(stream.side)
+        try:
+            yield
+        finally:
+            _SIDE_STREAM.reset(token)
 
     def synchronize(self, device_index=None) -> None: ...
 
@@ -182,13 +220,15 @@ def _pure_merge() -> Callable:
 
 
 def _names(call: FPDTCall) -> dict:
-    """fpdt_layer globals to replace for ``call``."""
+    """fpdt_layer globals to replace for ``call``: the flash-attn functions off CUDA and, on
+    CUDA too, where the module runs FlashAttention-3; the accelerator and the merge off CUDA."""
     names = {"torch": _HostTorch(call.host_context)}
-    if call.stand_ins:
+    if call.stand_ins or call.kernel == FA3_KERNEL:
         names |= {"_flash_attn_forward": _stand_in_forward(call.kernel),
                   "_flash_attn_backward": _stand_in_backward(call.kernel),
-                  "flash_attn_version": STAND_IN_API,
-                  "get_accelerator": lambda: _StandInAccelerator(call.device),
+                  "flash_attn_version": STAND_IN_API}
+    if call.stand_ins:
+        names |= {"get_accelerator": lambda: _StandInAccelerator(call.device),
                   "_update_out_and_lse": _pure_merge()}
     return names
 

@@ -37,10 +37,13 @@ does not matter, so the same zigzag shard is exact.
 
 Rotation: the paper's runs name the PyTorch baseline ``attn_impl = "torch_ring_alltoall"``
 (togethercomputer/Untied-Ulysses, torchtitan/exps/llama3_8b/run_all_8B.sh and the Qwen3-32B
-script), so ``alltoall`` is the default here; the shared TorchTitan config of those runs sets
-``context_parallel_rotate_method = "allgather"`` (llama3_8b_test_2d.toml), torch's own default,
-and which of the two the fork applies for that attn_impl could not be read (its Python sources
-are not available here). ``rotate_method="allgather"`` runs the other.
+script), but nothing in their TorchTitan fork reads the "alltoall" of that name: the rotation
+is set from ``parallelism.context_parallel_rotate_method`` (torchtitan/distributed/utils.py,
+``set_rotate_method``), which their config (llama3_8b_test_2d.toml) and TorchTitan's default
+set to ``"allgather"``, and no script overrides. So ``allgather`` is the default here (until
+issue 32 it was ``alltoall``, read from the name); ``rotate_method="alltoall"`` runs the other.
+The all-gather keeps every rank's K/V for the whole forward and backward ring loop (W x one
+rank's K/V), where the all-to-all keeps two blocks.
 
 GQA: torch's ring rotates K/V as given and relies on the SDPA kernel for the head mapping; the
 efficient kernel (fp32) takes no ``enable_gqa``, so K/V are expanded to the query heads first
@@ -61,7 +64,7 @@ from upipe.kernels import fused_op_scope, kernel_device_type
 from upipe.registry import register_method
 
 ROTATE_METHODS = ("allgather", "alltoall")
-DEFAULT_ROTATE_METHOD = "alltoall"  # the paper's attn_impl "torch_ring_alltoall" (module doc)
+DEFAULT_ROTATE_METHOD = "allgather"  # what the paper's runs applied (module doc)
 _ROTATE_ENUM = {"allgather": "ALL_GATHER", "alltoall": "ALL_TO_ALL"}  # torch's _RotateMethod
 _SEQ_DIM = 2  # SDPA's (B, H, S, D): the dim torch's ring shards and merges over
 _aten = torch.ops.aten

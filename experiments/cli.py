@@ -17,7 +17,7 @@
     upipe-bench validate-time                    # emulated vs measured CPU step times
 
 ``--stack`` defaults to the stack the paper runs the method on (``config.paper_stack``:
-``native`` for torch-cp, ``megatron-ds`` for ds-fpdt, ``alst`` for every other method), for
+``torchtitan`` for torch-cp, ``megatron-ds`` for ds-fpdt, ``alst`` for every other method), for
 every command.
 
 ``emulate`` and ``max-context --emulate`` run the paper-scale emulator (``experiments.emulation``,

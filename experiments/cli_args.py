@@ -142,7 +142,7 @@ def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
                         "dp x nproc ranks and FSDP2 shards over all of them (default 1)")
     p.add_argument("--stack", default=None,
                    help=f"memory stack: {', '.join(STACKS)} (default: the paper's for the "
-                        "method: native for torch-cp, else alst)")
+                        "method: torchtitan for torch-cp, megatron-ds for ds-fpdt, else alst)")
     p.add_argument("--heads-per-stage", type=int, default=None,
                    help="UPipe's U: heads per stage, a positive multiple of the Ulysses degree "
                         "dividing the heads (default: the Ulysses degree)")

@@ -49,8 +49,9 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_paper_stack():
-    """DESIGN.md §6: torch-cp on its native stack, every other method on ALST."""
-    assert paper_stack("torch-cp") == "native"
+    """DESIGN.md §6: torch-cp on its TorchTitan fork's stack, ds-fpdt on Megatron-DeepSpeed's,
+    every other method on ALST."""
+    assert (paper_stack("torch-cp"), paper_stack("ds-fpdt")) == ("torchtitan", "megatron-ds")
     assert {paper_stack(m) for m in ("upipe", "ulysses", "usp", "fpdt", "zigzag-ring")} == {
         "alst"}
 
@@ -59,7 +60,7 @@ def test_paper_stack():
 def test_stack_defaults_to_the_papers(command):
     """Without --stack every command runs a method on the paper's stack for it; --stack wins."""
     emulated = command == "emulate"
-    for method, stack in (("torch-cp", "native"), ("upipe", "alst"), ("ulysses", "alst")):
+    for method, stack in (("torch-cp", "torchtitan"), ("upipe", "alst"), ("ulysses", "alst")):
         a = parser().parse_args([command, "--method", method, "--nproc", "4"])
         assert cell_from_args(a, emulated=emulated).stack == stack
     a = parser().parse_args([command, "--method", "upipe", "--nproc", "4", "--stack", "ac"])
@@ -128,7 +129,7 @@ def test_emulate_json_row(capsys):
 
 
 def test_emulate_text_and_stack_default(capsys):
-    """torch-cp emulates on the native stack the paper runs it on; a method that cannot be
+    """torch-cp emulates on the torchtitan stack the paper runs it on; a method that cannot be
     emulated here (rfa-zigzag: flash-attn's code, absent) is a skipped row, exit 1; the text
     output names the status and the reason."""
     code, out, err = _cli(capsys, "emulate", "--method", "torch-cp", "--mesh", "4x1",
@@ -136,7 +137,7 @@ def test_emulate_text_and_stack_default(capsys):
     assert code == 0, err
     row = json.loads(out)
     assert (row["status"], row["stack"], row["nproc"], row["mode"]) == (
-        "ok", "native", 4, "emulated")
+        "ok", "torchtitan", 4, "emulated")
     code, out, err = _cli(capsys, "emulate", "--method", "rfa-zigzag", "--world", "4", "--json")
     assert code == 1, err
     row = json.loads(out)

@@ -76,8 +76,8 @@ def test_overrides_are_typed_and_checked():
     ({"method": "nope"}, r"method must be one of \[.*'upipe'"),
     ({"model": "gpt5"}, r"model must be one of \[.*'tiny'"),
     ({"stack": "zero3"},
-     r"stack must be one of \['none', 'ac', 'offload', 'alst', 'native', 'megatron-ds', "
-     r"'long'\]"),
+     r"stack must be one of \['none', 'ac', 'offload', 'alst', 'native', 'torchtitan', "
+     r"'megatron-ds', 'long'\]"),
     ({"seq_len": 1001}, r"seq_len \(1001\) must be >= 2 and divisible by nproc \(4\)"),
     # a document's last token has no target: one of 1 token has none
     ({"doc_len": 1}, r"doc_len must be between 2 and seq_len \(4096\) tokens, got 1"),
@@ -194,7 +194,7 @@ def test_paper_tables_compare_the_papers_methods():
         return {(c.method, c.stack, c.ring_degree, c.chunk_size) for c in get_sweep(name).cells()}
 
     t3 = variants("table3_llama3_8b_h100x8")
-    assert {("torch-cp", "native", 1, None), ("zigzag-ring", "alst", 1, None),
+    assert {("torch-cp", "torchtitan", 1, None), ("zigzag-ring", "alst", 1, None),
             ("ulysses", "alst", 1, None), ("fpdt", "alst", 1, 65536),
             ("upipe", "alst", 1, None)} <= t3
     t4 = variants("table4_qwen3_32b_h100x16")
@@ -204,7 +204,7 @@ def test_paper_tables_compare_the_papers_methods():
         assert {c.method for c in sweep.search_cells()} == {c.method for c in sweep.cells()}
     cpu = variants("table3_llama3_8b_h100x8-cpu") | variants("table4_qwen3_32b_h100x16-cpu")
     assert {("fpdt", "alst", 1, 1024), ("usp", "alst", 2, None), ("upipe", "alst", 2, None),
-            ("torch-cp", "native", 1, None), ("zigzag-ring", "alst", 1, None)} <= cpu
+            ("torch-cp", "torchtitan", 1, None), ("zigzag-ring", "alst", 1, None)} <= cpu
 
 
 def test_sweep_expansion_and_searches():
@@ -241,17 +241,31 @@ def test_stack_levels_build_on_each_other():
 
 def test_megatron_ds_stack_is_the_papers_fpdt_configuration():
     """Megatron-DeepSpeed as the paper ran FPDT (sources: experiments/config/stack.py): every
-    block input offloaded, reentrant checkpointing, SwiGLU MLP untiled, chunked loss; the new
-    fields default off, so the other levels are what they were."""
+    block input offloaded, reentrant checkpointing, the MLP as FPDT_FFN and the norms fused
+    (megatron_fpdt), chunked loss; the new fields default off, so the other levels are what
+    they were."""
     mds = STACKS["megatron-ds"]
     assert mds == dataclasses.replace(STACKS["offload"], chunked_loss=True, offload_all=True,
-                                      reentrant=True)
+                                      reentrant=True, megatron_fpdt=True)
     assert not mds.tiled
-    assert not any(STACKS[k].offload_all or STACKS[k].reentrant
-                   for k in ("none", "ac", "offload", "alst", "native"))
+    assert not any(STACKS[k].offload_all or STACKS[k].reentrant or STACKS[k].megatron_fpdt
+                   for k in ("none", "ac", "offload", "alst", "native", "torchtitan"))
     assert paper_stack("ds-fpdt") == "megatron-ds"
     assert (paper_stack("torch-cp"), paper_stack("fpdt"), paper_stack("upipe")) == (
-        "native", "alst", "alst")
+        "torchtitan", "alst", "alst")
+
+
+def test_torchtitan_stack_offloads_every_block_input_but_the_first():
+    """The paper's TorchTitan checkpoint wrapper offloads every block's input but layer 0's
+    (experiments/config/stack.py); nothing else differs from native + offload."""
+    from experiments.harness.model import Transformer
+
+    tt = STACKS["torchtitan"]
+    assert tt == dataclasses.replace(STACKS["native"], offload=True, offload_last=True)
+    assert not any(STACKS[k].offload_last for k in STACKS if k != "torchtitan")
+    cfg = resolve_model("tiny", ())
+    model = Transformer(cfg, "ulysses", tt)
+    assert [b.offload for b in model.layers] == [False] + [True] * (cfg.n_layers - 1)
 
 
 def test_megatron_ds_model_offloads_every_block_and_checkpoints_reentrantly():

@@ -7,6 +7,8 @@ emulated == measured memory in tests/test_emulate.py; training in tests/test_tra
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +17,7 @@ import baselines.ds_fpdt  # noqa: F401  registers "ds-fpdt" in this process
 from baselines.ds_fpdt import DSFPDTAttention
 from experiments.config import Cell, Hardware
 from experiments.emulation.emulate import emulate_cell
+from experiments.emulation.fake_step import measure_fake
 from experiments.instruments.memory import MemoryTracker
 from upipe import build_method
 
@@ -116,3 +119,23 @@ def test_checkpointed_peak_grows_by_at_most_one_layers_attention_state(dist_pool
     fpdt, ref = _growth(dist_pool, "ds-fpdt"), _growth(dist_pool, "ulysses")
     for k in KEYS:
         assert fpdt[k] - ref[k] <= one_layer, (k, fpdt[k], ref[k], one_layer)
+
+
+def test_emulated_fpdt_runs_fa3_and_its_host_copies_run_beside_the_compute():
+    """The paper's FPDT calls FlashAttention-3 (kernel="fa3": every attention op the emulated
+    step prices is fa3's) and issues every host copy of its offloading path on its side streams
+    (``ds_fpdt_portable.on_side_stream``): priced as side copies. What is left on the compute
+    stream is the stack's --checkpoint-in-cpu block inputs: one (L, dim) bf16 copy per layer
+    each way, to the byte."""
+    cell = Cell(method="ds-fpdt", model="tiny", nproc=4, seq_len=4096, chunk_size=1024,
+                stack="megatron-ds", dtype="bf16", kernel="fa3")
+    cfg = cell.validate()
+    work = Counter()
+    for _, counts in measure_fake(cell, cfg, Hardware()).work:
+        for key, v in counts.items():
+            if key[0] in ("copy", "attention"):
+                work[key[:3]] += v
+    block_inputs = cfg.n_layers * (cell.seq_len // cell.nproc) * cfg.dim * 2
+    assert work["copy", "sync", "d2h"] == work["copy", "sync", "h2d"] == block_inputs
+    assert work["copy", "side", "d2h"] > 0 and work["copy", "side", "h2d"] > 0
+    assert {k[1] for k in work if k[0] == "attention"} == {"fa3"}

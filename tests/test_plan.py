@@ -70,11 +70,14 @@ def _fake_emulation(outcome: dict):
 
 
 @pytest.mark.parametrize("outcome,emulated", [
-    # alst over the device: nothing heavier is emulated (megatron-ds has no lighter level)
-    ({"alst": "device", "megatron-ds": "ok"}, {"alst", "megatron-ds"}),
+    # alst over the device: nothing heavier is emulated (megatron-ds and torchtitan have no
+    # lighter level)
+    ({"alst": "device", "megatron-ds": "ok", "torchtitan": "ok"},
+     {"alst", "megatron-ds", "torchtitan"}),
     # alst fits, offload does not: ac (needs offload and native) and none (needs ac) are not
-    ({"alst": "ok", "offload": "device", "native": "ok", "megatron-ds": "device"},
-     {"alst", "offload", "native", "megatron-ds"}),
+    ({"alst": "ok", "offload": "device", "native": "ok", "megatron-ds": "device",
+      "torchtitan": "device"},
+     {"alst", "offload", "native", "megatron-ds", "torchtitan"}),
     # over the host budget only says nothing of the device: the ladder goes on
     ({s: "host" for s in LADDER}, set(LADDER)),
 ])

@@ -117,6 +117,9 @@ class ContextParallelAttention(nn.Module):
     #: a row records as the kernel that ran, and why ``kernel="cudnn"`` is refused; None:
     #: ``kernel=`` is honoured
     own_kernel: ClassVar[tuple[str, str] | None] = None
+    #: kernels such a method runs instead of its own where a cell names them (DeepSpeed's FPDT:
+    #: ``fa3``, as the paper's patched FPDT calls FlashAttention-3)
+    own_kernel_choices: ClassVar[frozenset[str]] = frozenset()
     #: methods with sequence chunks (a ``chunk_size`` option): the fewest chunks from which
     #: each further chunk adds the same memory and work (the chunk loop's steady state), where
     #: the emulator's fit starts sampling. 3 for a loop that prefetches the next chunk: with 2,

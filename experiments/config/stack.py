@@ -26,6 +26,9 @@ class StackConfig:
     """with ``offload``: the first block's checkpointed input (the embedding output) too, which
     ALST keeps on the device for the whole backward; the last block's stays (its backward
     starts as its forward ends)"""
+    offload_last: bool = False
+    """with ``offload``: the last block's checkpointed input too (every block but the first,
+    as the paper's TorchTitan checkpoint wrapper offloads them)"""
     residual_ffn: bool = False
     """with ``tiled``: a block's ``h + mlp(norm(h))`` as one tiled op (``upipe.stack.
     tiled_residual``) that saves only h and writes its output and h's gradient in place, instead
@@ -34,6 +37,13 @@ class StackConfig:
     """the attention's pre-norm computed inside the attention where the method supports it
     (``fuses_input_norm``: UPipe), tile by tile, so the normalised (L, dim) input is never kept;
     other methods keep the tiled norm"""
+    megatron_fpdt: bool = False
+    """the MLP and the norms as the paper's DeepSpeed-FPDT runs ran them on Megatron-DeepSpeed
+    (``baselines.megatron_stack``): the MLP as FPDT_FFN, in chunks of the FPDT chunk / CP
+    degree / 2 local tokens (64K chunks: 4096 on 8 ranks), only its input saved, the input
+    gradient written in place, fp32 weight-gradient accumulators; every norm with a fused
+    kernel's memory (apex's fused LayerNorm: the input saved, one output, one input gradient).
+    Without ``tiled``."""
 
 
 STACKS: dict[str, StackConfig] = {
@@ -42,9 +52,18 @@ STACKS: dict[str, StackConfig] = {
     "ac": StackConfig(True, False, False, False),
     "offload": StackConfig(True, True, False, False),
     "alst": StackConfig(True, True, True, True),
-    # the paper's PyTorch-native baseline (DESIGN.md §6): checkpointing and the chunked loss,
-    # without tiled MLP or offload
+    # PyTorch-native: checkpointing and the chunked loss, without tiled MLP or offload
     "native": StackConfig(True, False, False, True),
+    # The paper's PyTorch-native CP baseline as its TorchTitan fork ran it: checkpointing,
+    # offload and the chunked loss, no tiled MLP. Its "full" checkpointing wraps every block in
+    # the authors' patched CheckpointWrapper (togethercomputer/Untied-Ulysses,
+    # torchtitan/patch_torch_files/checkpoint_wrapper.py: the checkpoint runs inside
+    # torch.autograd.graph.save_on_cpu(pin_memory=True) for every layer whose id is not a
+    # multiple of AC_LAYER_STRIDE, default 1000, and is_last_layer, which parallelize_llama.py
+    # never passes): every block's input but layer 0's goes to pinned host memory. (Until
+    # issue 32 torch-cp ran on "native", which kept them all on the device and made it fail at
+    # 0.9M tokens where the paper trains 1M.)
+    "torchtitan": StackConfig(True, True, False, True, offload_last=True),
     # The paper's FPDT runs on Megatron-DeepSpeed (the authors' script: togethercomputer/
     # Untied-Ulysses, FPDT/Megatron-DeepSpeed/examples_deepspeed/sequence_parallel/
     # run_single_8B.sh). What of it changes memory, and how it maps here:
@@ -56,9 +75,14 @@ STACKS: dict[str, StackConfig] = {
     #   with offload_all=True (ALST keeps the first and last block's on the device). Pinned
     #   host memory up to 4M tokens, pageable above: the harness's rule for every stack
     #   (upipe/stack/offload.py PIN_MAX_TOKENS), as the paper ran it.
-    # * FPDT's own chunked FFN (fpdt_layer.FPDT_FFN) computes a GELU MLP with bias only
-    #   (bias_gelu); the Llama runs use --swiglu, which Megatron's MLP runs unchunked:
-    #   tiled=False.
+    # * --ds-sequence-parallel-fpdt: Megatron's ParallelMLP runs FPDT_FFN from the authors'
+    #   patch (FPDT/Megatron-DeepSpeed/megatron/model/transformer.py, ParallelMLP.forward;
+    #   megatron/patch/fpdt_layer.py, FPDT_FFN with its swiglu branch), in chunks of
+    #   chunk_size // sp // 2 tokens. (DeepSpeed's own FPDT_FFN is GELU-only; until issue 32
+    #   this stack ran the SwiGLU MLP whole, which the paper's runs did not.)
+    # * no --normalization: Megatron's default LayerNorm, apex's fused MixedFusedLayerNorm on
+    #   CUDA (megatron/model/__init__.py), with --disable-mem-efficient-ln: our RMSNorm with a
+    #   fused kernel's memory. Both: megatron_fpdt=True, tiled=False.
     # * FPDT_LogitsLoss: logits and cross-entropy per sequence chunk: chunked_loss=True.
     # * --zero-stage 3 --fp16: model states are 16 bytes per parameter / N either way (ZeRO,
     #   Rajbhandari et al. 2020, sec. 3: fp16 params and grads 2+2, fp32 master params,
@@ -66,7 +90,8 @@ STACKS: dict[str, StackConfig] = {
     #   compute over fp32 sharded params and Adam states also holds (4 params + 8 Adam states +
     #   4 for the fp32 gradient shard, and the bf16 all-gathered unit while in use, as ZeRO-3's
     #   gathered fp16 parameters): the same bytes, so FSDP2 stays.
-    "megatron-ds": StackConfig(True, True, False, True, offload_all=True, reentrant=True),
+    "megatron-ds": StackConfig(True, True, False, True, offload_all=True, reentrant=True,
+                               megatron_fpdt=True),
     # Beyond the paper (issue 17): ALST plus the mechanisms that remove what binds UPipe on the
     # way to 8M tokens on one node (the ladder in README "One node to 8M tokens"): the first
     # block's input offloaded, the residual FFN tiled in place, the attention's pre-norm fused.
@@ -78,12 +103,12 @@ DTYPES = ("fp32", "bf16")
 
 
 # methods the paper runs on a stack of their own; every other one runs on the ALST stack
-_PAPER_STACKS = {"torch-cp": "native", "ds-fpdt": "megatron-ds"}
+_PAPER_STACKS = {"torch-cp": "torchtitan", "ds-fpdt": "megatron-ds"}
 
 
 def paper_stack(method: str) -> str:
     """The memory stack the paper runs ``method`` on (DESIGN.md §6): PyTorch's native CP
-    (``torch-cp``) on its own ``native`` stack (checkpointing and the chunked loss, no tiling or
-    offload), DeepSpeed's FPDT (``ds-fpdt``) on Megatron-DeepSpeed's (``megatron-ds``), every
-    other method on the ALST stack."""
+    (``torch-cp``) on its TorchTitan fork's (``torchtitan``: checkpointing, offload of every
+    block input but the first, the chunked loss, no tiling), DeepSpeed's FPDT (``ds-fpdt``) on
+    Megatron-DeepSpeed's (``megatron-ds``), every other method on the ALST stack."""
     return _PAPER_STACKS.get(method, "alst")

@@ -32,7 +32,8 @@ The mechanism says how the code runs it, which decides its overlap (``time_model
   ``upipe.comm._all_to_all_async``: UPipe's overlapped stages, waited on after the next
   stage's attention kernel), ``blocking`` (everything else: the Ulysses all-to-alls and UPipe's
   without overlap, ``upipe/comm.py``, issued and waited on the compute stream);
-- copies: ``side`` (``upipe.host.HostStore.write`` / ``prefetch``, on its side stream), ``sync``
+- copies: ``side`` (``upipe.host.HostStore.write`` / ``prefetch``, on its side stream; DeepSpeed
+  FPDT's, issued on its own side streams: ``baselines.ds_fpdt_portable.on_side_stream``), ``sync``
   (the ALST stack's offloaded checkpoints, ``upipe/stack/offload.py``, and
   ``HostStore.get`` without prefetch: on the compute stream).
 
@@ -49,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from baselines.ds_fpdt_portable import on_side_stream
 from experiments.emulation.profile import attention_flops
 from experiments.instruments.collectives import COLLECTIVE_NAMESPACES, describe_collective
 from experiments.instruments.memory import HOST, MemoryTracker, plain_tensors, tensor_leaves
@@ -322,6 +324,6 @@ class StepWork(TorchDispatchMode):
             nbytes = _nbytes([args[0]])
         else:  # a device tensor made from a host one (clone, _to_copy)
             direction, nbytes = "h2d", _nbytes(outs)
-        side = _called_from("upipe/host.py", ("write", "prefetch"))
+        side = _called_from("upipe/host.py", ("write", "prefetch")) or on_side_stream()
         w["copy", "side" if side else "sync", direction] += nbytes
 

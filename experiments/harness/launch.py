@@ -279,12 +279,13 @@ def method_kernel_refusal(cell: Cell) -> str | None:
 def kernel_ran(cell: Cell, cfg: ModelConfig, device_type: str,
                auto: Callable[[torch.Tensor], str] | None = None) -> str:
     """The attention kernel a cell's step runs on ``device_type`` (never ``"auto"``): a method's
-    own library's on CUDA (``own_kernel``), else the kernel the cell names, ``"auto"``
+    own library's on CUDA (``own_kernel``, unless the cell names one of its
+    ``own_kernel_choices``), else the kernel the cell names, ``"auto"``
     resolved as ``upipe.kernels.resolve_kernel`` resolves it there (``auto``: for a query
     (B, S, H, D); default: this machine's choice)."""
-    own = get_method(cell.method).own_kernel
-    if own is not None and device_type == "cuda":
-        return own[0]
+    cls = get_method(cell.method)
+    if cls.own_kernel is not None and device_type == "cuda":
+        return cell.kernel if cell.kernel in cls.own_kernel_choices else cls.own_kernel[0]
     if cell.kernel != "auto":
         return cell.kernel
     q = torch.empty(1, 1, cfg.n_heads, cfg.head_dim, dtype=TORCH_DTYPES[cell.dtype],

@@ -14,7 +14,8 @@ each level changes how the forward runs:
   (``reentrant``) or the attention method needs it (``checkpoint_reentrant``: activations kept
   on autograd ``ctx`` attributes, which only a forward without autograd leaves unrecorded);
 - ``offload``: the checkpointed block input goes to host memory (``upipe.stack.offload``),
-  all blocks but the first and last (ALST), or all (``offload_all``: --checkpoint-in-cpu);
+  all blocks but the first and last (ALST), all but the first (``offload_last``: the paper's
+  TorchTitan wrapper), or all (``offload_all``: --checkpoint-in-cpu);
 - ``tiled``: MLP and RMSNorm through DeepSpeed's ``TiledMLP`` in ceil(L / dim) sequence shards
   (ALST, ``upipe.stack.tiled``); it recomputes each shard in backward and accumulates the input
   gradient in place;
@@ -22,7 +23,11 @@ each level changes how the forward runs:
 - beyond ALST (the ``long`` level): ``offload_first`` offloads the first block's input too;
   ``residual_ffn`` runs ``h + mlp(norm(h))`` as one tiled op (``upipe.stack.tiled_residual``);
   ``fuse_norm`` hands the attention's pre-norm to an attention that fuses it
-  (``fuses_input_norm``: UPipe), so the normalised input is never a saved (L, dim) tensor.
+  (``fuses_input_norm``: UPipe), so the normalised input is never a saved (L, dim) tensor;
+- ``megatron_fpdt`` (the ``megatron-ds`` stack): the MLP as Megatron-DeepSpeed's FPDT_FFN
+  and the norms with a fused kernel's memory (``baselines.megatron_stack``), in chunks of the
+  first attention's FPDT chunk (its ``chunk_size``, else Megatron's default) over the CP
+  degree, halved.
 
 Shapes: tokens and labels (B, L) int64 (this rank's shard); hidden states (B, L, dim).
 """
@@ -40,6 +45,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
+from baselines.ds_fpdt import DEFAULT_CHUNK_SIZE as DEFAULT_FPDT_CHUNK
+from baselines.megatron_stack import fpdt_ffn, fpdt_ffn_chunk, fused_norm
 from experiments.config import ModelConfig, StackConfig
 from upipe.registry import build_method
 from upipe.stack import (
@@ -79,6 +86,12 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def megatron_chunk(attention: nn.Module) -> int:
+    """Local tokens per chunk of the ``megatron_fpdt`` MLP and norms: the attention's FPDT
+    chunk (Megatron's default for a method without one) over its CP degree, halved."""
+    return fpdt_ffn_chunk(getattr(attention, "chunk_size", DEFAULT_FPDT_CHUNK), attention.cp)
+
+
 class Block(nn.Module):
     """One decoder layer; ``forward(x (B, L, dim), cu_seqlens=None) -> (B, L, dim)``
     (``cu_seqlens``: the packed documents' global bounds, passed to the attention)."""
@@ -100,6 +113,11 @@ class Block(nn.Module):
         self.pin_memory = True
 
     def _per_token(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.stack.megatron_fpdt:
+            chunk = megatron_chunk(self.attention)
+            if module is self.feed_forward:
+                return fpdt_ffn(module, x, chunk)
+            return fused_norm(module, x, chunk)
         return tiled(module, x) if self.stack.tiled else module(x)
 
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:
@@ -158,7 +176,7 @@ class Transformer(nn.Module):
                                     causal=True, rope_theta=cfg.rope_theta, kernel=kernel,
                                     **where, **(method_options or {})),
                   stack, offload=stack.offload and (stack.offload_all or (
-                      (0 < i or stack.offload_first) and i < n - 1)))
+                      (0 < i or stack.offload_first) and (i < n - 1 or stack.offload_last))))
             for i in range(n)
         )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -204,7 +222,10 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cu_seqlens)
-        h = tiled(self.norm, h) if self.stack.tiled else self.norm(h)
+        if self.stack.megatron_fpdt:
+            h = fused_norm(self.norm, h, megatron_chunk(self.layers[-1].attention))
+        else:
+            h = tiled(self.norm, h) if self.stack.tiled else self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         if self.stack.chunked_loss:
             chunk = loss_chunk_tokens(self.cfg.dim, self.cfg.vocab_size)

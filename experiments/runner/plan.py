@@ -44,8 +44,8 @@ from upipe.registry import available_methods, get_method
 LADDER: dict[str, tuple[str, ...]] = {
     "alst": (), "offload": ("alst",), "native": ("alst",), "ac": ("offload", "native"),
     "none": ("ac",),
-    # more offloaded than alst but its MLP untiled: neither bounds the other, emulated alone
-    "megatron-ds": (),
+    # more offloaded than alst but their MLP untiled: neither bounds the other, emulated alone
+    "megatron-ds": (), "torchtitan": (),
 }
 
 # Beyond the paper: the ``long`` level (config.stack) with UPipe's chunked attention backward,
@@ -55,9 +55,11 @@ LADDER: dict[str, tuple[str, ...]] = {
 LONG = "long"
 LONG_CHUNK = 2**16  # tokens per chunk of the backward: FPDT's chunk in the paper's FPDT runs
 
-# by default the stacks a user chooses between; megatron-ds reproduces the paper's FPDT runs
-# (DeepSpeed's on Megatron-DeepSpeed) and is planned when asked for by name
-DEFAULT_STACKS = tuple(s for s in LADDER if s != "megatron-ds") + (LONG,)
+# by default the stacks a user chooses between; megatron-ds and torchtitan reproduce the
+# paper's FPDT (DeepSpeed's on Megatron-DeepSpeed) and PyTorch-CP runs and are planned when
+# asked for by name
+PAPER_ONLY_STACKS = ("megatron-ds", "torchtitan")
+DEFAULT_STACKS = tuple(s for s in LADDER if s not in PAPER_ONLY_STACKS) + (LONG,)
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 Tokens/s per GPU and peak memory per (method, length); the longest context each method trains
 (max-context search against the 80 GB device). Methods as the paper compares them (DESIGN.md
-§6): PyTorch's native ring CP with its own stack (checkpointing and the chunked loss, no tiling
-or offload), DeepSpeed's FPDT (64K-token chunks) on Megatron-DeepSpeed's stack, and zigzag
-Ring, Ulysses and UPipe on the ALST stack; DeepSpeed's Ulysses beside ours, and upipe's own
+§6): PyTorch's native ring CP with its TorchTitan fork's stack (checkpointing, every block
+input but the first offloaded, the chunked loss, no tiling), DeepSpeed's FPDT (64K-token chunks,
+FlashAttention-3 as the paper's patched FPDT) on Megatron-DeepSpeed's stack, and zigzag Ring,
+Ulysses and UPipe on the ALST stack; DeepSpeed's Ulysses beside ours, and upipe's own
 FPDT (a stronger one than the paper's, on the ALST stack). The CPU counterpart keeps the shape
 of the experiment (the same methods, growing lengths, a per-rank budget) at CPU size.
 """
@@ -12,7 +13,7 @@ of the experiment (the same methods, growing lengths, a per-rank budget) at CPU 
 from experiments.config import SearchSpec, Sweep
 
 METHODS = [
-    {"method": "torch-cp", "stack": "native"},
+    {"method": "torch-cp", "stack": "torchtitan"},
     {"method": "zigzag-ring"},
     {"method": "ulysses"},
     {"method": "ds-ulysses"},
@@ -23,7 +24,7 @@ METHODS = [
 ]
 # CPU: the FPDTs' chunks scaled with the lengths (1K of 2K-8K tokens: 2-8 chunks, 256 per rank).
 CPU_METHODS = [
-    {"method": "torch-cp", "stack": "native"},
+    {"method": "torch-cp", "stack": "torchtitan"},
     {"method": "zigzag-ring"},
     {"method": "ulysses"},
     {"method": "ds-ulysses"},

@@ -8,7 +8,7 @@ heads per KV head, more heads than ranks) and the hybrids as 2 x 2 on 4 ranks.
 from experiments.config import SearchSpec, Sweep
 
 METHODS = [
-    {"method": "torch-cp", "stack": "native"},
+    {"method": "torch-cp", "stack": "torchtitan"},
     {"method": "zigzag-ring"},
     {"method": "ulysses"},
     {"method": "ds-ulysses"},
@@ -21,7 +21,7 @@ METHODS = [
     {"method": "upipe", "ring_degree": 2, "overlap": True},
 ]
 CPU_METHODS = [
-    {"method": "torch-cp", "stack": "native"},
+    {"method": "torch-cp", "stack": "torchtitan"},
     {"method": "ulysses"},
     {"method": "usp", "ring_degree": 2},
     {"method": "upipe"},

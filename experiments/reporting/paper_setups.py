@@ -1,0 +1,123 @@
+"""What the paper's runs really were where our emulation disagrees with its tables: each
+disagreement's mechanism, the evidence in the paper's code, and whether the suite models it.
+
+Read from the authors' repository (togethercomputer/Untied-Ulysses; paths below are inside it)
+and from DeepSpeed and PyTorch; written out here so the reproduction report carries them
+(``reproduction_report``). Text, not numbers: the numbers the report shows come from the rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One disagreement: what differs, the mechanism, the evidence, and its status here."""
+
+    cells: str
+    mechanism: str
+    evidence: str
+    status: str
+
+
+FINDINGS: tuple[Finding, ...] = (
+    Finding(
+        "ds-fpdt fits (T3 and T4, 2M-4M)",
+        "The paper's FPDT Megatron-DeepSpeed runs its SwiGLU MLP through the authors' patched "
+        "FPDT_FFN in chunks of 64K / SP / 2 tokens (input gradient in place), and every norm "
+        "is apex's fused LayerNorm (no `--normalization`, Megatron's default). Ours ran both "
+        "whole: the untiled MLP's backward set the peak from 1.7M tokens on.",
+        "FPDT/Megatron-DeepSpeed/megatron/model/transformer.py (ParallelMLP.forward, "
+        "fpdt_FFN_chunk_size); megatron/patch/fpdt_layer.py (FPDT_FFN, swiglu branch); "
+        "megatron/model/__init__.py (MixedFusedLayerNorm)",
+        "modelled since issue 32: stack `megatron-ds` (`megatron_fpdt`, "
+        "baselines/megatron_stack.py)"),
+    Finding(
+        "ds-fpdt speed (T3 and T4: 0.53-0.68 of the paper, falling with length)",
+        "The authors' patch makes FPDT call FlashAttention-3, not flash-attn 2; and FPDT "
+        "issues its host copies on side streams, beside the attention kernels of the compute "
+        "stream. Ours priced flash-attn 2 and every FPDT copy as exposed.",
+        "megatron/patch/fpdt_layer.py (use_fa3, _flash_attn_forward_fa3); "
+        "examples_deepspeed/sequence_parallel/run_single_8B.sh (--use-flash-attn-v3); "
+        "DeepSpeed deepspeed/sequence/fpdt_layer.py (SequenceChunk copies under "
+        "get_accelerator().stream(offload_stream))",
+        "modelled since issue 32: `ds-fpdt` takes kernel `fa3` (baselines/ds_fpdt_portable.py) "
+        "and its copies are side copies (experiments/emulation/op_costs.py)"),
+    Finding(
+        "ds-fpdt at 5M (paper OOM)",
+        "Not found in the code. The emulated FPDT fits the device at 5M; its host memory "
+        "(the row's peak_host_bytes, per rank) is the most of any method, because "
+        "`--checkpoint-in-cpu` keeps every layer's input on the host beside FPDT's chunks, "
+        "and the paper does not state its nodes' host memory. Its FPDT model also differs "
+        "from Llama: LayerNorm, biased "
+        "linears, tied embeddings (about 1 GiB less model state per rank), RoPE on a quarter "
+        "of each head (`--rotary-percent 0.25`), and 16 KV heads for Qwen3-32B.",
+        "run_single_8B.sh (no --normalization, --disable-bias-linear or "
+        "--untie-embeddings-and-output-weights); run_single_multinode_32B.sh "
+        "(num_key_value_heads=16)",
+        "unknowable from the paper: left as a disagreement"),
+    Finding(
+        "torch-cp fits (T3 1M)",
+        "The paper's TorchTitan wraps every block in the authors' patched checkpoint wrapper, "
+        "which offloads every block input but layer 0's to pinned host memory; and its ring "
+        "rotates K/V by all-gather (the `alltoall` in `torch_ring_alltoall` is read nowhere). "
+        "Ours kept every block input on the device and rotated by all-to-all.",
+        "torchtitan/patch_torch_files/checkpoint_wrapper.py (save_on_cpu); "
+        "torchtitan/distributed/utils.py (set_rotate_method); llama3_8b_test_2d.toml "
+        "(context_parallel_rotate_method = allgather)",
+        "modelled since issue 32: stack `torchtitan`, rotation `allgather` "
+        "(baselines/torch_cp.py)"),
+    Finding(
+        "torch-cp speed (T4 about 2x the paper at 128K-256K)",
+        "Not explained by the kernel (both SDPA's flash backend). Our time model hides the "
+        "torch ring's K/V all-gather behind the layer's attention, where only the first ring "
+        "step's attention can hide it (estimated: about 2 s per step at our inter-node "
+        "rates); the rest of the gap would need about 25 GB/s per rank across nodes "
+        "(estimated), which the paper does not say its fabric gives.",
+        "torch/distributed/tensor/experimental/_context_parallel/_attention.py "
+        "(_AllGatherRotater); experiments/emulation/op_costs.py (p2p beside the attention)",
+        "not modelled: the all-gather's exposure is the next step; the fabric is unknowable"),
+    Finding(
+        "Ulysses fits at 4M (paper OOM); the 3M wall's attention (33.0 vs 24.4 GiB)",
+        "The paper's 'Ulysses' is yunchang's USP at 8 x 1, whose zigzag ring backward runs "
+        "even over one ring rank and holds fp32 copies of dq/dk/dv and fp32 dK/dV receive "
+        "buffers together (estimated from the code: +7.2 GiB at 3M); its TorchTitan also "
+        "keeps a full-length RoPE table on every GPU (`resize_` keeps the storage: +1.5 GiB "
+        "at 3M). With both, Ulysses would need about 79 GiB at 4M (estimated): OOM, as in "
+        "the paper.",
+        "torchtitan/exps/llama3_8b/run_all_8B.sh; long-context-attention/yunchang/ring/"
+        "zigzag_ring_flash_attn.py (backward); torchtitan train.py (freqs_cis resize_)",
+        "not modelled yet: the paper's Ulysses as a method of its own is the next step"),
+    Finding(
+        "Ring speed trend (T3: paper 0.89 -> 0.985 x Ulysses, ours 1.00 -> 1.04)",
+        "Three things in our model: the emulated zigzag rank is rank 0, but the last rank "
+        "merges the full query set every step (the slowest rank sets the pace); a ring "
+        "step's P2P is priced on the link to the next rank only, so Table 4's two "
+        "inter-node hops are priced as NVLink; and the profile's causal FA3 rate is held "
+        "5% below the non-causal one beyond the 16K it was measured at. yunchang's ring "
+        "also waits on a barrier every step. Each moves the emulated ratio toward the "
+        "paper's (estimated with the emulator patched in memory; not yet in the rows).",
+        "baselines/ring.py (emulated rank); experiments/emulation/op_costs.py (p2p link); "
+        "long-context-attention/yunchang/ring/zigzag_ring_flash_attn.py",
+        "not modelled yet: the rank and the link are the next step; FA3's long-length "
+        "causal rates need a GPU measurement"),
+    Finding(
+        "UPipe / USP at 128K on Qwen3-32B (0.968 emulated, 0.886 paper)",
+        "What a UPipe stage costs beyond its FLOPs and bytes (launches, small memory-bound "
+        "ops, per-stage synchronisation): the time model's open question.",
+        "results/kernels_gpu/ (per-head cuDNN rates by GQA ratio)",
+        "open: issue 30, which needs a GPU"),
+)
+
+
+def findings_md() -> list[str]:
+    """The findings as a Markdown section."""
+    lines = ["## Where the emulation disagrees, and why", "",
+             "Each disagreement of the tables above traced to the paper's code (the authors' "
+             "repository, togethercomputer/Untied-Ulysses, unless another is named). "
+             "'Modelled' ones are in the emulated rows; the others are not yet, and the rows "
+             "still show the disagreement.", "",
+             "| cells | mechanism | evidence | status |", "|---|---|---|---|"]
+    lines += [f"| {f.cells} | {f.mechanism} | {f.evidence} | {f.status} |" for f in FINDINGS]
+    return lines + [""]

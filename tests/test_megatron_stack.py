@@ -9,7 +9,8 @@ import torch
 
 from baselines.megatron_stack import fpdt_ffn, fpdt_ffn_chunk, fused_norm
 from experiments.config import STACKS
-from experiments.harness.model import FeedForward, RMSNorm
+from experiments.harness.model import FeedForward, RMSNorm, megatron_chunk
+from upipe import build_method
 from experiments.instruments.memory import MemoryTracker
 
 B, DIM, FFN, CHUNK = 2, 16, 40, 8
@@ -37,6 +38,10 @@ def test_chunk_is_megatrons_rule():
     assert fpdt_ffn_chunk(4, 8) == 1
     assert STACKS["megatron-ds"].megatron_fpdt and not STACKS["megatron-ds"].tiled
     assert not any(s.megatron_fpdt for name, s in STACKS.items() if name != "megatron-ds")
+    # the FPDT chunk is an FPDT method's (its chunked layout's); any other method's chunk_size
+    # (UPipe's backward chunks) is not one: Megatron's default then (one rank here)
+    assert megatron_chunk(build_method("fpdt", 64, 4, 2, 16, chunk_size=1024)) == 512
+    assert megatron_chunk(build_method("upipe", 64, 4, 2, 16, chunk_size=512)) == 32768
 
 
 @pytest.mark.parametrize("which", ["ffn", "norm"])

@@ -87,9 +87,12 @@ class FeedForward(nn.Module):
 
 
 def megatron_chunk(attention: nn.Module) -> int:
-    """Local tokens per chunk of the ``megatron_fpdt`` MLP and norms: the attention's FPDT
-    chunk (Megatron's default for a method without one) over its CP degree, halved."""
-    return fpdt_ffn_chunk(getattr(attention, "chunk_size", DEFAULT_FPDT_CHUNK), attention.cp)
+    """Local tokens per chunk of the ``megatron_fpdt`` MLP and norms: the FPDT chunk (the
+    chunked layout's of an FPDT method; Megatron's default for any other method, whose own
+    ``chunk_size``, such as UPipe's backward chunks, is not one) over the CP degree, halved."""
+    layout = attention.seq_layout
+    fpdt_chunk = layout.chunk_size if layout.kind == "chunked" else DEFAULT_FPDT_CHUNK
+    return fpdt_ffn_chunk(fpdt_chunk, attention.cp)
 
 
 class Block(nn.Module):

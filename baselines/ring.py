@@ -35,8 +35,12 @@ class RingAttention(ContextParallelAttention):
 
     @classmethod
     def critical_rank(cls, cp: int, ring_degree: int = 1) -> int:
-        # contiguous + causal: rank r computes r + 1 blocks, the last rank all of them
-        return cp - 1 if cls.layout == "contiguous" else 0
+        # The last rank, in both layouts. Contiguous + causal: rank r computes r + 1 blocks, the
+        # last all of them. Zigzag balances the attention FLOPs, not the rest of a step: every
+        # source is earlier than the last rank, so each of its steps is (all queries, first KV
+        # half) (upipe.ring.block_plan), whose merge and dQ sum cover all its queries, where
+        # rank 0's (second query half, all KV) cover half. The ring waits for its slowest rank.
+        return cp - 1
 
     def forward(self, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
         self.check_input(x)

@@ -227,20 +227,45 @@ def test_ulysses_work_per_block_window():
     assert not any(k[0] == "copy" for w in windows.values() for k in w)
 
 
+def _work(cell: Cell, hw: Hardware, kind: str, rank: int | None = None) -> float:
+    """The step's summed work of one kind (FLOPs or bytes) on ``rank`` (default: the critical
+    one, the rank the emulator plays)."""
+    if rank is None:
+        m = measure_fake(cell, cell.validate(), hw)
+    else:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("experiments.emulation.fake_step.critical_rank", lambda c: rank)
+            m = measure_fake(cell, cell.validate(), hw)
+    return sum(v for _, w in m.work for k, v in w.items() if k[0] == kind)
+
+
 def test_the_emulator_plays_the_critical_rank():
     ring = Cell("ring", "tiny", seq_len=2048, nproc=4, stack="ac")
     zigzag = dataclasses.replace(ring, method="zigzag-ring")
-    assert critical_rank(ring) == 3 and critical_rank(zigzag) == 0
+    usp = dataclasses.replace(ring, method="usp", ring_degree=2)
+    assert (critical_rank(ring), critical_rank(zigzag), critical_rank(usp)) == (3, 3, 2)
+    assert critical_rank(dataclasses.replace(ring, method="ulysses")) == 0
     hw = Hardware(device="cpu")
-
-    def attention(cell):
-        m = measure_fake(cell, cell.validate(), hw)
-        return sum(v for _, w in m.work for k, v in w.items() if k[0] == "attention")
 
     # in units of one rank's b x b block (causal FLOPs counted half): the last rank of the
     # contiguous ring computes its causal diagonal (0.5) and three full blocks (3.5); zigzag
     # balances the whole causal square (4b x 4b / 2 = 8) over 4 ranks (2 each): 3.5 / 2
-    assert attention(ring) / attention(zigzag) == pytest.approx(1.75)
+    assert _work(ring, hw, "attention") / _work(zigzag, hw, "attention") == pytest.approx(1.75)
+    # zigzag balances the FLOPs, not the merges: the last rank's steps cover all its queries,
+    # rank 0's half of them, so it moves more memory-bound bytes (and the same FLOPs)
+    assert _work(zigzag, hw, "attention", 0) == _work(zigzag, hw, "attention")
+    assert _work(zigzag, hw, "memory") > _work(zigzag, hw, "memory", 0)
+
+
+def test_a_ring_step_waits_for_its_slowest_hop():
+    """A ring over two nodes: every rank's steps are priced across nodes (the ring moves in
+    lockstep), also a rank whose own send stays inside its node."""
+    cell = Cell("zigzag-ring", "tiny", seq_len=2048, nproc=4, stack="ac")
+    with pytest.MonkeyPatch.context() as mp:  # rank 0: its sends go to rank 1, on its node
+        mp.setattr("experiments.emulation.fake_step.critical_rank", lambda c: 0)
+        m = measure_fake(cell, cell.validate(), Hardware(device="cpu", gpus_per_node=2))
+    scopes = {k[3] for _, w in m.work for k in w if k[:2] == ("comm", "p2p")}
+    assert scopes == {"inter"}
 
 
 # ---------------------------------------------------------------------------------------------

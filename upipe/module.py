@@ -239,10 +239,13 @@ class ContextParallelAttention(nn.Module):
 
     @classmethod
     def critical_rank(cls, cp: int, ring_degree: int = 1) -> int:
-        """The rank with the most work per causal step (the one a step waits for): any rank
-        when the layout balances the causal work, as every method here but contiguous ring
-        attention does."""
-        return 0
+        """The rank with the most work per causal step (the one a step waits for), as its index
+        in the CP group. Without a ring axis any rank: an all-to-all group balances its work.
+        With one (a hybrid: zigzag over the ring axis, ranks ring-major), the last position of
+        the ring: each of its ring steps is (all queries, first KV half)
+        (``upipe.ring.block_plan``), so its merges and dQ sums cover all its queries, twice
+        those of ring position 0."""
+        return (ring_degree - 1) * (cp // ring_degree)
 
     @classmethod
     def check_config(

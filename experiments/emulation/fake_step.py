@@ -19,8 +19,10 @@ rank), the bytes this rank sends (``instruments.collectives``) and the work per 
 step that the time model prices (``op_costs``) are counted from the same run.
 
 The rank played is the critical one (``critical_rank``) of dp replica 0 (every replica runs the
-same step on its own tokens): rank 0 for every method but contiguous ring attention, whose last
-rank computes every causal block. Its model states are sharded over the whole world.
+same step on its own tokens): the last rank of a ring (a contiguous causal ring's computes
+every causal block; a zigzag ring's merges and sums over all its queries every step), the last
+ring position of a hybrid's ring axis, else rank 0. Its model states are sharded over the
+whole world.
 """
 
 from __future__ import annotations

@@ -267,7 +267,10 @@ class StepWork(TorchDispatchMode):
             else:
                 mechanism = "blocking"
             w = self._window()
-        scope = self._scope(call.group, call.peer)
+        # A ring step ends when every rank has its next block: the ring moves in lockstep, so
+        # each step waits for its slowest hop (across nodes if the ring spans them), not only
+        # for this rank's send
+        scope = self._scope(call.group, None if op == "p2p" else call.peer)
         w["comm", mechanism, op, scope] += call.sent
         if call.sent or op != "p2p":  # a ring step's send and receive are one transfer
             w["comm_calls", mechanism, op, scope] += 1

@@ -90,18 +90,23 @@ FINDINGS: tuple[Finding, ...] = (
         "zigzag_ring_flash_attn.py (backward); torchtitan train.py (freqs_cis resize_)",
         "not modelled yet: the paper's Ulysses as a method of its own is the next step"),
     Finding(
-        "Ring speed trend (T3: paper 0.89 -> 0.985 x Ulysses, ours 1.00 -> 1.04)",
-        "Three things in our model: the emulated zigzag rank is rank 0, but the last rank "
-        "merges the full query set every step (the slowest rank sets the pace); a ring "
-        "step's P2P is priced on the link to the next rank only, so Table 4's two "
-        "inter-node hops are priced as NVLink; and the profile's causal FA3 rate is held "
-        "5% below the non-causal one beyond the 16K it was measured at. yunchang's ring "
-        "also waits on a barrier every step. Each moves the emulated ratio toward the "
-        "paper's (estimated with the emulator patched in memory; not yet in the rows).",
-        "baselines/ring.py (emulated rank); experiments/emulation/op_costs.py (p2p link); "
-        "long-context-attention/yunchang/ring/zigzag_ring_flash_attn.py",
-        "not modelled yet: the rank and the link are the next step; FA3's long-length "
-        "causal rates need a GPU measurement"),
+        "Ring speed trend (T3: paper 0.89 -> 0.985 x Ulysses; T4: 0.77 -> 0.97 x USP)",
+        "The paper's Ring is yunchang's zigzag ring on FA3. Three things in our model made "
+        "ours faster: the emulated zigzag rank was rank 0, but the last rank's steps cover "
+        "all its queries (its merges and dQ sums twice rank 0's), and a ring runs at its "
+        "slowest rank; a ring step's P2P was priced on this rank's own send, so a ring "
+        "crossing nodes was priced at NVLink on most ranks; and the profile holds FA3's "
+        "causal rate 5% below the non-causal one beyond the 16K it was measured at, which "
+        "favours the ring's mostly non-causal blocks. yunchang's ring also waits on a "
+        "barrier every step, and FA3's non-causal forward (a static persistent scheduler, "
+        "called with sm_margin=0) may not run beside NCCL's kernels, which would expose the "
+        "P2P (estimated to close most of the T4 gap).",
+        "baselines/ring.py and upipe/module.py (critical_rank); "
+        "experiments/emulation/op_costs.py (p2p scope); long-context-attention/yunchang/ring/"
+        "zigzag_ring_flash_attn.py and ring/utils.py (barrier)",
+        "partly modelled since issue 32: the last ring rank is emulated and a ring step is "
+        "priced at its slowest hop; the P2P's exposure and FA3's causal rates beyond 16K "
+        "need a GPU measurement"),
     Finding(
         "UPipe / USP at 128K on Qwen3-32B (0.968 emulated, 0.886 paper)",
         "What a UPipe stage costs beyond its FLOPs and bytes (launches, small memory-bound "

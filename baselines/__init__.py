@@ -12,6 +12,7 @@ from baselines.ring import RingAttention
 from baselines.torch_cp import TorchCPAttention
 from baselines.ulysses import UlyssesAttention, ulysses_attention
 from baselines.usp import USPAttention
+from baselines.usp_ulysses import USPUlyssesAttention
 from baselines.zigzag_ring import ZigzagRingAttention
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "RingAttention",
     "TorchCPAttention",
     "USPAttention",
+    "USPUlyssesAttention",
     "UlyssesAttention",
     "ZigzagRingAttention",
     "ulysses_attention",

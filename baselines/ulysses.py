@@ -9,6 +9,8 @@ buffers are alive at once -- the memory UPipe reduces. KV heads fewer than ranks
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.distributed import ProcessGroup
 
@@ -31,6 +33,7 @@ def ulysses_attention(
     kernel: str = "auto",
     ring_group: ProcessGroup | None = None,
     docs: RingDocuments | None = None,
+    core: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Ulysses core on projected, rotated, sequence-sharded tensors (differentiable).
 
@@ -39,14 +42,22 @@ def ulysses_attention(
             ``ring_group``, the hybrid layout ``SeqLayout("zigzag", inner=C)``).
         ring_group: USP's ring axis: after the all-to-all over ``group`` a rank holds H/C heads
             of its ring rank's zigzag pair, and attention is zigzag ring attention over it.
+        core: without ``ring_group`` or ``docs``, the attention on the head-sharded tensors
+            in place of upipe's kernel: ``core(q, k, v, causal=, scale=, kernel=)`` -> out
+            (yunchang's ring of one rank, ``baselines.usp_ulysses``).
     Returns:
         (B, L, H, D), heads in model order.
     """
+    if core is not None and (ring_group is not None or docs is not None):
+        raise ValueError("ulysses_attention: core replaces the local kernel; it takes no "
+                         "ring_group and no packed documents")
     cp = group_size(group)
     check_ulysses_heads(q.shape[2], k.shape[2], cp)
     k, v = replicate_kv_heads(k, cp), replicate_kv_heads(v, cp)
     qh, kh, vh = (seq_to_head_autograd(t, group) for t in (q, k, v))
-    if ring_group is None:
+    if core is not None:
+        oh = core(qh, kh, vh, causal=causal, scale=scale, kernel=kernel)
+    elif ring_group is None:
         oh = attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel,
                        blocks=None if docs is None else docs.docs.full_blocks())
     else:

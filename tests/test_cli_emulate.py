@@ -210,7 +210,7 @@ def test_emulated_sweeps_twin_every_paper_sweep(capsys):
     # the CLI lists and dry-runs them without invalid cells
     code, out, _ = _cli(capsys, "sweep", "--dry-run", *twins)
     assert code == 0 and "INVALID" not in out
-    assert "64 cells, 8 max-context searches, emulated on Hardware(" in out
+    assert "72 cells, 9 max-context searches, emulated on Hardware(" in out
     code, out, _ = _cli(capsys, "list", "sweeps", "--json")
     listed = json.loads(out)["sweeps"]
     assert all(listed[n]["scale"] == "emulated" for n in twins) and set(SWEEPS) == set(listed)

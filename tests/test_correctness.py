@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 from cases import Case, compare_with_reference
 
-METHODS = ("upipe", "ulysses", "ds-ulysses", "ring", "zigzag-ring", "torch-cp")
+METHODS = ("upipe", "ulysses", "usp-ulysses", "ds-ulysses", "ring", "zigzag-ring", "torch-cp")
 ZIGZAG = ("zigzag-ring", "torch-cp")  # global length must split into 2W chunks
 QUANTITIES = ("y", "dx", "wq.weight", "wk.weight", "wv.weight", "wo.weight")
 # ulps-of-magnitude floor: 2^-23 (fp32) and 2^-8 (bf16) mantissa steps, times a small factor

@@ -10,8 +10,8 @@ import torch
 from baselines.megatron_stack import fpdt_ffn, fpdt_ffn_chunk, fused_norm
 from experiments.config import STACKS
 from experiments.harness.model import FeedForward, RMSNorm, megatron_chunk
-from upipe import build_method
 from experiments.instruments.memory import MemoryTracker
+from upipe import build_method
 
 B, DIM, FFN, CHUNK = 2, 16, 40, 8
 F32 = 4

@@ -30,18 +30,19 @@ def _row(method, seq, status, peak_gib, nproc=8, ring_degree=1, iters=8, stack="
 TABLE3 = [
     _row("upipe", M["5M"], "ok", 67.3, tokens=90.0),   # the paper: 98.25 -> agrees
     _row("zigzag-ring", M["3M"], "oom", 74.0),         # trains 3M at 73.5 -> disagrees
-    _row("ulysses", M["4M"], "ok", 70.0),              # an OOM cell -> disagrees, by 3.35 GiB
-    _row("ulysses", M["5M"], "ok", 71.0),              # blank: past the row's OOM at 4M
+    _row("usp-ulysses", M["4M"], "ok", 70.0),          # an OOM cell -> disagrees, by 3.35 GiB
+    _row("usp-ulysses", M["5M"], "ok", 71.0),          # blank: past the row's OOM at 4M
+    _row("ulysses", M["4M"], "ok", 67.7),              # upipe's Ulysses: not the paper's
     _row("fpdt", M["5M"], "ok", 50.0),                 # not the paper's FPDT
     _row("upipe", M["4M"], "ok", 60.0, overlap=True),  # beyond the paper
     _row("upipe", M["4M"], "ok", 60.0, iters=0),       # a search probe: not a grid cell
     _row("torch-cp", M["2M"], "oom", 150.0),           # an OOM cell, OOM emulated too
     _row("upipe", M["128K"], "ok", 21.0, tokens=2000.0),  # duplicates: the first is taken
     _row("upipe", M["128K"], "ok", 21.0, tokens=2500.0),
-    _row("ulysses", M["128K"], "ok", 21.0, tokens=2300.0),
+    _row("usp-ulysses", M["128K"], "ok", 21.0, tokens=2300.0),
 ]
 TABLE4 = [
-    _row("ulysses", M["128K"], "ok", 41.0, nproc=16),  # Table 4's Ulysses is USP 8x2
+    _row("usp-ulysses", M["128K"], "ok", 41.0, nproc=16),  # Table 4's Ulysses is USP 8x2
     _row("upipe", M["128K"], "ok", 41.0, nproc=16),    # Table 4's UPipe is 8x2
 ]
 
@@ -57,7 +58,8 @@ def results(tmp_path: Path) -> Path:
     _write(tmp_path, paper_grid.SWEEPS["table4"], TABLE4)
     parts = {"peak_model_bytes": 15.1 * GiB, "peak_other_bytes": 16.1 * GiB}
     _write(tmp_path, reproduction.WALL_SWEEP, [
-        _row("ulysses", M["3M"], "ok", 55.6, iters=4, peak_attention_bytes=24.4 * GiB, **parts),
+        _row("usp-ulysses", M["3M"], "ok", 63.0, iters=4, peak_attention_bytes=31.8 * GiB,
+             **parts),
         _row("upipe", M["3M"], "ok", 48.1, iters=4, peak_attention_bytes=16.9 * GiB, **parts)])
     return tmp_path
 
@@ -67,12 +69,13 @@ def test_meshes_are_the_papers_notation():
     assert paper_grid.mesh("torch-cp", 16, 1) == "1x16"
     assert paper_grid.mesh("upipe", 16, 2) == "8x2"
     assert paper_grid.mesh("ulysses", 8, 1) == "8x1"
+    assert paper_grid.mesh("usp-ulysses", 8, 1) == "8x1"
     assert paper_grid.mesh("ds-fpdt", 16, 1) == "16x1"
 
 
 def test_grid_matches_the_tables_and_explains_disagreements(results):
     df = paper_grid.grid(results)
-    assert len(df) == 12  # every timed row at a paper length; the probe left out
+    assert len(df) == 13  # every timed row at a paper length; the probe left out
     t3 = df[df.table == "table3"].set_index(["method", "overlap", "length"])
     assert t3.loc[("upipe", False, "5M"), "agree"] == "yes"
     assert t3.loc[("torch-cp", False, "2M"), "agree"] == "yes"
@@ -80,7 +83,7 @@ def test_grid_matches_the_tables_and_explains_disagreements(results):
     over = t3.loc[("upipe", True, "4M")]
     assert (over["paper_status"], over["agree"]) == ("not in paper", "—")
     assert "overlapped" in over["paper_source"]
-    past = t3.loc[("ulysses", False, "5M")]
+    past = t3.loc[("usp-ulysses", False, "5M")]
     assert (past["paper_status"], past["agree"]) == ("past OOM", "—")
     assert "stops at its OOM at 4M" in past["paper_source"]
     ring = t3.loc[("zigzag-ring", False, "3M")]
@@ -90,15 +93,18 @@ def test_grid_matches_the_tables_and_explains_disagreements(results):
     spread = paper_grid.reserve_spread()
     assert spread is not None and spread[1] - spread[0] > 0.65  # the committed H100 rows
     assert "inside the spread" in ring["note"] and "the reserve" in ring["note"]
-    uly = t3.loc[("ulysses", False, "4M")]
+    uly = t3.loc[("usp-ulysses", False, "4M")]
     assert uly["agree"] == "no" and "fits the 73.35 GiB budget by 3.35" in uly["note"]
     assert "outside the spread" in uly["note"]
+    ours = t3.loc[("ulysses", False, "4M")]
+    assert (ours["paper_status"], ours["agree"]) == ("not in paper", "—")
+    assert "not the paper's Ulysses" in ours["paper_source"]
     t4 = df[df.table == "table4"].set_index(["method", "mesh"])
-    assert t4.loc[("ulysses", "16x1"), "paper_status"] == "not in table"
-    assert "has no ulysses row" in t4.loc[("ulysses", "16x1"), "paper_source"]
+    assert t4.loc[("usp-ulysses", "16x1"), "paper_status"] == "not in table"
+    assert "has no usp-ulysses row" in t4.loc[("usp-ulysses", "16x1"), "paper_source"]
     assert "runs upipe as 8x2" in t4.loc[("upipe", "16x1"), "paper_source"]
     md = paper_grid.to_markdown(df)
-    assert "## Disagreements (2)" in md and "7 of 12 emulated cells" in md
+    assert "## Disagreements (2)" in md and "7 of 13 emulated cells" in md
     assert "| upipe (overlap) | 8x1 | 4M |" in md
 
 
@@ -117,27 +123,27 @@ def test_throughput_beside_the_paper(results):
     dup = cell.loc[("table3", "upipe", "8x1", "128K")]  # two timed rows: the first
     assert (dup["rows"], dup["emulated_tokens_per_s"]) == (2, 2000.0)
     assert "first in rows.csv" in dup["note"]
-    # ulysses 4M fits emulated, not in the paper: no number on either side of the ratio
-    uly = cell.loc[("table3", "ulysses", "8x1", "4M")]
+    # usp-ulysses 4M fits emulated, not in the paper: no number on either side of the ratio
+    uly = cell.loc[("table3", "usp-ulysses", "8x1", "4M")]
     assert uly["agree"] == "no" and pd.isna(uly["ratio"])
     assert not ((tp.method == "fpdt") | (tp.mesh == "16x1") & (tp.method == "upipe")).any()
     s = reproduction.summary(tp).set_index("table")
     assert s.loc["table3", "both_ok"] == 3 and s.loc["table4", "both_ok"] == 0
-    assert "ulysses 8x1 4M (paper oom, emulated ok)" in s.loc["table3", "disagree"]
+    assert "usp-ulysses 8x1 4M (paper oom, emulated ok)" in s.loc["table3", "disagree"]
 
 
 def test_upipe_ratios_and_memory_wall(results):
     rt = reproduction.upipe_ratios(results).set_index(["table", "length", "ratio"])
-    r = rt.loc[("table3", "128K", "upipe 8x1 / ulysses 8x1")]
+    r = rt.loc[("table3", "128K", "upipe 8x1 / usp-ulysses 8x1")]
     assert r["emulated"] == pytest.approx(2000.0 / 2300.0)
     assert r["paper"] == pytest.approx(2281.05 / 2320.47)
     fpdt = rt.loc[("table3", "128K", "upipe 8x1 / ds-fpdt 8x1")]
     assert pd.isna(fpdt["emulated"]) and "ds-fpdt 8x1 no row" in fpdt["note"]
-    past = rt.loc[("table3", "5M", "upipe 8x1 / ulysses 8x1")]  # emulated ulysses 5M: ok
+    past = rt.loc[("table3", "5M", "upipe 8x1 / usp-ulysses 8x1")]  # emulated usp-ulysses 5M: ok
     assert past["emulated"] == pytest.approx(90.0 / 100.0)
-    assert "paper: ulysses 8x1 blank (past its OOM)" in past["note"]
+    assert "paper: usp-ulysses 8x1 blank (past its OOM)" in past["note"]
     wall = reproduction.memory_wall(results).set_index("rung")
-    assert wall.loc["ALST", "emulated_attention_gib"] == pytest.approx(24.4)
+    assert wall.loc["ALST", "emulated_attention_gib"] == pytest.approx(31.8)
     assert wall.loc["UPipe", "paper_attention_gib"] == 19.5
     assert wall.loc["FSDP only", "emulated_status"] == "missing"
     md = reproduction_report.to_markdown(reproduction.throughput(results),

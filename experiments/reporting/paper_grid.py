@@ -5,13 +5,14 @@ For every cell of the emulated Table 3 and Table 4 sweeps (method, mesh, length)
 emulator says it trains on the paper's H100s (``ok``) or runs out of memory (``oom``), its peak
 and budget, and the paper's outcome from its Tables 3 and 4 (``PAPER_OUTCOMES``). A row the
 paper's tables have no cell for says why: a method the paper did not run (our ``fpdt``,
-DeepSpeed's Ulysses beside yunchang's), UPipe's overlapped stages (beyond the paper), a mesh
-the table does not run the method on (Ulysses on 16 GPUs: the paper's Table 4 Ulysses is USP
-8x2), or a length past the paper row's first OOM (the source leaves those cells blank; no
-outcome is invented for them). Every disagreement gets a sentence made from the numbers: by
-how much the emulated peak misses or clears the budget, and whether that margin is inside the
-spread of the allocator reserve measured on an H100 (``experiments.config.hardware``), in which
-case the reserve, not the method's memory, decides the cell.
+DeepSpeed's and upipe's Ulysses beside yunchang's), UPipe's overlapped stages (beyond the
+paper), a mesh the table does not run the method on (Ulysses on 16 GPUs: the paper's Table 4
+Ulysses is USP 8x2), or a length past the paper row's first OOM (the source leaves those cells
+blank; no outcome is invented for them). Every disagreement gets a sentence made from the
+numbers: by how much the emulated peak misses or clears the budget, and whether that margin is
+inside the spread of the allocator reserve measured on an H100
+(``experiments.config.hardware``), in which case the reserve, not the method's memory, decides
+the cell.
 
     python -m experiments.reporting.paper_grid [--results results]
 
@@ -38,7 +39,9 @@ from experiments.reporting.reproduction import OUT_DIR, SWEEPS, mesh, overlapped
 NOT_IN_PAPER = {
     "fpdt": "not the paper's FPDT: upipe's own FPDT on the ALST stack (the paper's is ds-fpdt)",
     "ds-ulysses": "not in the paper: DeepSpeed's Ulysses (the paper's Ulysses is yunchang's, "
-                  "our ulysses)",
+                  "our usp-ulysses)",
+    "ulysses": "not the paper's Ulysses: upipe's own (the paper's is yunchang's USP at ring "
+               "degree 1, our usp-ulysses, whose ring of one keeps fp32 gradient copies)",
     "ring": "not in the paper: contiguous ring (the paper's Ring is zigzag)",
 }
 OVERLAP = "beyond the paper: UPipe's overlapped stages (the paper's are blocking)"

@@ -45,7 +45,7 @@ FINDINGS: tuple[Finding, ...] = (
         "modelled since issue 32: `ds-fpdt` takes kernel `fa3` (baselines/ds_fpdt_portable.py) "
         "and its copies are side copies (experiments/emulation/op_costs.py)"),
     Finding(
-        "ds-fpdt at 5M (paper OOM)",
+        "ds-fpdt at 5M (T3 and T4: paper OOM)",
         "Not found in the code. The emulated FPDT fits the device at 5M; its host memory "
         "(the row's peak_host_bytes, per rank) is the most of any method, because "
         "`--checkpoint-in-cpu` keeps every layer's input on the host beside FPDT's chunks, "
@@ -79,16 +79,22 @@ FINDINGS: tuple[Finding, ...] = (
         "(_AllGatherRotater); experiments/emulation/op_costs.py (p2p beside the attention)",
         "not modelled: the all-gather's exposure is the next step; the fabric is unknowable"),
     Finding(
-        "Ulysses fits at 4M (paper OOM); the 3M wall's attention (33.0 vs 24.4 GiB)",
-        "The paper's 'Ulysses' is yunchang's USP at 8 x 1, whose zigzag ring backward runs "
-        "even over one ring rank and holds fp32 copies of dq/dk/dv and fp32 dK/dV receive "
-        "buffers together (estimated from the code: +7.2 GiB at 3M); its TorchTitan also "
-        "keeps a full-length RoPE table on every GPU (`resize_` keeps the storage: +1.5 GiB "
-        "at 3M). With both, Ulysses would need about 79 GiB at 4M (estimated): OOM, as in "
-        "the paper.",
-        "torchtitan/exps/llama3_8b/run_all_8B.sh; long-context-attention/yunchang/ring/"
-        "zigzag_ring_flash_attn.py (backward); torchtitan train.py (freqs_cis resize_)",
-        "not modelled yet: the paper's Ulysses as a method of its own is the next step"),
+        "Ulysses fits at 4M (paper OOM); the 3M wall's attention (33.0 GiB in the figure)",
+        "The paper's 'Ulysses' is yunchang's USP at 8 x 1, not a plain Ulysses: yunchang "
+        "calls its zigzag ring attention even over one ring rank, and that ring's backward "
+        "keeps, after its kernel and until it returns, the bf16 kernel buffers, fp32 copies "
+        "of dq/dk/dv, fp32 dK/dV receive buffers (it sends them to itself) and the bf16 "
+        "casts, all at once. upipe's `ulysses` keeps the kernel's outputs and workspace "
+        "only, and fits 4M; the paper's OOMs there. Not modelled: the paper's TorchTitan "
+        "also keeps a full-length RoPE table on every GPU (`precompute_freqs_cis` over the "
+        "global length, sharded with `resize_`, which keeps the storage: length x 512 B, "
+        "1.5 GiB at 3M), for every method it runs; the two-node figure's USP peaks stand "
+        "above ours by about that much at every length.",
+        "torchtitan/exps/llama3_8b/run_all_8B.sh (usp-ulysses ... 8 1); long-context-"
+        "attention/yunchang/hybrid/attn_layer.py and ring/zigzag_ring_flash_attn.py "
+        "(backward); torchtitan train.py (freqs_cis resize_)",
+        "modelled since issue 32: method `usp-ulysses` (baselines/usp_ulysses.py) in the "
+        "Table 3 'Ulysses' cells and the memory wall; the RoPE table is not modelled"),
     Finding(
         "Ring speed trend (T3: paper 0.89 -> 0.985 x Ulysses; T4: 0.77 -> 0.97 x USP)",
         "The paper's Ring is yunchang's zigzag ring on FA3. Three things in our model made "

@@ -39,9 +39,12 @@ Row format of ``PAPER_THROUGHPUT`` (one row per table cell, OOM cells included):
      "status": "ok" | "oom", "source": "UPipe project page, Table 3"}
 
 Method names, the paper's -> ours: native PyTorch CP -> "torch-cp" (mesh 1xN); Ring (zigzag
-ring attention) -> "zigzag-ring" (1xN); Ulysses -> "ulysses" 8x1 in Table 3, and Table 4's
+ring attention) -> "zigzag-ring" (1xN); Ulysses -> "usp-ulysses" 8x1 in Table 3, and Table 4's
 "Ulysses (USP 8x2)" -> "usp" 8x2. The paper calls it DeepSpeed Ulysses, but the authors'
-scripts run it as yunchang's USP, not DeepSpeed's code; "ds-ulysses" is DeepSpeed's own.
+scripts run it as yunchang's USP (``usp-ulysses 8 1``, ``usp 8 2``), not DeepSpeed's code;
+"ds-ulysses" is DeepSpeed's own and "ulysses" upipe's. yunchang's USP at ring degree 1 runs
+its ring over one rank, whose backward keeps fp32 gradient copies (``baselines.usp_ulysses``);
+at 8x2 its memory is ``usp``'s (the paper's two-node figure agrees with it to the RoPE table).
 FPDT (DeepSpeed) -> "ds-fpdt" (Megatron-DeepSpeed's FPDT; our "fpdt" is a different, stronger
 implementation): 8x1 in Table 3, 16x1 in Table 4 (sequence-parallel size 16, as the authors'
 32B script and our emulated Table 4 sweep run it). UPipe -> "upipe" 8x1 (Table 3), 8x2 (Table
@@ -85,7 +88,7 @@ OOM = None  # a table cell that ran out of memory
 _TABLE3 = [
     ("torch-cp", "1x8", "native PyTorch CP", (1373.87, 845.99, 474.30, 249.85, OOM)),
     ("zigzag-ring", "1x8", "Ring", (2064.90, 1387.67, 841.05, 458.51, 237.99, 159.96, OOM)),
-    ("ulysses", "8x1", "Ulysses", (2320.47, 1503.80, 878.63, 475.33, 246.05, 162.41, OOM)),
+    ("usp-ulysses", "8x1", "Ulysses", (2320.47, 1503.80, 878.63, 475.33, 246.05, 162.41, OOM)),
     ("ds-fpdt", "8x1", "FPDT (DeepSpeed)",
      (1171.68, 884.75, 621.20, 382.42, 219.53, 153.48, 119.76, OOM)),
     ("upipe", "8x1", "UPipe", (2281.05, 1487.29, 867.17, 472.53, 246.07, 166.32, 125.56, 98.25)),
@@ -119,7 +122,7 @@ PAPER_THROUGHPUT: list[dict] = _cells()
 
 # The sentence under each table: "Max context: native 1M, Ring 3M, Ulysses 3M, FPDT 4M, UPipe
 # 5M (+25% over FPDT)" (Table 3); "native 512K, Ring 2M, Ulysses 2M, FPDT 4M, UPipe 4M" (Table 4).
-_MAX3 = {"torch-cp": "1M", "zigzag-ring": "3M", "ulysses": "3M", "ds-fpdt": "4M", "upipe": "5M"}
+_MAX3 = {"torch-cp": "1M", "zigzag-ring": "3M", "usp-ulysses": "3M", "ds-fpdt": "4M", "upipe": "5M"}
 _MAX4 = {"torch-cp": "512K", "zigzag-ring": "2M", "usp": "2M", "ds-fpdt": "4M", "upipe": "4M"}
 PAPER_MAX_CONTEXT: list[dict] = [
     {"table": table, "model": TABLES[table][0], "gpus": TABLES[table][1], "method": method,
@@ -189,19 +192,19 @@ PAPER_OUTCOMES: list[dict] = _outcomes()
 # + AC the figure does not name the part.
 _WALL = f"{PAGE}, memory-wall figure (Llama3-8B, 8x H100, 3M tokens)"
 PAPER_LADDER_3M: list[dict] = [
-    {"rung": "fsdp", "label": "FSDP only", "method": "ulysses", "stack": "none", "nproc": 1,
+    {"rung": "fsdp", "label": "FSDP only", "method": "usp-ulysses", "stack": "none", "nproc": 1,
      "status": "oom", "model_gib": None, "attention_gib": None, "other_gib": None,
      "oom_gib": 7680.0, "oom_part": "attention", "source": _WALL},
-    {"rung": "ulysses", "label": "+ Ulysses", "method": "ulysses", "stack": "none", "nproc": 8,
+    {"rung": "ulysses", "label": "+ Ulysses", "method": "usp-ulysses", "stack": "none", "nproc": 8,
      "status": "oom", "model_gib": None, "attention_gib": None, "other_gib": None,
      "oom_gib": 960.0, "oom_part": None, "source": _WALL},
-    {"rung": "ac", "label": "+ checkpointing", "method": "ulysses", "stack": "ac", "nproc": 8,
+    {"rung": "ac", "label": "+ checkpointing", "method": "usp-ulysses", "stack": "ac", "nproc": 8,
      "status": "oom", "model_gib": None, "attention_gib": None, "other_gib": None,
      "oom_gib": 126.0, "oom_part": None, "source": _WALL},
-    {"rung": "offload", "label": "+ offload", "method": "ulysses", "stack": "offload",
+    {"rung": "offload", "label": "+ offload", "method": "usp-ulysses", "stack": "offload",
      "nproc": 8, "status": "oom", "model_gib": 15.0, "attention_gib": 33.0, "other_gib": None,
      "oom_gib": 368.0, "oom_part": "other", "source": _WALL},
-    {"rung": "alst", "label": "ALST", "method": "ulysses", "stack": "alst", "nproc": 8,
+    {"rung": "alst", "label": "ALST", "method": "usp-ulysses", "stack": "alst", "nproc": 8,
      "status": "ok", "model_gib": 15.0, "attention_gib": 33.0, "other_gib": 16.6,
      "oom_gib": None, "oom_part": None, "source": _WALL},
     {"rung": "upipe", "label": "UPipe", "method": "upipe", "stack": "alst", "nproc": 8,
@@ -232,7 +235,7 @@ _TT32 = "torchtitan/exps/qwen3_32b/run_all_multinode_32B.sh"
 _FPDT = "FPDT/Megatron-DeepSpeed/examples_deepspeed/sequence_parallel/"
 PAPER_SCRIPTS: dict[tuple[str, str], str] = {
     ("table3", "upipe"): f"{_TT8} (upipe upipe_fa3_offload_tiled_mlp 8 1)",
-    ("table3", "ulysses"): f"{_TT8} (usp-ulysses usp_fa3_offload_tiled_mlp 8 1)",
+    ("table3", "usp-ulysses"): f"{_TT8} (usp-ulysses usp_fa3_offload_tiled_mlp 8 1)",
     ("table3", "zigzag-ring"): f"{_TT8} (usp-ring usp_fa3_offload_tiled_mlp 1 8)",
     ("table3", "torch-cp"): f"{_TT8} (torch torch_ring_alltoall 1 8)",
     ("table3", "ds-fpdt"): f"{_FPDT}run_all_8B.sh (sp_size=8)",

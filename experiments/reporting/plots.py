@@ -482,10 +482,11 @@ RUNGS = ("FSDP only", "+ Ulysses", "+ checkpointing", "+ offload", "ALST", "UPip
 def ladder_rung(method: str, stack: str, nproc: int) -> str:
     """The paper's name for a rung of the memory wall (its figure of Llama3-8B at 3M): FSDP
     only (no CP: one rank holds the whole sequence), + Ulysses, + activation checkpointing,
-    + offload, ALST (Ulysses on the full stack), UPipe; other cells as "method stack"."""
+    + offload, ALST (Ulysses on the full stack), UPipe; other cells as "method stack". The
+    paper's Ulysses is ``usp-ulysses``; upipe's ``ulysses`` names the same rungs."""
     if nproc == 1 and stack == "none":
         return "FSDP only"
-    if method == "ulysses":
+    if method in ("ulysses", "usp-ulysses"):
         return {"none": "+ Ulysses", "ac": "+ checkpointing", "offload": "+ offload",
                 "alst": "ALST"}.get(stack, f"ulysses {stack}")
     return "UPipe" if (method, stack) == ("upipe", "alst") else f"{method} {stack}"

@@ -53,7 +53,7 @@ WALL_SEQ_LEN = SEQ_LEN_TOKENS["3M"]
 RING_STYLE = frozenset({"ring", "zigzag-ring", "torch-cp", "rfa-zigzag"})
 # what UPipe is compared with in each table: (method, mesh) of the paper's Ulysses and FPDT rows
 UPIPE = {"table3": ("upipe", "8x1"), "table4": ("upipe", "8x2")}
-VERSUS = {"table3": (("ulysses", "8x1"), ("ds-fpdt", "8x1")),
+VERSUS = {"table3": (("usp-ulysses", "8x1"), ("ds-fpdt", "8x1")),
           "table4": (("usp", "8x2"), ("ds-fpdt", "16x1"))}
 THROUGHPUT_COLUMNS = ["table", "paper_method", "method", "mesh", "seq_len", "length",
                       "paper_status", "paper_tokens_per_s", "emulated_status",
@@ -255,11 +255,11 @@ def two_node(results: Path) -> pd.DataFrame:
 
 
 def wall_in_table3(results: Path, wall: pd.DataFrame) -> str:
-    """Whether the Table 3 sweep's own 3M rows of ALST (ulysses) and UPipe give the memory
+    """Whether the Table 3 sweep's own 3M rows of ALST (usp-ulysses) and UPipe give the memory
     wall's split (to 0.01 GiB), as a sentence."""
     t3 = paper_cells(_read_rows(results / SWEEPS["table3"] / "rows.csv"))
     same = []
-    for method in ("ulysses", "upipe"):
+    for method in ("usp-ulysses", "upipe"):
         a = t3[(t3["method"] == method) & (t3["seq_len"] == WALL_SEQ_LEN)
                & (t3["mesh"] == "8x1")]
         b = wall[(wall["method"] == method) & (wall["stack"] == "alst")]

@@ -11,13 +11,14 @@ from experiments.config import Sweep
 STACKS = ["none", "ac", "offload", "alst"]
 METHODS = [{"method": "ulysses"}, {"method": "upipe"}]
 
-# The paper's rungs, bottom to top (its figure; experiments/reporting/plots.py ladder_rung)
+# The paper's rungs, bottom to top (its figure; experiments/reporting/plots.py ladder_rung),
+# with the paper's Ulysses: yunchang's USP at ring degree 1 (usp-ulysses)
 WALL_RUNGS = [
-    {"method": "ulysses", "stack": "none", "nproc": 1, "dp": 8},  # FSDP only
-    {"method": "ulysses", "stack": "none"},
-    {"method": "ulysses", "stack": "ac"},
-    {"method": "ulysses", "stack": "offload"},
-    {"method": "ulysses", "stack": "alst"},
+    {"method": "usp-ulysses", "stack": "none", "nproc": 1, "dp": 8},  # FSDP only
+    {"method": "usp-ulysses", "stack": "none"},
+    {"method": "usp-ulysses", "stack": "ac"},
+    {"method": "usp-ulysses", "stack": "offload"},
+    {"method": "usp-ulysses", "stack": "alst"},
     {"method": "upipe", "stack": "alst"},
 ]
 CPU_WALL_RUNGS = [r | {"dp": 4} if r.get("nproc") == 1 else r for r in WALL_RUNGS]

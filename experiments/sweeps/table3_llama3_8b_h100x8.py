@@ -15,6 +15,7 @@ from experiments.config import SearchSpec, Sweep
 METHODS = [
     {"method": "torch-cp", "stack": "torchtitan"},
     {"method": "zigzag-ring"},
+    {"method": "usp-ulysses"},  # the paper's Ulysses: yunchang's USP at ring degree 1
     {"method": "ulysses"},
     {"method": "ds-ulysses"},
     {"method": "fpdt", "chunk_size": "64K"},
@@ -26,6 +27,7 @@ METHODS = [
 CPU_METHODS = [
     {"method": "torch-cp", "stack": "torchtitan"},
     {"method": "zigzag-ring"},
+    {"method": "usp-ulysses"},  # the paper's Ulysses: yunchang's USP at ring degree 1
     {"method": "ulysses"},
     {"method": "ds-ulysses"},
     {"method": "fpdt", "chunk_size": "1K"},

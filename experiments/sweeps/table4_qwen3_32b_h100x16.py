@@ -37,6 +37,10 @@ SWEEPS = [
         base={"model": "qwen3-32b", "nproc": 16, "stack": "alst", "dtype": "bf16",
               "warmup": 2, "iters": 8},
         axes={"variant": METHODS, "seq_len": ["128K", "256K", "512K", "1M", "2M", "3M", "4M"]},
+        # The paper's Table 4 has two cells at 5M (both OOM): DeepSpeed's FPDT and UPipe 8x2.
+        extra_cells=({"method": "ds-fpdt", "chunk_size": "64K", "stack": "megatron-ds",
+                      "seq_len": "5M"},
+                     {"method": "upipe", "ring_degree": 2, "seq_len": "5M"}),
         search=SearchSpec(start=2**20, block=2**14, limit=2**23),
         plots=PLOTS,
     ),

@@ -132,6 +132,23 @@ PAPER_MAX_CONTEXT: list[dict] = [
     for method, mesh, _, _ in TABLES[table][3]
 ]
 
+def paper_row(model: str, gpus: int, method: str, mesh: str) -> dict | None:
+    """The row of the paper's Table 3 or 4 that runs `method` on `mesh` ("<Ulysses>x<ring>")
+    for `model` on `gpus` GPUs: {"table": "table3" | "table4", "name": "Table 3", "max_context":
+    tokens (``PAPER_MAX_CONTEXT``), "tokens_per_s_per_gpu": {seq_len: value} of its ok cells};
+    None where the tables have no such row."""
+    key = (model, gpus, method, mesh)
+    for top in PAPER_MAX_CONTEXT:
+        if (top["model"], top["gpus"], top["method"], top["mesh"]) == key:
+            table = top["table"]
+            return {"table": table, "name": TABLES[table][2], "max_context": top["max_context"],
+                    "tokens_per_s_per_gpu": {
+                        c["seq_len"]: c["tokens_per_s_per_gpu"] for c in PAPER_THROUGHPUT
+                        if (c["table"], c["method"], c["mesh"], c["status"])
+                        == (table, method, mesh, "ok")}}
+    return None
+
+
 # Numbers stated in the v1 abstract, read directly.
 PAPER_CLAIMS: list[dict] = [
     {"claim": "max_context_tokens", "model": "llama3-8b", "gpus": 8, "method": "upipe",

@@ -20,6 +20,7 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.text import Text
+from matplotlib.transforms import Bbox
 
 from experiments.reporting import reproduction_report
 from experiments.reporting.plots import draw_plots
@@ -121,3 +122,10 @@ def test_no_text_overlaps_other_text(drawn):
     bad = {path: pairs for path, texts in sorted(drawn.items()) if (pairs := overlaps(texts))}
     assert not bad, "\n".join(f"{path}: {'; '.join(pairs[:6])}" + (
         f" (+{len(pairs) - 6} more)" if len(pairs) > 6 else "") for path, pairs in bad.items())
+
+
+def test_overlaps_finds_text_over_text():
+    """The check fails on boxes that intersect, not on boxes that only touch or stand apart."""
+    a, b, c = Bbox([[0, 0], [10, 10]]), Bbox([[9, 9], [20, 20]]), Bbox([[10, 0], [20, 8]])
+    assert overlaps([("a", a), ("b", b)]) == ["'a' / 'b'"]
+    assert overlaps([("a", a), ("c", c)]) == []

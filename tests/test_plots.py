@@ -12,7 +12,14 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from experiments.reporting.paper_tables import PAPER_MAX_CONTEXT, PAPER_THROUGHPUT, paper_row
+from experiments.reporting.paper_tables import (
+    PAPER_LADDER_3M,
+    PAPER_MAX_CONTEXT,
+    PAPER_THROUGHPUT,
+    PAPER_TWO_NODE,
+    paper_peaks,
+    paper_row,
+)
 from experiments.reporting.plots import (
     PLOTS,
     _labelled,
@@ -214,6 +221,20 @@ def test_paper_values_of_the_papers_variants():
                                                              "zigzag-ring": "Table 4"}
     df, _ = _labelled(pd.DataFrame(_rows()).reindex(columns=ROW_COLUMNS))
     assert _paper(df) == {}  # tiny on 4 CPU ranks
+
+
+def test_paper_peaks_from_its_figures():
+    """The memory wall's rungs that train (on their stack), a quoted cell, the two-node figure."""
+    rung = next(r for r in PAPER_LADDER_3M if r["rung"] == "upipe")
+    assert paper_peaks("llama3-8b", 8, "upipe", "8x1", "alst") == [
+        {"seq_len": 3 * 2**20, "figure": "memory-wall figure",
+         "gib": rung["model_gib"] + rung["attention_gib"] + rung["other_gib"]}]
+    assert paper_peaks("llama3-8b", 8, "upipe", "8x1", "offload") == []
+    assert [p["figure"] for p in paper_peaks("llama3-8b", 8, "zigzag-ring", "1x8", "alst")] == [
+        "Table 3"]
+    two = paper_peaks("llama3-8b", 16, "usp", "8x2", "alst")
+    assert [p["gib"] for p in two] == [r["usp_peak_gib"] for r in PAPER_TWO_NODE
+                                       if r["usp_status"] == "ok"]
 
 
 def test_throughput_and_ratio_vs_ulysses():

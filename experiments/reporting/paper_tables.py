@@ -244,6 +244,29 @@ PAPER_TWO_NODE: list[dict] = [
                            (8 * _M, "oom", None, 69.5, None))
 ]
 
+def paper_peaks(model: str, gpus: int, method: str, mesh: str, stack: str) -> list[dict]:
+    """The peaks per GPU the paper gives for `method` on `mesh` ("<Ulysses>x<ring>") with
+    `model` on `gpus` GPUs: [{"seq_len", "gib", "figure"}]: the memory-wall figure's rungs that
+    train (model states + attention + other at 3M; Table 3's model and GPUs, matched on the
+    stack too), a single cell's quoted peak (``PAPER_OUTCOMES``), and the two-node figure's
+    (approximate: read off its chart)."""
+    out = []
+    wall_model, wall_gpus = TABLES["table3"][:2]
+    for r in PAPER_LADDER_3M:
+        if r["status"] == "ok" and (model, gpus, method, mesh, stack) == (
+                wall_model, wall_gpus, r["method"], f"{r['nproc']}x1", r["stack"]):
+            out.append({"seq_len": SEQ_LEN_TOKENS["3M"], "figure": "memory-wall figure",
+                        "gib": r["model_gib"] + r["attention_gib"] + r["other_gib"]})
+    out += [{"seq_len": c["seq_len"], "gib": c["peak_memory_gib"], "figure": TABLES[c["table"]][2]}
+            for c in PAPER_OUTCOMES if c["peak_memory_gib"] is not None
+            and (c["model"], c["gpus"], c["method"], c["mesh"]) == (model, gpus, method, mesh)]
+    out += [{"seq_len": r["seq_len"], "gib": r[f"{method}_peak_gib"],
+             "figure": "two-node figure, approx."} for r in PAPER_TWO_NODE
+            if method in ("usp", "upipe") and r[f"{method}_status"] == "ok"
+            and (r["model"], r["gpus"], r["mesh"]) == (model, gpus, mesh)]
+    return out
+
+
 # The authors' benchmark scripts (paths in REPO) behind each row of the tables. The FPDT 8B
 # sweep lists no 3M run, yet Table 3 has FPDT at 3M; the FPDT 32B sweep runs to 5M where the
 # other Table 4 sweeps stop at 4M.

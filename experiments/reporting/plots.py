@@ -23,14 +23,14 @@ from matplotlib.ticker import FuncFormatter, MultipleLocator, NullLocator
 
 from experiments.config.sizes import GiB, MiB
 from experiments.config.status import Status
-from experiments.reporting.paper_tables import PAPER_LADDER_3M, paper_row
+from experiments.reporting.paper_tables import PAPER_LADDER_3M, paper_peaks, paper_row
 from experiments.reporting.reproduction import PAPER_KERNEL, VERSUS, mesh, overlapped
 from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
 
 STACK_ORDER = ("none", "ac", "offload", "alst", "native")
 DPI = 120
 TICK_GAP = 0.05  # the least distance between two length ticks, as a share of the log2 axis
-PAPER_MARK = {"marker": "x", "s": 70, "linewidths": 2.2, "zorder": 4}  # the paper's values
+PAPER_MARK = {"marker": "D", "s": 55, "linewidths": 2, "facecolors": "none", "zorder": 4}
 SETTINGS = ("model", "nproc", "stack")  # a label names one of these only when it varies
 
 
@@ -278,9 +278,15 @@ def _finish_lines(ax, df: pd.DataFrame, ylabel: str, title: str) -> None:
 
 def _paper(df: pd.DataFrame) -> dict[str, dict]:
     """label -> the row of the paper's Table 3 or 4 that the variant runs (``paper_tables.
-    paper_row``): its model on as many GPUs, its method on the table's mesh, with the paper's
-    kernel (or none named), blocking stages and no packed documents. Variants of other
-    sweeps (another model, CPU scale) have none."""
+    paper_row``): its model on as many GPUs, its method on the table's mesh (``_paper_runs``).
+    Variants of other sweeps (another model, CPU scale) have none."""
+    out = {label: paper_row(*run[:4]) for label, run in _paper_runs(df).items()}
+    return {label: row for label, row in out.items() if row}
+
+
+def _paper_runs(df: pd.DataFrame) -> dict[str, tuple[str, int, str, str, str]]:
+    """label -> (model, GPUs, method, mesh, stack) of each variant that runs as the paper's
+    runs do: the paper's kernel (or none named), blocking stages, no packed documents."""
     out = {}
     for label, g in df.groupby("label", sort=False):
         r = g.iloc[0]
@@ -289,10 +295,8 @@ def _paper(df: pd.DataFrame) -> dict[str, dict]:
                 or (_given(kernel) and kernel != PAPER_KERNEL) or not _given(r["nproc"])):
             continue
         ring = int(r["ring_degree"]) if _given(r["ring_degree"]) else 1
-        row = paper_row(str(r["model"]), int(r["nproc"]), str(r["method"]),
-                        mesh(str(r["method"]), int(r["nproc"]), ring))
-        if row:
-            out[label] = row
+        out[label] = (str(r["model"]), int(r["nproc"]), str(r["method"]),
+                      mesh(str(r["method"]), int(r["nproc"]), ring), str(r["stack"]))
     return out
 
 
@@ -352,7 +356,7 @@ def plot_max_context(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bo
         ax.errorbar(x[has], fits[has], yerr=[np.zeros(has.sum()), gap[has]], fmt="none",
                     color="0.2", capsize=5, label="up to the first failing length")
         if paper:
-            ax.scatter(x, marks, color="black", label=f"{_paper_name(paper)}: the longest "
+            ax.scatter(x, marks, edgecolors="black", label=f"{_paper_name(paper)}: the longest "
                        "length it trains", **PAPER_MARK)
         for i, (fit, fail, status) in enumerate(zip(fits, fails, df["status"], strict=True)):
             text = format_tokens(fit) if fit else (
@@ -394,9 +398,20 @@ def plot_memory_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
         sns.lineplot(df[df["status"] == Status.OK], x="seq_len", y="mem", hue="label", palette=pal,
                      hue_order=labels, marker="o", estimator="median", errorbar=None, ax=ax)
         oom = df[df["status"] == Status.OOM]
-        if len(oom):
+        if len(oom):  # the legend's cross in grey: each in its variant's colour
             ax.scatter(oom["seq_len"], oom["mem"], marker="x", s=80, linewidths=2, zorder=3,
-                       color=[pal[lb] for lb in oom["label"]], label="OOM (peak reached)")
+                       color=[pal[lb] for lb in oom["label"]])
+            ax.scatter([], [], marker="x", s=80, linewidths=2, color="0.3",
+                       label="OOM (peak reached)")
+        figures = set()
+        for label, run in _paper_runs(df).items():
+            peaks = [p for p in paper_peaks(*run) if p["seq_len"] in set(df["seq_len"])]
+            ax.scatter([p["seq_len"] for p in peaks], [p["gib"] * GiB / scale for p in peaks],
+                       edgecolors=pal[label], **PAPER_MARK)
+            figures |= {p["figure"] for p in peaks}
+        if figures:
+            ax.scatter([], [], edgecolors="black", label=f"paper ({'; '.join(sorted(figures))})"
+                       ": its peak per GPU", **PAPER_MARK)
         _memory_line(ax, df, scale, unit)
         _finish_lines(ax, df, _titled(f"peak device memory per rank ({unit})", df),
                       "Peak memory")
@@ -437,10 +452,10 @@ def plot_throughput_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path)
         lengths = set(df["seq_len"])
         for label, row in paper.items():  # at the sweep's lengths
             cells = {n: v for n, v in row["tokens_per_s_per_gpu"].items() if n in lengths}
-            ax.scatter(list(cells), list(cells.values()), color=pal[label], **PAPER_MARK)
-        if paper:  # one legend entry for the crosses, in black: each in its variant's colour
-            ax.scatter([], [], color="black", label=f"{_paper_name(paper)}: its tokens/s per GPU",
-                       **PAPER_MARK)
+            ax.scatter(list(cells), list(cells.values()), edgecolors=pal[label], **PAPER_MARK)
+        if paper:  # one legend entry for the marks, in black: each in its variant's colour
+            ax.scatter([], [], edgecolors="black", **PAPER_MARK,
+                       label=f"{_paper_name(paper)}: its tokens/s per GPU")
         _finish_lines(ax, df, "tokens/s per GPU (whiskers: p20-p80 step)", "Throughput")
     return True
 

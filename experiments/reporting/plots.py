@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MultipleLocator, NullLocator
 
 from experiments.config.sizes import GiB, MiB
+from experiments.config.stack import paper_stack
 from experiments.config.status import Status
 from experiments.reporting.paper_tables import PAPER_LADDER_3M, paper_peaks, paper_row
 from experiments.reporting.reproduction import PAPER_KERNEL, VERSUS, mesh, overlapped
@@ -286,15 +287,20 @@ def _paper(df: pd.DataFrame) -> dict[str, dict]:
 
 def _paper_runs(df: pd.DataFrame) -> dict[str, tuple[str, int, str, str, str]]:
     """label -> (model, GPUs, method, mesh, stack) of each variant that runs as the paper's
-    runs do: the paper's kernel (or none named), blocking stages, no packed documents."""
+    runs do: the paper's kernel (or none named) and stack for the method (``paper_stack``),
+    blocking stages of the Ulysses degree's heads (UPipe's default U), no packed documents."""
     out = {}
     for label, g in df.groupby("label", sort=False):
         r = g.iloc[0]
         kernel = _column(g, "kernel").iloc[0]
         if (overlapped(_column(g, "overlap").iloc[0]) or _given(_column(g, "doc_len").iloc[0])
-                or (_given(kernel) and kernel != PAPER_KERNEL) or not _given(r["nproc"])):
+                or (_given(kernel) and kernel != PAPER_KERNEL) or not _given(r["nproc"])
+                or str(r["stack"]) != paper_stack(str(r["method"]))):
             continue
         ring = int(r["ring_degree"]) if _given(r["ring_degree"]) else 1
+        u = _column(g, "heads_per_stage").iloc[0]
+        if _given(u) and int(u) != int(r["nproc"]) // ring:
+            continue
         out[label] = (str(r["model"]), int(r["nproc"]), str(r["method"]),
                       mesh(str(r["method"]), int(r["nproc"]), ring), str(r["stack"]))
     return out

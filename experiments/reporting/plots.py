@@ -498,15 +498,15 @@ def plot_throughput_vs_ulysses(rows: pd.DataFrame, maxctx: pd.DataFrame, path: P
 def _paper_ratios(ax, df: pd.DataFrame, labels: list[str], lengths: list[int]) -> None:
     """Across each bar of a variant the paper runs (``_paper``), a black line at the paper's
     tokens/s over the paper's Ulysses' (its row in ``reproduction.VERSUS``) at that length."""
-    paper, first = _paper(df), True
+    paper, runs, first = _paper(df), _paper_runs(df), True
     for bars, label in zip(ax.containers, labels, strict=True):
         if label not in paper:
             continue
-        r = df[df["label"] == label].iloc[0]
+        model, gpus, method, on = runs[label][:4]
         ulysses = VERSUS[paper[label]["table"]][0]
-        if (r["method"], mesh(r["method"], int(r["nproc"]), int(r["ring_degree"]))) == ulysses:
+        if (method, on) == ulysses:
             continue  # the reference itself: 1.0
-        ref = paper_row(r["model"], int(r["nproc"]), *ulysses)["tokens_per_s_per_gpu"]
+        ref = paper_row(model, gpus, *ulysses)["tokens_per_s_per_gpu"]
         ours = paper[label]["tokens_per_s_per_gpu"]
         for bar in bars:
             n = lengths[round(bar.get_x() + bar.get_width() / 2)]

@@ -38,7 +38,7 @@ done
 
 # Ranks share the CPU cores: one OpenMP thread each unless the caller chose otherwise.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# ALST's allocator setting (DESIGN.md §6); ignored without CUDA.
+# ALST's allocator setting (docs/design.md#the-memory-stack); ignored without CUDA.
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 
 venv="$("$root/scripts/bootstrap.sh")"

@@ -1,4 +1,4 @@
-"""Memory-stack levels (DESIGN.md §6, "the ALST stack") and the compute dtypes."""
+"""Memory-stack levels (docs/design.md#the-memory-stack) and the compute dtypes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StackConfig:
-    """What a memory-stack level switches on (DESIGN.md §6, "the ALST stack")."""
+    """What a memory-stack level switches on (docs/design.md#the-memory-stack)."""
 
     checkpoint: bool
     """activation checkpointing of every block (torch.utils.checkpoint, non-reentrant)"""
@@ -107,8 +107,8 @@ _PAPER_STACKS = {"torch-cp": "torchtitan", "ds-fpdt": "megatron-ds"}
 
 
 def paper_stack(method: str) -> str:
-    """The memory stack the paper runs ``method`` on (DESIGN.md §6): PyTorch's native CP
-    (``torch-cp``) on its TorchTitan fork's (``torchtitan``: checkpointing, offload of every
-    block input but the first, the chunked loss, no tiling), DeepSpeed's FPDT (``ds-fpdt``) on
+    """The memory stack the paper runs ``method`` on (docs/design.md#the-comparison): PyTorch's
+    native CP (``torch-cp``) on its TorchTitan fork's (``torchtitan``: checkpointing, offload of
+    every block input but the first, the chunked loss, no tiling), DeepSpeed's FPDT (``ds-fpdt``) on
     Megatron-DeepSpeed's (``megatron-ds``), every other method on the ALST stack."""
     return _PAPER_STACKS.get(method, "alst")

@@ -1,4 +1,5 @@
-"""Run one cell on this rank and measure it (DESIGN.md §7); every rank calls ``measure_cell``.
+"""Run one cell on this rank and measure it (docs/design.md#measurement); every rank calls
+``measure_cell``.
 
 Order: ``warmup`` steps and one memory step run under the ``MemoryTracker`` (its peak is the
 max over them, i.e. the steady state with AdamW's states allocated); then ``iters`` timed steps

@@ -1,4 +1,5 @@
-"""Reading results: tables, plots, notebook helpers and the results index (DESIGN.md §3).
+"""Reading results: tables, plots, notebook helpers and the results index
+(docs/design.md#layout-and-dependency-direction).
 
     tables          rows.csv and max_context.csv rebuilt from a sweep's run files
     plots           the figures, a pure function of the tables

@@ -1,6 +1,6 @@
-"""What the analysis notebooks share (notebooks/; STYLE.md §13): find ``results/``, read its
-tables and provenance, label and order variants, list what did not run, and build the tables
-the notebooks show.
+"""What the analysis notebooks share (notebooks/; docs/conventions.md#notebooks-read-results-only):
+find ``results/``, read its tables and provenance, label and order variants, list what did not run,
+and build the tables the notebooks show.
 
 A notebook stays a sequence of ``display(nb.something(...))`` cells with markdown between them::
 

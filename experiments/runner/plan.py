@@ -1,4 +1,4 @@
-"""What fits on a cluster, and how fast (DESIGN.md §9): ``upipe-bench plan``.
+"""What fits on a cluster, and how fast (docs/design.md#the-time-model): ``upipe-bench plan``.
 
 Every configuration a cluster of ``gpus`` GPUs can run a model with at one sequence length:
 each registered method, on each stack level, with each valid mesh (hybrids: ring degree x

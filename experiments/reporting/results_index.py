@@ -1,9 +1,9 @@
 """The provenance index of ``results/``: one generated table in ``results/README.md``.
 
-Every cell is read from the committed files, never typed by hand (STYLE.md §14): each sweep's
-``sweep.json``, ``env.json``, ``rows.csv`` and ``max_context.csv``, ``baselines/`` and
-``emulate_vs_allocator/``. The rows' provenance wins; one only ``env.json`` records gets a
-dagger.
+Every cell is read from the committed files, never typed by hand
+(docs/conventions.md#provenance-travels-with-results): each sweep's ``sweep.json``, ``env.json``,
+``rows.csv`` and ``max_context.csv``, ``baselines/`` and ``emulate_vs_allocator/``. The rows'
+provenance wins; one only ``env.json`` records gets a dagger.
 
     python -m experiments.reporting.results_index          # rewrite the section (markers)
     python -m experiments.reporting.results_index --check  # exit 1 naming what is stale
@@ -31,7 +31,7 @@ GPU_CHECK_COMMAND = "python -m experiments.emulation.gpu_check"
 PAPER_GRID_COMMAND = "python -m experiments.reporting.paper_grid"
 # GPU checks: (folder, what it shows, mode of every row, the command that regenerates it)
 GPU_FOLDERS = (
-    ("emulate_vs_allocator", "emulator check on a GPU (DESIGN.md §8; no paper table)",
+    ("emulate_vs_allocator", "emulator check on a GPU (no paper table)",
      "measured + emulated", GPU_CHECK_COMMAND),
     ("emulate_vs_allocator_beyond", "emulator check on a GPU of UPipe's options beyond the "
      "paper (overlap, the long stack, the chunked backward)", "measured + emulated",
@@ -60,8 +60,7 @@ ARTEFACTS = {"table3_llama3_8b_h100x8": "Table 3 (Llama3-8B, 8x H100)",
              "memory_wall_llama3_8b_h100x8": "the memory wall at 3M (the paper's figure, "
                                               "Llama3-8B)",
              "ablation_heads_per_stage_llama3_8b_h100x8": "heads-per-stage U ablation (Llama3-8B)",
-             "time_validation_cpu": "emulated time vs measured CPU steps (DESIGN.md §9; no "
-                                    "paper table)",
+             "time_validation_cpu": "emulated time vs measured CPU steps (no paper table)",
              "upipe_overlap": "UPipe's overlapped stages vs blocking and Ulysses (beyond the "
                               "paper)",
              "long_context_llama3_8b_h100x8": "UPipe to 8M tokens on one node, Llama3-8B "

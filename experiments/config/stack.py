@@ -93,8 +93,9 @@ STACKS: dict[str, StackConfig] = {
     "megatron-ds": StackConfig(True, True, False, True, offload_all=True, reentrant=True,
                                megatron_fpdt=True),
     # Beyond the paper (issue 17): ALST plus the mechanisms that remove what binds UPipe on the
-    # way to 8M tokens on one node (the ladder in README "One node to 8M tokens"): the first
-    # block's input offloaded, the residual FFN tiled in place, the attention's pre-norm fused.
+    # way to 8M tokens on one node (the ladder in
+    # docs/results.md#one-node-to-8m-tokens-beyond-the-paper): the first block's input
+    # offloaded, the residual FFN tiled in place, the attention's pre-norm fused.
     "long": StackConfig(True, True, True, True, offload_first=True, residual_ffn=True,
                         fuse_norm=True),
 }

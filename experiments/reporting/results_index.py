@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from experiments.config.status import Status
+from experiments.reporting.sections import section, write_section
 
 BEGIN, END = "<!-- results-index:begin -->", "<!-- results-index:end -->"
 COMMAND = "python -m experiments.reporting.results_index"
@@ -210,17 +211,12 @@ def render(results: Path) -> str:
         *header, *map(sweep_line, dirs), *other_lines(results), "", _footnote(dirs), END])
 
 
-def _section(text: str) -> str | None:
-    """The committed section, markers included; None when the markers are missing."""
-    i, j = text.find(BEGIN), text.find(END)
-    return text[i:j + len(END)] if 0 <= i < j else None
-
-
 def stale(results: Path) -> list[str]:
     """What differs between README.md's section and ``render``: the names of the entries whose
     row changed, appeared or went (or a description); [] when the section is up to date."""
     readme = results / "README.md"
-    old, new = _section(readme.read_text()) if readme.exists() else None, render(results)
+    old = section(readme.read_text(), BEGIN, END) if readme.exists() else None
+    new = render(results)
     if old is None:
         return [f"{readme} has no {BEGIN} ... {END} section"]
     changed = set(old.splitlines()) ^ set(new.splitlines())
@@ -230,11 +226,7 @@ def stale(results: Path) -> list[str]:
 
 def write(results: Path) -> Path:
     """Rewrite the section in ``results/README.md`` (appended, or a new file, when absent)."""
-    readme = results / "README.md"
-    text = readme.read_text() if readme.exists() else "# results\n"
-    old, new = _section(text), render(results)
-    readme.write_text(text.replace(old, new) if old else f"{text.rstrip()}\n\n{new}\n")
-    return readme
+    return write_section(results / "README.md", render(results), BEGIN, END, "# results\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -230,8 +230,8 @@ def test_runs_under_fake_tensors_at_paper_scale(dist_pool):
 
 
 # ---------------------------------------------------------------------------------------------
-# tracked memory (experiments/memory.py) of one layer's forward + backward, batch 1, fp32, on 2
-# ranks; every rank is symmetric, so rank 0's numbers are checked against every rank's
+# tracked memory (experiments/instruments/memory.py) of one layer's forward + backward, batch 1,
+# fp32, on 2 ranks; every rank is symmetric, so rank 0's numbers are checked against every rank's
 
 CP, DIM, H, HKV, D, B4 = 2, 64, 8, 2, 16, 4  # B4: fp32 itemsize (and the fp32 LSE/accumulators)
 HKV_A2A = max(HKV, CP)  # KV heads after replication to the CP degree (none here)

@@ -1,8 +1,8 @@
 """The documentation's links and the code's citations of it resolve, inside the repository.
 
-- Every relative link of README.md, docs/*.md and results/README.md (outside code) names a file
-  or folder of the repository, and its ``#anchor`` a heading of the target (GitHub's slugs) or
-  an explicit ``<a id="...">``.
+- Every relative link of README.md, docs/*.md, results/README.md and notebooks/README.md
+  (outside code) names a file or folder of the repository, and its ``#anchor`` a heading of the
+  target (GitHub's slugs) or an explicit ``<a id="...">``.
 - Every ``docs/<page>.md#<anchor>`` and every repository path (``upipe/chunked.py``,
   ``results/emulate_vs_allocator/``, ...) that the code's docstrings and comments cite exists,
   the anchor as a heading of the page.
@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "results" / "README.md"]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "results" / "README.md",
+        ROOT / "notebooks" / "README.md"]
 CODE_DIRS = ("upipe", "baselines", "experiments", "benchmarks", "scripts", "tests", "examples")
 CODE = sorted(p for d in CODE_DIRS for p in (ROOT / d).rglob("*.py"))
 # the names of the notes outside the repository, spelled so that this file does not match

@@ -5,6 +5,8 @@
     plots           the figures, a pure function of the tables
     notebook        what the notebooks share: finding results/, reading tables, labels
     results_index   the generated provenance index in results/README.md
+    readme_headline the README's generated headline table (max context, tokens/s, the paper's)
+    sections        generated sections of a markdown file, between two markers
 
 Reads result files only (``experiments.store``); imports no harness, emulation or runner code,
 and the harness imports none of this.

@@ -12,9 +12,18 @@ import pandas as pd
 import pytest
 from PIL import Image
 
+from experiments.reporting.paper_tables import (
+    PAPER_LADDER_3M,
+    PAPER_MAX_CONTEXT,
+    PAPER_THROUGHPUT,
+    PAPER_TWO_NODE,
+    paper_peaks,
+    paper_row,
+)
 from experiments.reporting.plots import (
     PLOTS,
     _labelled,
+    _paper,
     _read,
     _throughput,
     _vs_ulysses,
@@ -167,14 +176,65 @@ def test_new_variants_get_their_own_labels(tmp_path):
         ("torch-cp", 1.3, {"stack": "native"})) for s in (2048, 4096)]
     _write(tmp_path, rows)
     df, labels = _labelled(_read(tmp_path / ROWS, ROW_COLUMNS))
-    # the stack is one per variant: named where it differs from the rest's
-    assert labels == ["ulysses", "fpdt (upipe's, ALST stack) c=1K", "torch-cp, stack native",
-                      "upipe", "upipe 2x2", "usp 2x2"]
+    # short labels for an axis; the detail names the stack where it differs from the rest's
+    assert labels == ["ulysses", "fpdt", "torch-cp", "upipe", "upipe 2x2", "usp 2x2"]
+    assert list(df.drop_duplicates("label")["detail"]) == [
+        "ulysses", "fpdt (upipe's, ALST stack) c=1K", "torch-cp, stack native", "upipe",
+        "upipe 2x2", "usp 2x2"]
     tp = _throughput(_read(tmp_path / ROWS, ROW_COLUMNS))
     ratio = _vs_ulysses(tp, "tps", ["seq_len", "model", "nproc", "stack"])
     assert not np.isnan(ratio).any()  # torch-cp (native) against Ulysses (alst)
     assert set(draw_plots(tmp_path, ["memory_vs_seq", "throughput_vs_ulysses"])) == {
         "memory_vs_seq", "throughput_vs_ulysses"}
+
+
+def test_short_labels_keep_variants_apart(tmp_path):
+    """Two variants that one short label would name get their details on the axis instead."""
+    rows = [_row("ulysses", None, 2048)]
+    rows += [_row("fpdt", None, 2048) | {"chunk_size": c} for c in (1024, 4096)]
+    rows += [_row("upipe", None, 2048, stack=st) for st in ("alst", "offload")]
+    rows += [_row("upipe", None, 2048) | {"overlap": True}]
+    _write(tmp_path, rows)
+    df, labels = _labelled(_read(tmp_path / ROWS, ROW_COLUMNS))
+    assert labels == ["ulysses", "fpdt c=1K", "fpdt c=4K", "upipe, stack offload",
+                      "upipe, stack alst", "upipe overlap"]
+
+
+def test_paper_values_of_the_papers_variants():
+    """A variant run as a row of the paper's Table 3 or 4 (model, GPUs, method, mesh; blocking
+    stages) gets that row's values; CPU-scale and overlapped variants get none."""
+    row = paper_row("llama3-8b", 8, "upipe", "8x1")
+    top = next(r for r in PAPER_MAX_CONTEXT if (r["table"], r["method"]) == ("table3", "upipe"))
+    assert row["max_context"] == top["max_context"] and row["name"] == "Table 3"
+    assert row["tokens_per_s_per_gpu"] == {c["seq_len"]: c["tokens_per_s_per_gpu"]
+                                           for c in PAPER_THROUGHPUT if c["status"] == "ok"
+                                           and (c["table"], c["method"]) == ("table3", "upipe")}
+    assert paper_row("qwen3-32b", 16, "upipe", "8x1") is None  # Table 4 runs UPipe 8x2
+    big = [_row("usp", None, 2**17) | {"model": "qwen3-32b", "nproc": 16, "ring_degree": 2},
+           _row("zigzag-ring", None, 2**17) | {"model": "qwen3-32b", "nproc": 16},
+           _row("upipe", None, 2**17) | {"model": "qwen3-32b", "nproc": 16, "ring_degree": 2,
+                                          "overlap": True},
+           _row("upipe", None, 2**17) | {"model": "qwen3-32b", "nproc": 16, "ring_degree": 2,
+                                          "kernel": "fa2"}]
+    df, _ = _labelled(pd.DataFrame(big).reindex(columns=ROW_COLUMNS))
+    assert {k: v["name"] for k, v in _paper(df).items()} == {"usp 8x2": "Table 4",
+                                                             "zigzag-ring": "Table 4"}
+    df, _ = _labelled(pd.DataFrame(_rows()).reindex(columns=ROW_COLUMNS))
+    assert _paper(df) == {}  # tiny on 4 CPU ranks
+
+
+def test_paper_peaks_from_its_figures():
+    """The memory wall's rungs that train (on their stack), a quoted cell, the two-node figure."""
+    rung = next(r for r in PAPER_LADDER_3M if r["rung"] == "upipe")
+    assert paper_peaks("llama3-8b", 8, "upipe", "8x1", "alst") == [
+        {"seq_len": 3 * 2**20, "figure": "memory-wall figure",
+         "gib": rung["model_gib"] + rung["attention_gib"] + rung["other_gib"]}]
+    assert paper_peaks("llama3-8b", 8, "upipe", "8x1", "offload") == []
+    assert [p["figure"] for p in paper_peaks("llama3-8b", 8, "zigzag-ring", "1x8", "alst")] == [
+        "Table 3"]
+    two = paper_peaks("llama3-8b", 16, "usp", "8x2", "alst")
+    assert [p["gib"] for p in two] == [r["usp_peak_gib"] for r in PAPER_TWO_NODE
+                                       if r["usp_status"] == "ok"]
 
 
 def test_throughput_and_ratio_vs_ulysses():

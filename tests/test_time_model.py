@@ -24,7 +24,7 @@ from experiments.emulation.fake_step import critical_rank, fake_world, measure_f
 from experiments.emulation.op_costs import StepWork, launches_kernel
 from experiments.emulation.profile import ProfileError, attention_flops, load_profile
 from experiments.emulation.time_model import WindowTime, price, step_time
-from experiments.emulation.work_fit import quadratic_at
+from experiments.emulation.work_fit import _predict_window, quadratic_at
 from experiments.harness.train import build
 from experiments.instruments.memory import MemoryTracker, tensor_leaves
 from upipe.staging import make_stage_plan
@@ -309,6 +309,66 @@ def test_the_work_fit_extrapolates_a_quadratic_exactly():
     xs = (65536, 98304, 131072)
     for x in (1024, 131072 * 40):
         assert quadratic_at(xs, [f(v) for v in xs], x) == f(x)
+
+
+def test_the_work_fit_sizes_a_cover_key_as_its_kernels_key():
+    """A kernel an async collective ran beside (``("cover", n, *key)``) is predicted as the
+    kernel's own key: its key length followed as a fraction of S, its FLOPs quadratic."""
+    xs = (2048, 3072, 4096)
+    samples = [Counter({("cover", 3, "attention", "fa3", "bf16", "fwd", 128, (x // 4, 8)):
+                        float(x * x), ("cover", 3, "kernels"): 2}) for x in xs]
+    approximate: list[str] = []
+    out = _predict_window(samples, xs, 1 << 20, approximate, "test")
+    assert out == {("cover", 3, "attention", "fa3", "bf16", "fwd", 128, (1 << 18, 8)): 2.0 ** 40,
+                   ("cover", 3, "kernels"): 2}
+    assert approximate == []
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's ring: each exchange beside the kernels issued before its wait
+
+
+def test_torch_rings_exchanges_each_run_beside_the_kernels_before_their_wait():
+    """torch's ring with the all-gather rotation (the paper's), 4 ranks: a block's forward
+    gathers every rank's K/V once, beside the first step's kernel only (it is waited for at the
+    second step); in backward each dK/dV exchange runs beside the next step's kernel, and the
+    last one, waited for as the ring returns, beside none."""
+    cell = Cell("torch-cp", "tiny", seq_len=2048, nproc=4, stack="native", iters=0,
+                overrides=(("n_layers", "2"),))
+    work = dict(measure_fake(cell, cell.validate(), Hardware(device="cpu")).work)
+    fwd = work["forward", 0]
+    (n,) = [k[4] for k in fwd if k[:2] == ("comm", "async")]
+    assert fwd["comm", "async", "all_gather", "intra", n] == 2048 * 2 * 256 * 4 * 3 // 4
+    # step 0 is the rank's own 512 tokens, causal (16 heads of 16); steps 1-3 half-blocks, as
+    # much again each (the load-balanced ring): the gather hides behind a quarter of the FLOPs
+    first = attention_flops(1, 16, 512, 512, 16, "fwd_causal")
+    assert {k[2:]: v for k, v in fwd.items() if k[:3] == ("cover", n, "attention")} == {
+        ("attention", "sdpa", "fp32", "fwd_causal", 16, (512, 16)): first}
+    assert sum(v for k, v in fwd.items() if k[0] == "attention") == 4 * first
+    bwd = work["backward", 1]
+    dkv = sorted(k[4] for k in bwd if k[:3] == ("comm", "async", "all_to_all"))
+    beside = [sum(v for k, v in bwd.items() if k[:3] == ("cover", n, "attention")) for n in dkv]
+    step = attention_flops(1, 16, 512, 256, 16, "bwd")
+    assert beside == [step, step, step, 0]
+
+
+def test_each_torch_ring_exchange_is_exposed_by_what_exceeds_its_own_cover(cuda, cpu):
+    """Two exchanges in a window: 1.0 s beside 0.4 s of kernels, 0.2 s beside 0.8 s. Each
+    exposes its own excess (0.6 s): the second's slack does not hide the first (pooled, the
+    window's 1.2 s of kernels would hide all 1.2 s). Without side streams all of it is serial."""
+    for profile, exposed in ((cuda, 0.6), (cpu, 1.2)):
+        bandwidth, _ = profile.collective("all_gather", "inter")
+        speed = profile.memory_bandwidth
+        work = Counter({("memory",): 1.2 * speed,
+                        ("comm", "async", "all_gather", "inter", 0): 1.0 * bandwidth,
+                        ("cover", 0, "memory"): 0.4 * speed,
+                        ("comm", "async", "all_gather", "inter", 1): 0.2 * bandwidth,
+                        ("cover", 1, "memory"): 0.8 * speed})
+        w = price(work, profile, pinned=True)
+        assert (w.ring_async, w.ring_async_exposed) == pytest.approx((1.2, 0.6))
+        t = step_time([(("forward", 0), w)], profile)
+        assert (t.compute_s, t.comm_exposed_s) == pytest.approx((1.2, exposed))
+        assert "ring_async_exposed" not in t.detail  # the detail is before overlap
 
 
 # ---------------------------------------------------------------------------------------------

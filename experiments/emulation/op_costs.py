@@ -24,12 +24,18 @@ window's ``Counter``:
     ("kernels",)                                  kernel launches
     ("comm", mechanism, op, scope)                bytes this rank sends (bus bytes)
     ("comm_calls", mechanism, op, scope)          calls
+    ("comm" | "comm_calls", "async", op, scope, n) the same, of torch's ring's n-th collective
+    ("cover", n, *key)                            the work (a key above, kernels only) run on
+                                                  the compute stream while that collective
+                                                  was in flight
     ("copy", mechanism, direction)                host<->device bytes (direction h2d / d2h)
 
 The mechanism says how the code runs it, which decides its overlap (``time_model``):
 
 - collectives: ``fsdp`` (FSDP2's all-gathers and reduce-scatters), ``p2p`` (send / recv: the
-  ring rotation, ``upipe/ring.py``), ``overlap`` (all-to-alls issued with ``async_op=True`` by
+  ring rotation, ``upipe/ring.py``), ``async`` (torch's CP ring, ``baselines/torch_cp.py``:
+  functional collectives waited for a step or more later, each with the kernels it runs
+  beside, its ``cover``), ``overlap`` (all-to-alls issued with ``async_op=True`` by
   ``upipe.comm._all_to_all_async``: UPipe's overlapped stages, waited on after the next
   stage's attention kernel), ``blocking`` (everything else: the Ulysses all-to-alls and UPipe's
   without overlap, ``upipe/comm.py``, issued and waited on the compute stream);
@@ -76,10 +82,11 @@ COLLECTIVE_OPS = {
     "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
     "all_reduce": "all_reduce", "all_to_all_single": "all_to_all",
 }
-# torch's CP ring (``_templated_ring_attention``): its K/V (and, in backward, dK/dV) exchanges
-# are functional collectives issued before the step's attention and waited after it, so they
-# run beside that attention, as the ring's P2P does. (With the all-gather rotation the one
-# gather overlaps the first step's attention only: optimistic for that rotation.)
+# torch's CP ring (``_templated_ring_attention`` and its backward): its K/V (and, in backward,
+# dK/dV) exchanges are functional collectives, each waited for where the rotater's
+# ``next_buffer`` is next called: a K/V exchange at the start of the next step (the all-gather
+# rotation's one gather thus runs beside the first step's attention only), a dK/dV exchange
+# after the next step's attention kernel. Each gets its own key and its cover (``_settle``).
 _TORCH_RING_FILE = "tensor/experimental/_context_parallel/_attention.py"
 
 _aten = torch.ops.aten
@@ -183,6 +190,10 @@ class StepWork(TorchDispatchMode):
         self.tracker, self.gpus_per_node = tracker, gpus_per_node
         self.windows: dict[Window, Counter] = defaultdict(Counter)
         self.order: list[Window] = []
+        # torch's ring's collectives not yet waited for: [number, window, attention kernels
+        # run since], and the number the next one gets (``_settle``)
+        self._in_flight: list[list] = []
+        self._issued = 0
 
     # -- where an op runs ----------------------------------------------------------------------
 
@@ -245,10 +256,33 @@ class StepWork(TorchDispatchMode):
     def observe(self, func, args, kwargs, out) -> None:
         """Sort one op into its window's work (as a mode entered inside the tracker, or as the
         tracker's observer: either way after the tracker has counted the op's outputs)."""
-        if func.namespace in COLLECTIVE_NAMESPACES:
+        collective = func.namespace in COLLECTIVE_NAMESPACES
+        if not collective and not launches_kernel(func):
+            return
+        if self._in_flight:
+            self._settle(func)
+        if collective:
             self._collective(func, args, kwargs)
-        elif launches_kernel(func):
+        else:
             self._kernel(func, args, kwargs, out)
+
+    def _settle(self, func) -> None:
+        """End the wait of the torch ring's in-flight collectives that this op follows: torch's
+        rotater waits for a step's exchange at the start of the next step, before that step's
+        attention (``next_buffer``), and for its last one before the ring returns. The fake
+        step cannot show the wait (under fake tensors ``_functional_collectives`` waits at
+        once), so it is placed by the ring's structure: a collective stays in flight until the
+        second attention kernel after it, or until an op runs outside torch's ring. Exact for a
+        K/V exchange (issued before a step's kernel, waited before the next one's); a dK/dV
+        exchange (issued after a step's kernel) is waited after the next step's kernel, and
+        this counts beside it also the few memory-bound ops that follow that kernel (the
+        gradients' accumulation, the next exchange's concatenation)."""
+        if not _called_from(_TORCH_RING_FILE):
+            self._in_flight.clear()
+        elif _attention_op(func) is not None:
+            for entry in self._in_flight:
+                entry[2] += 1
+            self._in_flight = [e for e in self._in_flight if e[2] < 2]
 
     def _collective(self, func, args, kwargs) -> None:
         call = describe_collective(func, args, kwargs)
@@ -259,9 +293,9 @@ class StepWork(TorchDispatchMode):
         if fsdp:  # counted in its unit's window: the overlap rules place it from there
             mechanism, w = "fsdp", self._window(unit)
         else:
-            beside = op == "p2p" or (func.namespace == "_c10d_functional"
-                                     and _called_from(_TORCH_RING_FILE))
-            if beside:
+            if func.namespace == "_c10d_functional" and _called_from(_TORCH_RING_FILE):
+                mechanism = "async"
+            elif op == "p2p":
                 mechanism = "p2p"
             elif _called_from("upipe/comm.py", ("_all_to_all_async",)):
                 mechanism = "overlap"
@@ -272,9 +306,14 @@ class StepWork(TorchDispatchMode):
         # each step waits for its slowest hop (across nodes if the ring spans them), not only
         # for this rank's send
         scope = self._scope(call.group, None if op == "p2p" else call.peer)
-        w["comm", mechanism, op, scope] += call.sent
+        key = (mechanism, op, scope)
+        if mechanism == "async":  # its own key: the kernels it waits beside are its own too
+            key += (self._issued,)
+            self._in_flight.append([self._issued, self._window_key(), 0])
+            self._issued += 1
+        w[("comm", *key)] += call.sent
         if call.sent or op != "p2p":  # a ring step's send and receive are one transfer
-            w["comm_calls", mechanism, op, scope] += 1
+            w[("comm_calls", *key)] += 1
 
     def _kernel(self, func, args, kwargs, out) -> None:
         ins = tensor_leaves((args, kwargs), [])
@@ -285,7 +324,7 @@ class StepWork(TorchDispatchMode):
         if HOST in kinds:
             self._host_op(func, args, ins, outs, kinds)
             return
-        w = self._window()
+        w: Counter = Counter()
         w["kernels",] += 1
         attention = _attention_op(func)
         if attention is not None:
@@ -301,6 +340,11 @@ class StepWork(TorchDispatchMode):
                 w["memory",] += _nbytes([args[0]])
         else:
             w["memory",] += _nbytes(ins) + _nbytes(outs)
+        self._window().update(w)
+        for n, window, _ in self._in_flight:  # the kernels an in-flight collective runs beside
+            cover = self.windows[window]
+            for k, v in w.items():
+                cover[("cover", n, *k)] += v
 
     def _attention(self, func, args, kwargs, attention, w: Counter) -> None:
         kernel, pass_, layout = attention

@@ -23,6 +23,13 @@ streams (CUDA); without them (a CPU) everything runs one after the other:
 - ring P2P (``upipe/ring.py``: the next block's K/V are sent with ``batch_isend_irecv`` before
   the current block's attention, waited on after it) runs beside the window's attention kernels:
   only what exceeds them is exposed;
+- torch's CP ring (``baselines/torch_cp.py``, functional collectives, ``async``): each exchange
+  runs beside the kernels issued between it and its wait (its ``cover``, ``op_costs``), on its
+  own: the all-gather rotation's one gather of every rank's K/V beside the first step's
+  attention only, a per-step exchange beside its step's. Each collective's excess over its
+  cover is exposed, not the window's sum over the window's attention as for the ring P2P above
+  (whose steps are alike, so the two agree there): a large gather beside a short kernel is
+  not hidden by later steps' kernels;
 - UPipe's overlapped all-to-alls (``upipe/untied.py``, ``overlap=True``: the next stage's inputs
   are issued before the current stage's attention kernel, the previous stage's outputs waited
   on after it) also run beside the window's attention kernels, which they share with the ring's
@@ -64,6 +71,8 @@ class WindowTime:
     host: float = 0.0  # the host's time to issue the window's ops (``Profile.host_op_s``)
     blocking: float = 0.0  # collectives on the compute stream
     p2p: float = 0.0  # ring rotation
+    ring_async: float = 0.0  # torch's ring's exchanges
+    ring_async_exposed: float = 0.0  # what of them exceeds each one's cover (after overlap)
     overlap: float = 0.0  # UPipe's all-to-alls issued beside the attention kernels
     fsdp_gather: float = 0.0
     fsdp_reduce: float = 0.0
@@ -93,6 +102,8 @@ def price(work: Counter, profile: Profile, pinned: bool) -> WindowTime:
     buffers are pinned (the harness pins up to ``PIN_MAX_TOKENS`` tokens:
     ``upipe.stack.pin_host_memory``)."""
     t: Counter = Counter()
+    ring_async: Counter = Counter()  # torch's ring's n-th collective: its seconds, its cover's
+    cover: Counter = Counter()
     for key, amount in work.items():
         kind = key[0]
         if kind == "matmul":
@@ -113,18 +124,26 @@ def price(work: Counter, profile: Profile, pinned: bool) -> WindowTime:
             t["overhead"] += amount * profile.launch_overhead_s
             t["host"] += amount * profile.host_op_s
         elif kind in ("comm", "comm_calls"):
-            _, mechanism, op, scope = key
+            mechanism, op, scope = key[1:4]
             bandwidth, latency = profile.collective(op, scope)
             seconds = amount / bandwidth if kind == "comm" else amount * latency
+            if mechanism == "async":
+                ring_async[key[4]] += seconds
+                continue
             slot = {"p2p": "p2p", "blocking": "blocking", "overlap": "overlap"}.get(mechanism)
             if slot is None:  # fsdp
                 slot = "fsdp_gather" if op == "all_gather" else "fsdp_reduce"
             t[slot] += seconds
+        elif kind == "cover":  # the GPU time of the kernels an async collective ran beside
+            w = price(Counter({key[2:]: amount}), profile, pinned)
+            cover[key[1]] += w.compute + w.overhead
         elif kind == "copy":
             _, mechanism, direction = key
             t[f"copy_{mechanism}"] += amount / profile.host_copy(direction, pinned)
         else:
             raise ValueError(f"unknown work key {key!r}")
+    t["ring_async"] = sum(ring_async.values())
+    t["ring_async_exposed"] = sum(max(0.0, s - cover[n]) for n, s in ring_async.items())
     return WindowTime(**t)
 
 
@@ -134,10 +153,10 @@ def _stream_time(w: WindowTime, overlap: bool) -> tuple[float, float, float, flo
     window takes at least the host's time (its ops x ``host_op_s``); what that adds beyond the
     GPU's own time is the GPU waiting on the host."""
     if not overlap:
-        comm = w.blocking + w.p2p + w.overlap
+        comm = w.blocking + w.p2p + w.overlap + w.ring_async
         copies = w.copy_sync + w.copy_side
     else:
-        comm = w.blocking + max(0.0, w.p2p + w.overlap - w.attention)
+        comm = w.blocking + max(0.0, w.p2p + w.overlap - w.attention) + w.ring_async_exposed
         copies = w.copy_sync + max(0.0, w.copy_side - (w.compute + w.overhead))
     gpu = w.compute + w.overhead + comm + copies
     waits = max(0.0, w.host - gpu)
@@ -167,7 +186,8 @@ def step_time(windows: list[tuple[Window, WindowTime]], profile: Profile) -> Ste
     detail: Counter = Counter()
     for _, w in windows:
         for name in WindowTime.__dataclass_fields__:
-            detail[name] += getattr(w, name)
+            if name != "ring_async_exposed":  # the detail is before overlap
+                detail[name] += getattr(w, name)
     compute = sum(w.compute for _, w in windows)
     detail["host_wait"] = sum(s[3] for s in streams)
     overhead = sum(w.overhead for _, w in windows) + detail["host_wait"]

@@ -28,6 +28,15 @@ from experiments.emulation.op_costs import Window
 SIZED = {"matmul": 2, "attention": 5}  # key kind -> index of its size
 
 
+def size_index(key: tuple) -> int | None:
+    """The index of a work key's size (``SIZED``), None for a key without one; a ``cover`` key
+    (``op_costs``) carries its kernel's key after ``("cover", n)``."""
+    if key[0] == "cover":
+        inner = size_index(key[2:])
+        return None if inner is None else inner + 2
+    return SIZED.get(key[0])
+
+
 def _role(block: int | None, n_layers: int) -> str | None:
     if block is None:
         return None
@@ -56,7 +65,7 @@ def _by_role(work: list[tuple[Window, Counter]], n_layers: int) -> dict:
 def _predict_window(samples: list[Counter], seq_lens, seq_len: int,
                     approximate: list[str], label: str) -> Counter:
     out: Counter = Counter()
-    plain = {k for c in samples for k in c if k[0] not in SIZED}
+    plain = {k for c in samples for k in c if size_index(k) is None}
     for k in plain:
         v = quadratic_at(seq_lens, [c.get(k, 0) for c in samples], seq_len)
         if v > 0:
@@ -65,11 +74,11 @@ def _predict_window(samples: list[Counter], seq_lens, seq_len: int,
         lambda: [defaultdict(float) for _ in samples])
     for i, c in enumerate(samples):
         for k, v in c.items():
-            if k[0] in SIZED:
-                at = SIZED[k[0]]
+            at = size_index(k)
+            if at is not None:
                 families[k[:at] + k[at + 1:]][i][k[at]] += v
     for fam, per_sample in families.items():
-        at = SIZED[fam[0]]
+        at = size_index(fam)  # a family is its keys less the size: its kinds stand where they did
         for size, ys in _matched(per_sample, seq_lens, seq_len, approximate, f"{label} {fam}"):
             v = quadratic_at(seq_lens, ys, seq_len)
             if v > 0:

@@ -69,15 +69,23 @@ FINDINGS: tuple[Finding, ...] = (
         "modelled since issue 32: stack `torchtitan`, rotation `allgather` "
         "(baselines/torch_cp.py)"),
     Finding(
-        "torch-cp speed (T4 about 2x the paper at 128K-256K)",
-        "Not explained by the kernel (both SDPA's flash backend). Our time model hides the "
-        "torch ring's K/V all-gather behind the layer's attention, where only the first ring "
-        "step's attention can hide it (estimated: about 2 s per step at our inter-node "
-        "rates); the rest of the gap would need about 25 GB/s per rank across nodes "
-        "(estimated), which the paper does not say its fabric gives.",
+        "torch-cp speed (T4: 2.7x the paper at 128K, falling to 1.3x at 512K)",
+        "Not the kernel (both SDPA's flash backend), nor the K/V's heads (TorchTitan expands "
+        "K/V to the query heads before torch's ring, `repeat_kv`, and so do ours). torch's "
+        "all-gather rotation gathers every rank's K/V once per layer and waits for them at the "
+        "ring's second step, so only the first step's attention hides the gather; our time "
+        "model hid it behind the whole layer's attention, and now prices each of torch's "
+        "exchanges beside the kernels issued before its wait. What remains: the paper's "
+        "tokens/s per GPU fall only from 127 to 91 from 128K to 512K while the attention "
+        "FLOPs per token quadruple, so its step holds a large cost that grows about linearly "
+        "with the length, which ours lacks; nothing in the code we read explains it, and the "
+        "paper gives no trace or fabric figures for its two-node runs.",
         "torch/distributed/tensor/experimental/_context_parallel/_attention.py "
-        "(_AllGatherRotater); experiments/emulation/op_costs.py (p2p beside the attention)",
-        "not modelled: the all-gather's exposure is the next step; the fabric is unknowable"),
+        "(_AllGatherRotater, next_buffer); torchtitan/torchtitan/models/llama3/model.py "
+        "(repeat_kv for torch CP); experiments/emulation/op_costs.py (StepWork._settle); "
+        "experiments/emulation/time_model.py (ring_async_exposed)",
+        "partly modelled since issue 32: the all-gather's exposure; the linear cost is "
+        "unknowable from the paper"),
     Finding(
         "Ulysses fits at 4M (paper OOM); the 3M wall's attention (33.0 GiB in the figure)",
         "The paper's 'Ulysses' is yunchang's USP at 8 x 1, not a plain Ulysses: yunchang "

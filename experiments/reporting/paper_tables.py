@@ -132,6 +132,23 @@ PAPER_MAX_CONTEXT: list[dict] = [
     for method, mesh, _, _ in TABLES[table][3]
 ]
 
+def paper_row(model: str, gpus: int, method: str, mesh: str) -> dict | None:
+    """The row of the paper's Table 3 or 4 that runs `method` on `mesh` ("<Ulysses>x<ring>")
+    for `model` on `gpus` GPUs: {"table": "table3" | "table4", "name": "Table 3", "max_context":
+    tokens (``PAPER_MAX_CONTEXT``), "tokens_per_s_per_gpu": {seq_len: value} of its ok cells};
+    None where the tables have no such row."""
+    key = (model, gpus, method, mesh)
+    for top in PAPER_MAX_CONTEXT:
+        if (top["model"], top["gpus"], top["method"], top["mesh"]) == key:
+            table = top["table"]
+            return {"table": table, "name": TABLES[table][2], "max_context": top["max_context"],
+                    "tokens_per_s_per_gpu": {
+                        c["seq_len"]: c["tokens_per_s_per_gpu"] for c in PAPER_THROUGHPUT
+                        if (c["table"], c["method"], c["mesh"], c["status"])
+                        == (table, method, mesh, "ok")}}
+    return None
+
+
 # Numbers stated in the v1 abstract, read directly.
 PAPER_CLAIMS: list[dict] = [
     {"claim": "max_context_tokens", "model": "llama3-8b", "gpus": 8, "method": "upipe",
@@ -226,6 +243,29 @@ PAPER_TWO_NODE: list[dict] = [
                            (6 * _M, "ok", 62.0, 55.2, 1.00),
                            (8 * _M, "oom", None, 69.5, None))
 ]
+
+def paper_peaks(model: str, gpus: int, method: str, mesh: str, stack: str) -> list[dict]:
+    """The peaks per GPU the paper gives for `method` on `mesh` ("<Ulysses>x<ring>") with
+    `model` on `gpus` GPUs: [{"seq_len", "gib", "figure"}]: the memory-wall figure's rungs that
+    train (model states + attention + other at 3M; Table 3's model and GPUs, matched on the
+    stack too), a single cell's quoted peak (``PAPER_OUTCOMES``), and the two-node figure's
+    (approximate: read off its chart)."""
+    out = []
+    wall_model, wall_gpus = TABLES["table3"][:2]
+    for r in PAPER_LADDER_3M:
+        if r["status"] == "ok" and (model, gpus, method, mesh, stack) == (
+                wall_model, wall_gpus, r["method"], f"{r['nproc']}x1", r["stack"]):
+            out.append({"seq_len": SEQ_LEN_TOKENS["3M"], "figure": "memory-wall figure",
+                        "gib": r["model_gib"] + r["attention_gib"] + r["other_gib"]})
+    out += [{"seq_len": c["seq_len"], "gib": c["peak_memory_gib"], "figure": TABLES[c["table"]][2]}
+            for c in PAPER_OUTCOMES if c["peak_memory_gib"] is not None
+            and (c["model"], c["gpus"], c["method"], c["mesh"]) == (model, gpus, method, mesh)]
+    out += [{"seq_len": r["seq_len"], "gib": r[f"{method}_peak_gib"],
+             "figure": "two-node figure, approx."} for r in PAPER_TWO_NODE
+            if method in ("usp", "upipe") and r[f"{method}_status"] == "ok"
+            and (r["model"], r["gpus"], r["mesh"]) == (model, gpus, mesh)]
+    return out
+
 
 # The authors' benchmark scripts (paths in REPO) behind each row of the tables. The FPDT 8B
 # sweep lists no 3M run, yet Table 3 has FPDT at 3M; the FPDT 32B sweep runs to 5M where the

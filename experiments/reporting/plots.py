@@ -23,12 +23,16 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MultipleLocator, NullLocator
 
 from experiments.config.sizes import GiB, MiB
+from experiments.config.stack import paper_stack
 from experiments.config.status import Status
-from experiments.reporting.paper_tables import PAPER_LADDER_3M
+from experiments.reporting.paper_tables import PAPER_LADDER_3M, paper_peaks, paper_row
+from experiments.reporting.reproduction import PAPER_KERNEL, VERSUS, mesh, overlapped
 from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
 
 STACK_ORDER = ("none", "ac", "offload", "alst", "native")
 DPI = 120
+TICK_GAP = 0.05  # the least distance between two length ticks, as a share of the log2 axis
+PAPER_MARK = {"marker": "D", "s": 55, "linewidths": 2, "facecolors": "none", "zorder": 4}
 SETTINGS = ("model", "nproc", "stack")  # a label names one of these only when it varies
 
 
@@ -58,22 +62,24 @@ METHOD_NAMES = {"fpdt": "fpdt (upipe's, ALST stack)", "ds-fpdt": "ds-fpdt (DeepS
 def variant_label(method: str, heads_per_stage: float | None = None,
                   ring_degree: float | None = None, chunk_size: float | None = None,
                   nproc: float | None = None, doc_len: float | None = None,
-                  overlap: bool | None = None) -> str:
+                  overlap: bool | None = None, *, names: bool = True,
+                  chunk: bool = True) -> str:
     """A method and the options that make it a distinct variant (NaN/None: not set).
 
     ('upipe', 8.0) -> 'upipe U=8'; ('ulysses', nan) -> 'ulysses'; hybrids as Ulysses x ring
     degrees, the paper's notation: ('usp', nan, 2, nan, 16) -> 'usp 8x2'; FPDT's chunk in
     tokens: ('fpdt', nan, 1, 1024) -> 'fpdt c=1K'; packed documents by their length:
     ('upipe', nan, 1, nan, 4, 2048) -> 'upipe doc=2K'; UPipe's blocking schedule:
-    ('upipe', nan, 1, nan, 8, nan, False) -> 'upipe no-overlap'.
+    ('upipe', nan, 1, nan, 8, nan, False) -> 'upipe no-overlap'. Without ``names`` (METHOD_NAMES'
+    descriptions) and ``chunk``, a short name for an axis: 'fpdt'.
     """
-    parts = [METHOD_NAMES.get(str(method), str(method))]
+    parts = [METHOD_NAMES.get(str(method), str(method)) if names else str(method)]
     if _given(ring_degree) and ring_degree > 1:
         ring = int(ring_degree)
         parts.append(f"{int(nproc) // ring}x{ring}" if _given(nproc) else f"ring={ring}")
     if _given(heads_per_stage):
         parts.append(f"U={int(heads_per_stage)}")
-    if _given(chunk_size):
+    if _given(chunk_size) and chunk:
         parts.append(f"c={format_tokens(chunk_size)}")
     if _given(doc_len):
         parts.append(f"doc={format_tokens(doc_len)}")
@@ -146,12 +152,17 @@ def _read(path: Path, columns: list[str]) -> pd.DataFrame:
 
 def _labelled(df: pd.DataFrame, vary: Sequence[str] = SETTINGS
               ) -> tuple[pd.DataFrame, list[str]]:
-    """`df` with a `label` column (the variant, plus each `vary` column that takes several
-    values), sorted Ulysses first, then by method and U; returns it and the label order.
+    """`df` with a `detail` column (the variant, plus each `vary` column that takes several
+    values) and a `label` column, a short name for an axis: the variant without METHOD_NAMES'
+    descriptions and the chunk, with the chunk where that names two variants, the detail where
+    that still does; sorted Ulysses first, then by method and U; returns it and the label order.
 
     A `vary` column that is one value per variant (torch-cp on the ``native`` stack, the rest on
     ``alst``) is named only on the variants that differ from the most common value."""
     cols = [_column(df, c) for c in (*VARIANT, *VARIANT_LAST)]
+    shorter = [pd.Series([variant_label(*v, names=False, chunk=chunk)
+                          for v in zip(*cols, strict=True)], index=df.index)
+               for chunk in (False, True)]
     df = df.assign(label=[variant_label(*v) for v in zip(*cols, strict=True)])
     variant = df["label"].copy()
     for col in vary:
@@ -161,6 +172,11 @@ def _labelled(df: pd.DataFrame, vary: Sequence[str] = SETTINGS
         if (df.groupby(variant)[col].nunique(dropna=False) == 1).all():
             marked = df[col] != df[col].mode().iloc[0]
         df.loc[marked, "label"] += [f", {col} {_plain(col, v)}" for v in df.loc[marked, col]]
+    short = shorter[0]
+    for longer in (shorter[1], df["label"]):  # where a short label names several variants
+        shared = df.groupby(short)["label"].transform("nunique") > 1
+        short = short.where(~shared, longer)
+    df = df.assign(detail=df["label"], label=short)
     keys = df.assign(_first=df["method"] != "ulysses", _u=df["heads_per_stage"].fillna(-1),
                      _r=df["ring_degree"].fillna(1), _c=df["chunk_size"].fillna(-1),
                      _d=_column(df, "doc_len").fillna(-1),
@@ -168,6 +184,12 @@ def _labelled(df: pd.DataFrame, vary: Sequence[str] = SETTINGS
     df = df.loc[keys.sort_values(["_first", "method", "_u", "_r", "_c", "_d", *vary],
                                  kind="stable").index]
     return df.reset_index(drop=True), list(dict.fromkeys(df["label"]))
+
+
+def _details(df: pd.DataFrame, labels: list[str]) -> list[str]:
+    """The detail (``_labelled``) of each label, for a legend."""
+    detail = df.drop_duplicates("label").set_index("label")["detail"]
+    return [detail[lb] for lb in labels]
 
 
 def _stack_rank(stack: str) -> int:
@@ -208,7 +230,7 @@ def _vs_ulysses(df: pd.DataFrame, value: str, keys: list[str]) -> np.ndarray:
 
 
 @contextmanager
-def figure(path: Path, ncols: int = 1, width: float = 7.5, height: float = 4.8):
+def figure(path: Path, ncols: int = 1, width: float = 9.5, height: float = 4.8):
     """Axes in a row on a whitegrid figure, saved to `path` on exit.
 
     A bare ``Figure`` (matplotlib's object API, not pyplot): saving needs no backend and no
@@ -223,16 +245,71 @@ def figure(path: Path, ncols: int = 1, width: float = 7.5, height: float = 4.8):
         fig.savefig(path, dpi=DPI, bbox_inches="tight")  # keeps outside legends
 
 
+def _legend(ax, df: pd.DataFrame, **kw) -> None:
+    """The legend outside the axes, right of them, each variant named by its detail."""
+    detail = dict(zip(df["label"], df["detail"], strict=True))
+    handles, names = ax.get_legend_handles_labels()
+    ax.legend(handles, [detail.get(n, n) for n in names], fontsize=8, loc="upper left",
+              bbox_to_anchor=(1.01, 1), **kw)
+
+
+def _length_ticks(df: pd.DataFrame) -> list[int]:
+    """The sweep's lengths (its timed cells', not a max-context search's probes, when it has
+    timed cells), thinned left to right to ticks at least TICK_GAP of the log2 axis apart."""
+    timed = df[_column(df, "iters") != 0]
+    lengths = sorted({int(s) for s in (timed if len(timed) else df)["seq_len"]})
+    span = np.log2(df["seq_len"].max() / df["seq_len"].min()) or 1.0
+    ticks = lengths[:1]
+    for n in lengths[1:]:
+        if np.log2(n / ticks[-1]) >= TICK_GAP * span:
+            ticks.append(n)
+    return ticks
+
+
 def _finish_lines(ax, df: pd.DataFrame, ylabel: str, title: str) -> None:
-    """log2 length axis with a tick at every measured length (2K, 4K, 1M), y from 0, and the
-    legend outside the axes, clear of the lines."""
-    ticks = sorted({int(s) for s in df["seq_len"]})
+    """log2 length axis with a tick at each length of the sweep (2K, 4K, 1M; ``_length_ticks``),
+    y from 0, and the legend outside the axes, clear of the lines."""
+    ticks = _length_ticks(df)
     ax.set_xscale("log", base=2)
     ax.set_xticks(ticks, [format_tokens(t) for t in ticks])
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set(xlabel="sequence length (global tokens, log2 scale)", ylabel=ylabel, ylim=(0, None),
            title=f"{_titled(title, df)} · {_context(df)}")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    _legend(ax, df)
+
+
+def _paper(df: pd.DataFrame) -> dict[str, dict]:
+    """label -> the row of the paper's Table 3 or 4 that the variant runs (``paper_tables.
+    paper_row``): its model on as many GPUs, its method on the table's mesh (``_paper_runs``).
+    Variants of other sweeps (another model, CPU scale) have none."""
+    out = {label: paper_row(*run[:4]) for label, run in _paper_runs(df).items()}
+    return {label: row for label, row in out.items() if row}
+
+
+def _paper_runs(df: pd.DataFrame) -> dict[str, tuple[str, int, str, str, str]]:
+    """label -> (model, GPUs, method, mesh, stack) of each variant that runs as the paper's
+    runs do: the paper's kernel (or none named) and stack for the method (``paper_stack``),
+    blocking stages of the Ulysses degree's heads (UPipe's default U), no packed documents."""
+    out = {}
+    for label, g in df.groupby("label", sort=False):
+        r = g.iloc[0]
+        kernel = _column(g, "kernel").iloc[0]
+        if (overlapped(_column(g, "overlap").iloc[0]) or _given(_column(g, "doc_len").iloc[0])
+                or (_given(kernel) and kernel != PAPER_KERNEL) or not _given(r["nproc"])
+                or str(r["stack"]) != paper_stack(str(r["method"]))):
+            continue
+        ring = int(r["ring_degree"]) if _given(r["ring_degree"]) else 1
+        u = _column(g, "heads_per_stage").iloc[0]
+        if _given(u) and int(u) != int(r["nproc"]) // ring:
+            continue
+        out[label] = (str(r["model"]), int(r["nproc"]), str(r["method"]),
+                      mesh(str(r["method"]), int(r["nproc"]), ring), str(r["stack"]))
+    return out
+
+
+def _paper_name(paper: dict[str, dict]) -> str:
+    """'paper (Table 3)': the legend entry of the paper's values."""
+    return f"paper ({', '.join(sorted({p['name'] for p in paper.values()}))})"
 
 
 def _memory_line(ax, df: pd.DataFrame, scale: int, unit: str) -> None:
@@ -270,15 +347,24 @@ def plot_max_context(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bo
     if maxctx.empty:
         return False
     df, labels = _labelled(maxctx, (*SETTINGS, "budget_mib"))
-    df = df.drop_duplicates("label", keep="last").set_index("label").loc[labels]
+    df = df.drop_duplicates("label", keep="last")
+    paper = _paper(df)
+    df = df.set_index("label").loc[labels]
     fits, fails = df["max_seq_len"].fillna(0), df["first_failing_seq_len"]
     gap = (fails - fits).fillna(0)
+    marks = pd.Series([paper[lb]["max_context"] if lb in paper else np.nan for lb in labels])
     pal, x = _palette(labels), np.arange(len(labels))
-    with figure(path, width=max(6.0, 1.4 * len(labels) + 2.5)) as (fig, (ax,)):
+    with figure(path, width=max(6.0, 1.1 * len(labels) + 4.5)) as (fig, (ax,)):
         ax.bar(x, fits, color=[pal[lb] for lb in labels], width=0.6)
+        for lb, detail in zip(labels, df["detail"], strict=True):  # what a short label leaves out
+            if detail != lb:
+                ax.bar(0, 0, color=pal[lb], label=detail)
         has = fails.notna().to_numpy()  # no whisker where the search limit passed
         ax.errorbar(x[has], fits[has], yerr=[np.zeros(has.sum()), gap[has]], fmt="none",
                     color="0.2", capsize=5, label="up to the first failing length")
+        if paper:
+            ax.scatter(x, marks, edgecolors="black", label=f"{_paper_name(paper)}: the longest "
+                       "length it trains", **PAPER_MARK)
         for i, (fit, fail, status) in enumerate(zip(fits, fails, df["status"], strict=True)):
             text = format_tokens(fit) if fit else (
                 "nothing fits" if status in Status.RESULTS else str(status))
@@ -286,9 +372,11 @@ def plot_max_context(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bo
                 text += f"\n(max < {format_tokens(fail)})"
             elif fit:  # passed at the search's upper limit: the true max may be longer
                 text += "\n(search limit)"
-            ax.annotate(text, (i, fit + gap.iloc[i]), ha="center", va="bottom", fontsize=9,
-                        xytext=(0, 6), textcoords="offset points")
-        top = 1.25 * max((fits + gap).max(), 1)
+            if pd.notna(marks[i]):
+                text += f"\npaper {format_tokens(marks[i])}"
+            ax.annotate(text, (i, np.nanmax([fit + gap.iloc[i], marks[i]])), ha="center",
+                        va="bottom", fontsize=9, xytext=(0, 6), textcoords="offset points")
+        top = 1.3 * max((fits + gap).max(), marks.max() if paper else 0, 1)
         ax.set(xticks=x, xticklabels=labels, ylim=(0, top),
                ylabel=_titled("longest trainable context (global tokens)", df))
         _token_axis(ax.yaxis, top)
@@ -296,8 +384,8 @@ def plot_max_context(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bo
         where = [f"budget {_plain('', budget[0])} MiB/rank"] if len(budget) == 1 else []
         ax.set_title(" · ".join(t for t in [_titled("Max context", df),
                                             _context(df.reset_index()), *where] if t))
-        if gap.any():
-            ax.legend(loc="upper left")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     return True
 
 
@@ -317,9 +405,20 @@ def plot_memory_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
         sns.lineplot(df[df["status"] == Status.OK], x="seq_len", y="mem", hue="label", palette=pal,
                      hue_order=labels, marker="o", estimator="median", errorbar=None, ax=ax)
         oom = df[df["status"] == Status.OOM]
-        if len(oom):
+        if len(oom):  # the legend's cross in grey: each in its variant's colour
             ax.scatter(oom["seq_len"], oom["mem"], marker="x", s=80, linewidths=2, zorder=3,
-                       color=[pal[lb] for lb in oom["label"]], label="OOM (peak reached)")
+                       color=[pal[lb] for lb in oom["label"]])
+            ax.scatter([], [], marker="x", s=80, linewidths=2, color="0.3",
+                       label="OOM (peak reached)")
+        figures = set()
+        for label, run in _paper_runs(df).items():
+            peaks = [p for p in paper_peaks(*run) if p["seq_len"] in set(df["seq_len"])]
+            ax.scatter([p["seq_len"] for p in peaks], [p["gib"] * GiB / scale for p in peaks],
+                       edgecolors=pal[label], **PAPER_MARK)
+            figures |= {p["figure"] for p in peaks}
+        if figures:
+            ax.scatter([], [], edgecolors="black", label=f"paper ({'; '.join(sorted(figures))})"
+                       ": its peak per GPU", **PAPER_MARK)
         _memory_line(ax, df, scale, unit)
         _finish_lines(ax, df, _titled(f"peak device memory per rank ({unit})", df),
                       "Peak memory")
@@ -356,6 +455,14 @@ def plot_throughput_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path)
                    (g["hi"] - g["tps"]).clip(lower=0).fillna(0)]
             ax.errorbar(g.index, g["tps"], yerr=err, marker="o", capsize=3, color=pal[label],
                         label=label)
+        paper = _paper(df)
+        lengths = set(df["seq_len"])
+        for label, row in paper.items():  # at the sweep's lengths
+            cells = {n: v for n, v in row["tokens_per_s_per_gpu"].items() if n in lengths}
+            ax.scatter(list(cells), list(cells.values()), edgecolors=pal[label], **PAPER_MARK)
+        if paper:  # one legend entry for the marks, in black: each in its variant's colour
+            ax.scatter([], [], edgecolors="black", **PAPER_MARK,
+                       label=f"{_paper_name(paper)}: its tokens/s per GPU")
         _finish_lines(ax, df, "tokens/s per GPU (whiskers: p20-p80 step)", "Throughput")
     return True
 
@@ -377,15 +484,39 @@ def plot_throughput_vs_ulysses(rows: pd.DataFrame, maxctx: pd.DataFrame, path: P
         sns.barplot(df, x="length", y="ratio", hue="label", hue_order=labels,
                     order=[format_tokens(n) for n in lengths], palette=_palette(labels),
                     estimator="median", errorbar=None, ax=ax)
-        for bars in ax.containers:
-            ax.bar_label(bars, fmt="%.2f", fontsize=8, padding=2,  # readable over the 1.0 line
-                         bbox={"fc": "white", "ec": "none", "pad": 0.3, "alpha": 0.8})
+        for bars in ax.containers:  # upright side by side, opaque over the 1.0 and paper lines
+            ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2, rotation=90,
+                         bbox={"fc": "white", "ec": "none", "pad": 0.3})
+        _paper_ratios(ax, df, labels, lengths)
         ax.axhline(1.0, ls="--", lw=1.3, color="0.25", label="Ulysses = 1.0")
-        ax.set(xlabel="sequence length (global tokens)", ylim=(0, 1.2 * max(df["ratio"].max(), 1)),
+        ax.set(xlabel="sequence length (global tokens)", ylim=(0, 1.3 * max(df["ratio"].max(), 1)),
                ylabel="tokens/s per GPU relative to Ulysses",
                title=f"{_titled('Throughput vs Ulysses', df)} · {_context(df)}")
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+        _legend(ax, df)
     return True
+
+
+def _paper_ratios(ax, df: pd.DataFrame, labels: list[str], lengths: list[int]) -> None:
+    """Across each bar of a variant the paper runs (``_paper``), a black line at the paper's
+    tokens/s over the paper's Ulysses' (its row in ``reproduction.VERSUS``) at that length."""
+    paper, first = _paper(df), True
+    for bars, label in zip(ax.containers, labels, strict=True):
+        if label not in paper:
+            continue
+        r = df[df["label"] == label].iloc[0]
+        ulysses = VERSUS[paper[label]["table"]][0]
+        if (r["method"], mesh(r["method"], int(r["nproc"]), int(r["ring_degree"]))) == ulysses:
+            continue  # the reference itself: 1.0
+        ref = paper_row(r["model"], int(r["nproc"]), *ulysses)["tokens_per_s_per_gpu"]
+        ours = paper[label]["tokens_per_s_per_gpu"]
+        for bar in bars:
+            n = lengths[round(bar.get_x() + bar.get_width() / 2)]
+            if n in ours and n in ref:
+                ax.hlines(ours[n] / ref[n], bar.get_x(), bar.get_x() + bar.get_width(),
+                          color="black", lw=2.2, zorder=2.5, label=(
+                              f"{_paper_name(paper)}: its tokens/s over its Ulysses' "
+                              f"({' '.join(ulysses)})" if first else None))
+                first = False
 
 
 def _ladder_panel(ax, df: pd.DataFrame, stacks: list[str], scale: int) -> None:

@@ -38,7 +38,7 @@ done
 
 # Ranks share the CPU cores: one OpenMP thread each unless the caller chose otherwise.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# ALST's allocator setting (DESIGN.md §6); ignored without CUDA.
+# ALST's allocator setting (docs/design.md#the-memory-stack); ignored without CUDA.
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 
 venv="$("$root/scripts/bootstrap.sh")"
@@ -74,8 +74,9 @@ for scale in cpu paper emulated; do  # one CLI call per scale: --nproc is for th
     python -m experiments.cli sweep "${group[@]}" "${args[@]}" "${extra[@]}" "$@"
 done
 [[ "$DRY_RUN" == 1 ]] && exit 0
-# The time model against the CPU step times just measured (README "Emulated time and the
-# planner"): predictions on the directory's calibrated profile (calibrated first if missing).
+# The time model against the CPU step times just measured
+# (docs/emulation.md#emulated-time-and-the-planner): predictions on the directory's calibrated
+# profile (calibrated first if missing).
 if [[ " ${sweeps[*]} " == *" time_validation_cpu "* ]]; then
     python -m experiments.cli validate-time --out "$OUT" --no-progress
 fi
@@ -86,6 +87,8 @@ if [[ " ${sweeps[*]} " == *" table3_llama3_8b_h100x8-emulated "* || \
 fi
 # The provenance index in $OUT/README.md, rewritten from the tables just written.
 python -m experiments.reporting.results_index --results "$OUT"
+# The README's headline table, rewritten from the same tables (when they are the committed ones).
+if [[ "$OUT" == results ]]; then python -m experiments.reporting.readme_headline; fi
 
 echo "run_all.sh: done in $((SECONDS - start)) s. Tables and plots:"
 for s in "${sweeps[@]}"; do

@@ -1,4 +1,5 @@
-"""Baseline CP attention methods, each behind upipe's common interface (DESIGN.md §4).
+"""Baseline CP attention methods, each behind upipe's common interface
+(docs/design.md#one-interface-for-every-method).
 
 Importing this package registers every baseline with ``upipe.registry`` (they are also found
 through the ``upipe.methods`` entry points without importing it).

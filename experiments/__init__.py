@@ -1,4 +1,5 @@
-"""The benchmark harness (``upipe-bench``), in packages with one purpose each (DESIGN.md §3):
+"""The benchmark harness (``upipe-bench``), in packages with one purpose each
+(docs/design.md#layout-and-dependency-direction):
 
     config        every configuration type: Cell, presets, stacks, Hardware, SearchSpec, Sweep,
                   Status, limits, sizes

@@ -21,11 +21,11 @@
 every command.
 
 ``emulate`` and ``max-context --emulate`` run the paper-scale emulator (``experiments.emulation``,
-DESIGN.md §8): one process plays one rank of a ``--world``-rank job on fake tensors and reports
-the peak device and host bytes against the emulated hardware's budgets (``--gpu-mem`` minus
+docs/design.md#emulation): one process plays one rank of a ``--world``-rank job on fake tensors and
+reports the peak device and host bytes against the emulated hardware's budgets (``--gpu-mem`` minus
 ``--reserve``; ``--host-mem`` over the node's ranks), the breakdown, FLOPs and communication
 per step, and the step's emulated time, tokens/s per GPU and MFU on a hardware profile
-(``--hardware``, DESIGN.md §9). No GPU is needed.
+(``--hardware``, docs/design.md#the-time-model). No GPU is needed.
 
 Output: stdout carries only the command's result (``--json``: one JSON object); everything
 else, from this process, its ranks and the libraries they load (DeepSpeed's notices), goes to

@@ -1,4 +1,5 @@
-"""Provenance stored with every result (DESIGN.md §7, STYLE.md §14)."""
+"""Provenance stored with every result (docs/design.md#measurement,
+docs/conventions.md#provenance-travels-with-results)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The result files on disk: written atomically, validated when read (DESIGN.md §7).
+"""The result files on disk: written atomically, validated when read (docs/design.md#measurement).
 
 A sweep keeps one ``row.json`` per run and one JSON summary per max-context search; every
 table is rebuilt from them. So a file that is truncated (a killed writer on a filesystem that

@@ -103,10 +103,10 @@ def compare_unpacked_with_packed_reference(case: Case) -> dict[str, float]:
 def compare_with_reference(case: Case, pass_docs: bool = True) -> dict[str, float]:
     """Run ``case`` on this rank; return {quantity: max abs error, ``ref_*``: reference error}.
 
-    Recipe (STYLE.md item 7): same seed everywhere, full inputs and output gradient on every
-    rank, an fp64 single-device ground truth, the reference in the case's dtype (its own
-    rounding error sets the tolerance), the method on its own shard via its layout helper, and
-    the weight gradients summed over ranks (CP ranks each see only their tokens).
+    Recipe (docs/conventions.md#the-reference-comparison-recipe): same seed everywhere, full inputs
+    and output gradient on every rank, an fp64 single-device ground truth, the reference in the
+    case's dtype (its own rounding error sets the tolerance), the method on its own shard via its
+    layout helper, and the weight gradients summed over ranks (CP ranks each see only their tokens).
     """
     torch.manual_seed(1234)
     dtype = DTYPES[case.dtype]

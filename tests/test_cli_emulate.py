@@ -49,8 +49,8 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_paper_stack():
-    """DESIGN.md §6: torch-cp on its TorchTitan fork's stack, ds-fpdt on Megatron-DeepSpeed's,
-    every other method on ALST."""
+    """docs/design.md#the-comparison: torch-cp on its TorchTitan fork's stack, ds-fpdt on
+    Megatron-DeepSpeed's, every other method on ALST."""
     assert (paper_stack("torch-cp"), paper_stack("ds-fpdt")) == ("torchtitan", "megatron-ds")
     assert {paper_stack(m) for m in ("upipe", "ulysses", "usp", "fpdt", "zigzag-ring")} == {
         "alst"}

@@ -1,5 +1,5 @@
 """The sequence <-> head all-to-all: exact layout and bit-exact round trips on 2 and 4 ranks;
-and the byte accounting of ``CollectiveCounter`` (experiments/comm_counter.py)."""
+and the byte accounting of ``CollectiveCounter`` (experiments/instruments/collectives.py)."""
 
 from __future__ import annotations
 

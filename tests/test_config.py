@@ -188,8 +188,8 @@ def test_every_declared_sweep_expands_to_valid_cells():
 
 
 def test_paper_tables_compare_the_papers_methods():
-    """DESIGN.md §6: every method of the comparison, each on its stack, searched for its max
-    context; Table 4 adds the two-node hybrids (8 x 2)."""
+    """docs/design.md#the-comparison: every method of the comparison, each on its stack, searched
+    for its max context; Table 4 adds the two-node hybrids (8 x 2)."""
     def variants(name):
         return {(c.method, c.stack, c.ring_degree, c.chunk_size) for c in get_sweep(name).cells()}
 

@@ -1,4 +1,5 @@
-"""Every CP method against the single-device reference (STYLE.md item 7), on 1, 2 and 4 ranks.
+"""Every CP method against the single-device reference
+(docs/conventions.md#the-reference-comparison-recipe), on 1, 2 and 4 ranks.
 
 The hybrids (usp, upipe on a mesh) run on (ring x ulysses) meshes; FPDT's matrix (chunk sizes)
 is in test_fpdt.py with the same recipe and tolerance. DeepSpeed's FPDT (``ds-fpdt``) runs here

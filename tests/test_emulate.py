@@ -1,5 +1,5 @@
-"""The emulator (DESIGN.md §8): exact against real runs, its fit exact against itself, and the
-kernel memory models against the allocations they cite.
+"""The emulator (docs/design.md#emulation): exact against real runs, its fit exact against itself,
+and the kernel memory models against the allocations they cite.
 
 1. A cell emulated with ``Hardware(device="cpu")`` (no kernel models, no allocator rounding)
    allocates exactly what a real 4-rank gloo run of the same cell allocates, as the tracker

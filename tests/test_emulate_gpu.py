@@ -1,4 +1,5 @@
-"""Emulated peak vs the CUDA allocator's (DESIGN.md §8; needs a GPU, skipped without one).
+"""Emulated peak vs the CUDA allocator's (docs/design.md#emulation; needs a GPU, skipped without
+one).
 
 The same cell runs twice in this process on the ``fake`` process group of P ranks: once with
 real CUDA tensors (the collectives are shape-correct no-ops, the memory is real:

@@ -1,4 +1,7 @@
-"""README's "Use UPipe in your model" examples: shown verbatim in the README, and they run.
+"""The "use UPipe in your model" examples: each shown verbatim where the docs show it, and they run.
+
+The short ones are in README.md, the longer ones in docs/using-upipe.md; every script in
+examples/ must appear verbatim in one of README.md and docs/*.md.
 
 Each example runs as the README says, under ``torchrun --nproc-per-node 2`` with gloo on CPU
 (``python -m torch.distributed.run`` is torchrun), through a wrapper that also checks the
@@ -74,10 +77,14 @@ def test_there_are_examples():
     assert {p.name for p in EXAMPLES} >= {"own_module.py", "hf_llama.py", "hf_packed_fsdp.py"}
 
 
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_readme_shows_the_example_verbatim(script):
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    assert script.read_text() in blocks, f"README.md does not show {script.name} verbatim"
+def test_the_docs_show_the_example_verbatim(script):
+    shown = [doc.relative_to(ROOT) for doc in DOCS
+             if script.read_text() in re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)]
+    assert shown, f"neither README.md nor docs/*.md shows examples/{script.name} verbatim"
 
 
 @pytest.mark.slow

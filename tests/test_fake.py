@@ -1,7 +1,7 @@
 """Every method runs under FakeTensorMode with the fake process group at paper scale.
 
-This is the emulation path (DESIGN.md §8): one process plays rank 0 of an 8-rank job with
-Llama3-8B attention shapes and a 1M-token sequence; nothing is computed or allocated, so any
+This is the emulation path (docs/design.md#emulation): one process plays rank 0 of an 8-rank job
+with Llama3-8B attention shapes and a 1M-token sequence; nothing is computed or allocated, so any
 data-dependent Python (``.item()``, shapes from values) would fail here.
 """
 

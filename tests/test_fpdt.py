@@ -215,7 +215,8 @@ def test_all_to_all_count_is_four_per_chunk_each_way(dist_pool, world, h, hkv, s
 
 
 # ---------------------------------------------------------------------------------------------
-# emulation at paper scale (DESIGN.md §8): Llama3-8B attention, 8 ranks, 1M tokens, 64K chunks
+# emulation at paper scale (docs/design.md#emulation): Llama3-8B attention, 8 ranks, 1M tokens, 64K
+# chunks
 
 
 def test_runs_under_fake_tensors_at_paper_scale(dist_pool):
@@ -229,8 +230,8 @@ def test_runs_under_fake_tensors_at_paper_scale(dist_pool):
 
 
 # ---------------------------------------------------------------------------------------------
-# tracked memory (experiments/memory.py) of one layer's forward + backward, batch 1, fp32, on 2
-# ranks; every rank is symmetric, so rank 0's numbers are checked against every rank's
+# tracked memory (experiments/instruments/memory.py) of one layer's forward + backward, batch 1,
+# fp32, on 2 ranks; every rank is symmetric, so rank 0's numbers are checked against every rank's
 
 CP, DIM, H, HKV, D, B4 = 2, 64, 8, 2, 16, 4  # B4: fp32 itemsize (and the fp32 LSE/accumulators)
 HKV_A2A = max(HKV, CP)  # KV heads after replication to the CP degree (none here)
@@ -328,7 +329,7 @@ def _measure_fake(seq_local: int, options: dict) -> dict[str, int]:
 
 def test_emulation_predicts_the_real_run(dist_pool):
     """Fake tensors on the fake process group give the real gloo run's peaks to the byte
-    (DESIGN.md §8), device and host."""
+    (docs/design.md#emulation), device and host."""
     opts = {"chunk_size": 48}  # 128 local tokens -> chunks of 24, 24, 24, 24, 24, 8
     real = dist_pool(CP).run(_measure, "fpdt", 128, opts)
     (fake,) = dist_pool(CP, fake=True).run(_measure_fake, 128, opts)

@@ -1,9 +1,10 @@
 """upipe.integrations.hf: a Hugging Face causal LM made context-parallel equals the original.
 
-Recipe (STYLE.md §7): every rank builds the same random-init tiny model (seeded), keeps an
-unmodified copy, converts the other with ``parallelize``, runs its shard of one full batch
-(``shard_batch``) forward and backward, and returns its loss share and gradients. The sum over
-ranks must equal the unmodified model's mean token loss and gradients on the full sequence.
+Recipe (docs/conventions.md#the-reference-comparison-recipe): every rank builds the same random-init
+tiny model (seeded), keeps an unmodified copy, converts the other with ``parallelize``, runs its
+shard of one full batch (``shard_batch``) forward and backward, and returns its loss share and
+gradients. The sum over ranks must equal the unmodified model's mean token loss and gradients on the
+full sequence.
 
 Tolerance: fp32 throughout; the CP paths differ from the reference only in summation order
 (per-rank partial losses and gradients summed over ranks, LSE-merged ring blocks, per-stage

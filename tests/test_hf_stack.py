@@ -1,11 +1,12 @@
 """``hf.parallelize(..., stack=...)``: the memory stack in a Hugging Face causal LM changes memory,
 not the step.
 
-Recipe (STYLE.md §7, as tests/test_hf.py): every rank builds the same random-init tiny model,
-keeps an unmodified copy, converts the other with ``parallelize(..., stack=...)``, runs its shard
-of one full batch forward and backward; the sum over ranks of the loss and of every gradient
-must equal the unmodified model's on the full sequence. The sequence is long enough for the
-tiled MLP to use several shards (local L > hidden) and the chunked loss several chunks.
+Recipe (docs/conventions.md#the-reference-comparison-recipe, as tests/test_hf.py): every rank builds
+the same random-init tiny model, keeps an unmodified copy, converts the other with
+``parallelize(..., stack=...)``, runs its shard of one full batch forward and backward; the sum over
+ranks of the loss and of every gradient must equal the unmodified model's on the full sequence. The
+sequence is long enough for the tiled MLP to use several shards (local L > hidden) and the chunked
+loss several chunks.
 
 Tolerance: fp32 throughout. Checkpointing and offload replay the same ops on the same values
 (exact); the CP paths, the tiled MLP (weight gradients summed over sequence shards) and the

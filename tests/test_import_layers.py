@@ -1,4 +1,6 @@
-"""Imports point one way (DESIGN.md §3), checked on the source with ``ast``, without importing.
+"""Imports point one way, checked on the source with ``ast``, without importing.
+
+The layering is docs/design.md#layout-and-dependency-direction:
 
 upipe <- baselines <- experiments; inside experiments each package imports only the packages
 below it (``ALLOWED``), reporting reads result files and is imported by the runner and the CLI
@@ -101,7 +103,9 @@ def test_each_part_imports_only_the_parts_below_it():
             elif mod.startswith("experiments") and dst not in ("upipe", "baselines"):
                 if dst not in ALLOWED.get(src, set()):
                     bad.append(f"{mod}:{line} ({src}) -> {target} ({dst})")
-    assert not bad, "imports against the layering of DESIGN.md §3:\n" + "\n".join(bad)
+    assert not bad, (
+        "imports against the layering of docs/design.md#layout-and-dependency-direction:\n"
+        + "\n".join(bad))
 
 
 def test_no_import_cycles():

@@ -3,8 +3,9 @@
 The accounting tests measure ONE attention layer's forward+backward with the tracker and compare
 the peak activation bytes with an analytical list of the tensors alive at the peak moment, read
 off the code (upipe/untied.py, baselines/ulysses.py, upipe/comm.py, upipe/rope.py). Every term is
-a named line; the terms the DESIGN.md §5 formula has are marked "design", the rest are what the
-implementation also holds there (see the comments; some are avoidable and were reported).
+a named line; the terms of the memory formula in docs/design.md#upipe are marked "design", the rest
+are what the implementation also holds there (see the comments; some are avoidable and were
+reported).
 """
 
 from __future__ import annotations
@@ -416,8 +417,8 @@ def measure_fake(method: str, s: Shape) -> dict[str, int]:
 
 
 def test_fake_equals_real_gloo(dist_pool):
-    """Emulation predicts the real CPU run to the byte (DESIGN.md §8), for both methods, UPipe
-    with and without overlapped stages (whose asynchronous all-to-alls gloo runs on its worker
+    """Emulation predicts the real CPU run to the byte (docs/design.md#emulation), for both methods,
+    UPipe with and without overlapped stages (whose asynchronous all-to-alls gloo runs on its worker
     threads while the fake group completes them at once: the bytes are the same), and with its
     chunked backward (2048 tokens per stage in chunks of 300: seven, the last shorter)."""
     for method, s in (("ulysses", Shape()), ("upipe", Shape()), ("upipe", Shape(overlap=True)),

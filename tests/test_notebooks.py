@@ -1,4 +1,5 @@
-"""The analysis notebooks run headless against the committed results/ (STYLE.md §13).
+"""The analysis notebooks run headless against the committed results/
+(docs/conventions.md#notebooks-read-results-only).
 
 Each notebook in notebooks/ must be committed without outputs, open with a markdown cell that
 names the command that produced its data, and execute top to bottom in a fresh kernel started

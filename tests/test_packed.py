@@ -1,11 +1,12 @@
 """Packed sequences (``cu_seqlens``): every method against the reference run document by document.
 
-The recipe and tolerance are the correctness matrix's (tests/test_correctness.py, STYLE.md item
-7): the ground truth runs each document alone (positions from 0) and concatenates, so attention
-crossing a document or RoPE positions not restarting would show as errors far above the
-tolerance. Documents are chosen awkward on purpose: a one-token document, one shorter than a
-shard, one straddling rank shards (and ring blocks, zigzag chunks, FPDT chunks), several ranks
-long; and a single document, which must be today's unpacked path bit for bit.
+The recipe and tolerance are the correctness matrix's (tests/test_correctness.py,
+docs/conventions.md#the-reference-comparison-recipe): the ground truth runs each document alone
+(positions from 0) and concatenates, so attention crossing a document or RoPE positions not
+restarting would show as errors far above the tolerance. Documents are chosen awkward on purpose: a
+one-token document, one shorter than a shard, one straddling rank shards (and ring blocks, zigzag
+chunks, FPDT chunks), several ranks long; and a single document, which must be today's unpacked
+path bit for bit.
 """
 
 from __future__ import annotations

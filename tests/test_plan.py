@@ -1,5 +1,5 @@
-"""``upipe-bench plan`` (DESIGN.md §9): configurations a cluster can run, the stack ladder,
-the ranking, a Hugging Face config.json as the model, and bad input."""
+"""``upipe-bench plan`` (docs/design.md#the-time-model): configurations a cluster can run, the stack
+ladder, the ranking, a Hugging Face config.json as the model, and bad input."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Hardware profiles of the time model (DESIGN.md §9; experiments/emulation/profile.py).
+"""Hardware profiles of the time model (docs/design.md#the-time-model;
+experiments/emulation/profile.py).
 
 The shipped profiles load and validate; the loader refuses a number without a source, a bare
 number, an unknown name and a missing field, naming what is wrong; rate lookups fall back from a

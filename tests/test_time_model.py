@@ -1,5 +1,6 @@
-"""The time model (DESIGN.md §9): each price against a hand-computed value, each overlap rule on
-windows whose answer is known, the work the fake step records, and the emulated rows' columns.
+"""The time model (docs/design.md#the-time-model): each price against a hand-computed value, each
+overlap rule on windows whose answer is known, the work the fake step records, and the emulated
+rows' columns.
 
 Prices use ``tests/data/profile_unit_{cuda,cpu}.json``: round numbers (their sources say so),
 so every expected value below is computed by hand from the numbers in the file.

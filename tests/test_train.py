@@ -130,10 +130,11 @@ def test_memory_is_deterministic_and_budget_gives_oom(dist_pool):
 @pytest.mark.slow
 def test_upipe_attention_working_set_is_smaller(dist_pool):
     """Deterministic: UPipe's attention layers peak lower than Ulysses' (U = C = 2 of 8 heads:
-    4 stages), and nothing else in the step changes. DESIGN.md §5's forward working sets give
-    Ulysses ~L*d*[2(H+2Hkv)+2H] = 320 L floats and a UPipe stage ~5U*d*L + the L*H*d output =
-    144 L; the attention peak is in backward, where UPipe also holds its dx accumulator, the
-    recomputed stage and weight-sized gradient terms (0.80 of Ulysses at L = 1024 here)."""
+    4 stages), and nothing else in the step changes. the forward working sets of
+    docs/design.md#upipe give Ulysses ~L*d*[2(H+2Hkv)+2H] = 320 L floats and a UPipe stage ~5U*d*L +
+    the L*H*d output = 144 L; the attention peak is in backward, where UPipe also holds its dx
+    accumulator, the recomputed stage and weight-sized gradient terms (0.80 of Ulysses at L = 1024
+    here)."""
     cell = dataclasses.replace(MEASURED, seq_len=2048, stack="alst", iters=0)
     uly = dist_pool(2).run(_measure, cell)[0]
     up = dist_pool(2).run(_measure, dataclasses.replace(cell, method="upipe"))[0]

@@ -1,4 +1,5 @@
-"""A small host-memory store for activation chunks (FPDT's offload; DESIGN.md §2, §8).
+"""A small host-memory store for activation chunks (FPDT's offload;
+docs/design.md#three-execution-modes-one-code-path, docs/design.md#emulation).
 
 FPDT (Yao et al., arXiv 2408.16978) keeps every sequence chunk of Q/K/V/output in host memory
 and brings back only the chunk(s) in use (DeepSpeed's ``SequenceChunk`` in

@@ -28,8 +28,8 @@ Kernels (selected by name):
 
 ``kernel_dispatch`` changes the choice for code running inside it: kernels picked as if the
 tensors lived on another device type, and named kernels replaced by other implementations. The
-emulator (``experiments/emulate.py``) uses both: its fake tensors live on the CPU but must take
-the CUDA path (the CUDA aten ops' meta functions give the CUDA output shapes), and a kernel
+emulator (``experiments/emulation/emulate.py``) uses both: its fake tensors live on the CPU but must
+take the CUDA path (the CUDA aten ops' meta functions give the CUDA output shapes), and a kernel
 whose library is absent here (flash-attn, fa3) is replaced by a model of what it allocates.
 
 ``kernel_unavailable_reason`` says why a kernel cannot run on a device type here (CUDA-only

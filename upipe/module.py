@@ -1,4 +1,4 @@
-"""The interface every CP attention method shares (DESIGN.md §4).
+"""The interface every CP attention method shares (docs/design.md#one-interface-for-every-method).
 
 ``ContextParallelAttention`` owns what is common: the constructor signature and its validation,
 the reference parameter names (``wq``, ``wk``, ``wv``, ``wo``; bias-free), the CP group, the

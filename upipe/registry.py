@@ -2,7 +2,7 @@
 
 UPipe registers itself on import; baselines register through the ``upipe.methods`` entry-point
 group (pyproject.toml), loaded lazily on the first lookup, so ``upipe`` never imports
-``baselines`` statically (DESIGN.md §3).
+``baselines`` statically (docs/design.md#layout-and-dependency-direction).
 """
 
 from __future__ import annotations

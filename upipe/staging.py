@@ -1,6 +1,6 @@
 """UPipe's head schedule: which query and KV heads each stage processes, in all-to-all order.
 
-Notation (DESIGN.md §5): H query heads, Hkv KV heads, C the CP degree, U heads per stage.
+Notation (docs/design.md#upipe): H query heads, Hkv KV heads, C the CP degree, U heads per stage.
 
 * KV replication: with Hkv < C every KV head is replicated ``rep = C / Hkv`` times so each rank
   owns one; effective KV heads Hkv' = max(Hkv, C), each serving g' = H / Hkv' query heads.

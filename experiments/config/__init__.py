@@ -1,4 +1,5 @@
-"""Every configuration type of the harness, in one place (DESIGN.md §3).
+"""Every configuration type of the harness, in one place
+(docs/design.md#layout-and-dependency-direction).
 
     from experiments.config import Cell, ModelConfig, Hardware, SearchSpec, Sweep, Status
 

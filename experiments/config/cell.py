@@ -1,9 +1,10 @@
 """The benchmark cell: everything one measured or emulated run is, frozen and self-validating.
 
-Everything a cell runs is one frozen, self-validating ``Cell`` (STYLE.md §4): method, model
-preset (+ overrides), sequence length, ranks, stack, heads per stage, dtype, kernel, budget.
-Validation names the offending field and the rule and happens before any process starts, so a
-sweep's dry run checks every cell and no rank ever hangs on bad input.
+Everything a cell runs is one frozen, self-validating ``Cell``
+(docs/conventions.md#one-frozen-cell): method, model preset (+ overrides), sequence length, ranks,
+stack, heads per stage, dtype, kernel, budget. Validation names the offending field and the rule and
+happens before any process starts, so a sweep's dry run checks every cell and no rank ever hangs on
+bad input.
 """
 
 from __future__ import annotations

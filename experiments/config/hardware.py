@@ -1,4 +1,5 @@
-"""The emulated cluster (DESIGN.md §8): device and host memory per rank, and the headroom."""
+"""The emulated cluster (docs/design.md#emulation): device and host memory per rank, and the
+headroom."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from experiments.config.cell import Cell
 from experiments.config.sizes import GiB, MiB
 
 # Device memory of the paper's GPU: an "80 GB" H100 SXM shows 81559 MiB = 79.65 GiB to CUDA
-# (nvidia-smi; experiments/emulation/profiles/h100-sxm.json, shared/reference/calibration-facts.md)
+# (nvidia-smi; the source in experiments/emulation/profiles/h100-sxm.json)
 H100_MEM_GIB = 79.65
 
 # Headroom kept off the device budget: what the caching allocator holds beyond the tensors it

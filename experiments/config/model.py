@@ -58,7 +58,8 @@ class ModelConfig:
         return self.n_layers * block + self.vocab_size * self.dim + head + self.dim
 
 
-# DESIGN.md §6 (paper shapes; Qwen3-32B with Llama-style blocks) and CPU-sized counterparts.
+# docs/design.md#the-comparison (paper shapes; Qwen3-32B with Llama-style blocks) and CPU-sized
+# counterparts.
 PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(32, 4096, 32, 8, 128, 14336, 128256, 500000.0),
     "qwen3-32b": ModelConfig(64, 5120, 64, 8, 128, 25600, 151936, 1000000.0),

@@ -1,4 +1,4 @@
-"""Memory-stack levels (DESIGN.md §6, "the ALST stack") and the compute dtypes."""
+"""Memory-stack levels (docs/design.md#the-memory-stack) and the compute dtypes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StackConfig:
-    """What a memory-stack level switches on (DESIGN.md §6, "the ALST stack")."""
+    """What a memory-stack level switches on (docs/design.md#the-memory-stack)."""
 
     checkpoint: bool
     """activation checkpointing of every block (torch.utils.checkpoint, non-reentrant)"""
@@ -93,8 +93,9 @@ STACKS: dict[str, StackConfig] = {
     "megatron-ds": StackConfig(True, True, False, True, offload_all=True, reentrant=True,
                                megatron_fpdt=True),
     # Beyond the paper (issue 17): ALST plus the mechanisms that remove what binds UPipe on the
-    # way to 8M tokens on one node (the ladder in README "One node to 8M tokens"): the first
-    # block's input offloaded, the residual FFN tiled in place, the attention's pre-norm fused.
+    # way to 8M tokens on one node (the ladder in
+    # docs/results.md#one-node-to-8m-tokens-beyond-the-paper): the first block's input
+    # offloaded, the residual FFN tiled in place, the attention's pre-norm fused.
     "long": StackConfig(True, True, True, True, offload_first=True, residual_ffn=True,
                         fuse_norm=True),
 }
@@ -107,8 +108,8 @@ _PAPER_STACKS = {"torch-cp": "torchtitan", "ds-fpdt": "megatron-ds"}
 
 
 def paper_stack(method: str) -> str:
-    """The memory stack the paper runs ``method`` on (DESIGN.md §6): PyTorch's native CP
-    (``torch-cp``) on its TorchTitan fork's (``torchtitan``: checkpointing, offload of every
-    block input but the first, the chunked loss, no tiling), DeepSpeed's FPDT (``ds-fpdt``) on
+    """The memory stack the paper runs ``method`` on (docs/design.md#the-comparison): PyTorch's
+    native CP (``torch-cp``) on its TorchTitan fork's (``torchtitan``: checkpointing, offload of
+    every block input but the first, the chunked loss, no tiling), DeepSpeed's FPDT (``ds-fpdt``) on
     Megatron-DeepSpeed's (``megatron-ds``), every other method on the ALST stack."""
     return _PAPER_STACKS.get(method, "alst")

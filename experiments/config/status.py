@@ -1,4 +1,5 @@
-"""The status of a row or a search: what happened to a cell, in one word (DESIGN.md §7)."""
+"""The status of a row or a search: what happened to a cell, in one word
+(docs/design.md#measurement)."""
 
 from __future__ import annotations
 

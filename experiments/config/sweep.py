@@ -1,9 +1,10 @@
 """A sweep is data: a base cell, axes to expand, and optional max-context searches.
 
 Sweep declarations live in ``experiments/sweeps/``, one file per paper artefact, each with a
-paper-scale sweep and a CPU-scale counterpart that runs on 2 cores (STYLE.md §5); every
-paper-scale sweep also has an emulated twin (scale ``emulated``: the same cells through the
-emulator on declared ``hardware``, DESIGN.md §8). ``cells`` turns a sweep into cells;
+paper-scale sweep and a CPU-scale counterpart that runs on 2 cores
+(docs/conventions.md#sweeps-are-data); every paper-scale sweep also has an emulated twin (scale
+``emulated``: the same cells through the emulator on declared ``hardware``,
+docs/design.md#emulation). ``cells`` turns a sweep into cells;
 ``validate`` checks every one of them before anything runs (a dry run).
 """
 

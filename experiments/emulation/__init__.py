@@ -1,5 +1,5 @@
 """One rank of a P-rank job on fake tensors: paper-scale memory and time on a CPU
-(DESIGN.md §8-§9).
+(docs/design.md#emulation, docs/design.md#the-time-model).
 
     kernel_models   what the CUDA attention kernels allocate (and their FLOPs)
     op_costs        the step's work per window: FLOPs, bytes, launches, collectives, copies

@@ -1,4 +1,5 @@
-"""Measure a hardware profile on this machine: ``upipe-bench calibrate`` (DESIGN.md §9).
+"""Measure a hardware profile on this machine: ``upipe-bench calibrate``
+(docs/design.md#the-time-model).
 
 ``calibrate(nproc=2)`` spawns ``nproc`` ranks as a launched cell does (gloo on CPU, NCCL with one
 GPU per rank on CUDA) and times on every rank at once, as the ranks of a real job share the

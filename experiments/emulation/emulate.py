@@ -1,4 +1,5 @@
-"""Paper-scale emulation of a cell: its row, as a launched row but predicted (DESIGN.md §8).
+"""Paper-scale emulation of a cell: its row, as a launched row but predicted
+(docs/design.md#emulation).
 
 ``emulate_cell(cell, hw)`` validates the cell, emulates one rank of its job on fake tensors
 (``fake_step``) and returns a row with the columns of a measured one, ``mode`` ``emulated``:
@@ -111,8 +112,8 @@ def _row_metrics(cell: Cell, cfg: ModelConfig, hw: Hardware, m: Measurement) -> 
 
 
 def time_columns(cell: Cell, cfg: ModelConfig, profile: Profile | None, m: Measurement) -> dict:
-    """The emulated step time and throughput on ``profile`` (DESIGN.md §9): empty without a
-    profile or without counted work."""
+    """The emulated step time and throughput on ``profile`` (docs/design.md#the-time-model): empty
+    without a profile or without counted work."""
     if profile is None or m.work is None:
         return {}
     pinned = pin_host_memory(cell.seq_len)

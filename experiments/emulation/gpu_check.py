@@ -1,5 +1,5 @@
-"""Emulated peak vs the CUDA allocator's peak on a real GPU (DESIGN.md §8: "on a GPU, emulated and
-allocator peaks are compared and the difference reported").
+"""Emulated peak vs the CUDA allocator's peak on a real GPU (docs/design.md#emulation: "on a GPU,
+emulated and allocator peaks are compared and the difference reported").
 
 Each cell runs twice in this process, on the ``fake`` process group of its P ranks: once with
 real CUDA tensors (collectives are shape-correct no-ops, the memory is real; one GPU plays rank

@@ -1,6 +1,6 @@
 """What a training step's kernels cost on a real GPU, beside what the time model prices
-(``time_model``; README, "Emulated time and the planner"): the measurements the time model's
-per-kernel mechanisms rest on.
+(``time_model``; docs/emulation.md#emulated-time-and-the-planner): the measurements the
+time model's per-kernel mechanisms rest on.
 
 One process, one GPU; every cell on the ``fake`` process group (one GPU plays rank 0 of P: real
 kernels and host copies, no-op collectives), the allocator cleaned between cells as

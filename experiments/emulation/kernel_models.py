@@ -1,4 +1,5 @@
-"""What each attention kernel allocates on a CUDA device, for the emulator (DESIGN.md §8).
+"""What each attention kernel allocates on a CUDA device, for the emulator
+(docs/design.md#emulation).
 
 The emulator runs fake tensors on the CPU. Inside ``cuda_kernels()`` the attention dispatch
 (``upipe.kernels``) takes its CUDA path, and every kernel allocates what it allocates on a GPU:

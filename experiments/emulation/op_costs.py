@@ -1,4 +1,5 @@
-"""What each op of an emulated step asks of the hardware, by window of the step (DESIGN.md §9).
+"""What each op of an emulated step asks of the hardware, by window of the step
+(docs/design.md#the-time-model).
 
 ``StepWork`` is a dispatch mode that runs beside the ``MemoryTracker`` in the fake-tensor step
 and sorts every op into *work*: FLOPs of matmuls and of attention kernels, bytes of memory-bound

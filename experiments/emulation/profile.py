@@ -1,4 +1,5 @@
-"""Hardware profiles for the time model (DESIGN.md §9): rates as data, each with its source.
+"""Hardware profiles for the time model (docs/design.md#the-time-model): rates as data, each with
+its source.
 
 A profile is a JSON file: the shipped ones in ``experiments/emulation/profiles/`` (named by file
 stem: ``h100-sxm``, ``h200``, ``a100-80gb``), or one written by ``upipe-bench calibrate``

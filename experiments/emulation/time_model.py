@@ -1,5 +1,5 @@
 """The emulated step's duration: work priced on a hardware profile, overlapped as the code runs
-it (DESIGN.md §9).
+it (docs/design.md#the-time-model).
 
 Prices (``profile.Profile``): a matmul takes FLOPs / rate(dtype, (m n k)^(1/3)), the rate
 capped where a side is narrow (``matmul_narrow``), or its bytes (A, B and C once) / memory

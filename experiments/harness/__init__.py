@@ -1,5 +1,5 @@
-"""One measured cell (DESIGN.md §7): the model and its memory stack, the training step (or one
-attention layer), the launch of its ranks, and what is measured of them.
+"""One measured cell (docs/design.md#measurement): the model and its memory stack, the training step
+(or one attention layer), the launch of its ranks, and what is measured of them.
 
     model                  the Llama-style decoder and the ALST memory stack (its pieces:
                            ``upipe.stack``, shared with the Hugging Face integration)

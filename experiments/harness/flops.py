@@ -1,4 +1,4 @@
-"""One FLOPs formula for every method, and MFU (DESIGN.md §7).
+"""One FLOPs formula for every method, and MFU (docs/design.md#measurement).
 
 Per training step of S tokens: ``6 * N * S + 6 * n_layers * H * d_h * S**2``, where N counts the
 matrix-multiply parameters (every linear layer and the output head; not the embedding lookup).

@@ -4,8 +4,8 @@
 ``cell.world`` ranks (dp x nproc; gloo on CPU; NCCL with one GPU per rank when CUDA is
 present), runs the cell's workload on each (``measure.measure_cell``, or
 ``attention_layer.measure_attention``) and returns rank 0's row. A fresh process group per
-cell means an OOM leaves no damaged allocator behind (STYLE.md §10). Outcomes
-(``experiments.config.Status``):
+cell means an OOM leaves no damaged allocator behind
+(docs/conventions.md#one-process-group-per-cell). Outcomes (``experiments.config.Status``):
 
 - ``ok``, or ``oom`` over a CPU budget (decided by the ranks together);
 - ``oom``: a rank's CUDA allocator raised ``torch.OutOfMemoryError``. Nothing else is an OOM:
@@ -22,10 +22,10 @@ cell means an OOM leaves no damaged allocator behind (STYLE.md §10). Outcomes
 
 Under torchrun (``WORLD_SIZE`` set, ``dist`` initialised by the caller) cells run in that one
 process group instead, one after another; a cell whose ``world`` (dp x nproc) differs from the
-world size is ``skipped``. Multi-node runs go through torchrun (DESIGN.md §2). Every rank of a
-cell must run the same cell (length, options): the launcher gives all its ranks the same one;
-under torchrun the caller must (collectives between ranks that disagree fail inside the
-backend).
+world size is ``skipped``. Multi-node runs go through torchrun
+(docs/design.md#three-execution-modes-one-code-path). Every rank of a cell must run the same cell
+(length, options): the launcher gives all its ranks the same one; under torchrun the caller must
+(collectives between ranks that disagree fail inside the backend).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Run one cell on this rank and measure it (DESIGN.md §7); every rank calls ``measure_cell``.
+"""Run one cell on this rank and measure it (docs/design.md#measurement); every rank calls
+``measure_cell``.
 
 Order: ``warmup`` steps and one memory step run under the ``MemoryTracker`` (its peak is the
 max over them, i.e. the steady state with AdamW's states allocated); then ``iters`` timed steps
@@ -47,8 +48,8 @@ def memory_steps(state: TrainState, steps: int, device: torch.device,
     ``progress`` numbers its lines out of ``steps + total_extra`` (the timed steps to come)."""
     backend = dist.get_backend() if dist.is_initialized() else None
     reset_device_peaks(device)
-    # Settling waits for gloo's comm thread to drop its buffers (experiments/memory.py); NCCL
-    # holds them until the stream is done, which the allocator figure accounts for.
+    # Settling waits for gloo's comm thread to drop its buffers (experiments/instruments/memory.py);
+    # NCCL holds them until the stream is done, which the allocator figure accounts for.
     tracker = MemoryTracker(settle_comm=backend == "gloo", namespace_categories={"fsdp": "model"})
     # the losses are kept in a buffer made before tracking: a kept loss tensor would add its
     # bytes to the next step's peak (the emulator, which runs one step, has none)

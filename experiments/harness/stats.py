@@ -1,6 +1,6 @@
 """What every measured workload shares: the rank's world, step timing and the cross-rank row.
 
-One place for the statistics of DESIGN.md §7, so a training step (``measure``) and one
+One place for the statistics of docs/design.md#measurement, so a training step (``measure``) and one
 attention layer (``attention_layer``) give rows with the same columns, computed the same way:
 per step the slowest rank's wall time, its median and p20/p80, tokens/s per GPU from the
 median; memory as the fullest rank's.

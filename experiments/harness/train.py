@@ -1,4 +1,4 @@
-"""The training step every method is measured on (DESIGN.md §6).
+"""The training step every method is measured on (docs/design.md#the-comparison).
 
 The job is ``dp`` replicas of ``nproc`` CP ranks (``Cell.world`` = dp x nproc ranks, a
 ("dp", "cp") DeviceMesh with the CP ranks of a replica consecutive). Each replica trains its own

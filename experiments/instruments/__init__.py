@@ -1,4 +1,5 @@
-"""What observes a step, measured or emulated alike (DESIGN.md §7, §8).
+"""What observes a step, measured or emulated alike (docs/design.md#measurement,
+docs/design.md#emulation).
 
     memory        MemoryTracker: live tensor bytes at the dispatcher, device and host
     labels        attributing a module's allocations to a category or phase

@@ -1,4 +1,5 @@
-"""Live tensor-memory tracking by intercepting every op at the dispatcher (DESIGN.md §7, §8).
+"""Live tensor-memory tracking by intercepting every op at the dispatcher
+(docs/design.md#measurement, docs/design.md#emulation).
 
 ``MemoryTracker`` is a ``TorchDispatchMode``: each op output whose storage it has not seen (and
 that does not alias an op input) is a new allocation of ``storage.nbytes()``; a weakref callback on
@@ -10,7 +11,8 @@ goes back to the allocator. Views and in-place ops allocate nothing and add noth
 The same code measures real CPU tensors (gloo ranks) and fake ones (``FakeTensorMode`` + the
 ``fake`` process group: meta storages still report ``nbytes``), which is how paper-scale peaks
 are predicted without a GPU. What it cannot see: scratch that a kernel allocates internally and
-frees before returning (e.g. flash-attention workspaces); DESIGN.md §8 models those per kernel.
+frees before returning (e.g. flash-attention workspaces); docs/design.md#emulation models those per
+kernel.
 
 Why hand-written rather than ``torch.distributed._tools.mem_tracker.MemTracker``: that tool is
 private API, and it classifies bytes by device, so host-offloaded activations (CPU tensors) and
@@ -577,7 +579,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def _count(self, alloc: Allocation, delta: int) -> None:
         self.current[alloc.kind] += delta
-        if alloc.kind == DEVICE:  # categories split the device bytes (DESIGN.md §7)
+        if alloc.kind == DEVICE:  # categories split the device bytes (docs/design.md#measurement)
             self.current_by_category[alloc.category] += delta
         if delta <= 0:
             return

@@ -1,6 +1,6 @@
-"""What the analysis notebooks share (notebooks/; STYLE.md §13): find ``results/``, read its
-tables and provenance, label and order variants, list what did not run, and build the tables
-the notebooks show.
+"""What the analysis notebooks share (notebooks/; docs/conventions.md#notebooks-read-results-only):
+find ``results/``, read its tables and provenance, label and order variants, list what did not run,
+and build the tables the notebooks show.
 
 A notebook stays a sequence of ``display(nb.something(...))`` cells with markdown between them::
 
@@ -433,7 +433,7 @@ def per_u(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def baseline_vs_sweeps(baseline: pd.DataFrame, maxctx: pd.DataFrame) -> pd.DataFrame:
-    """The CI baseline's searches (``baselines/max_context.csv``) beside the sweeps' ``ok``
+    """The CI baseline's searches (``results/baselines/max_context.csv``) beside the sweeps' ``ok``
     searches of the same mode, method, model, ranks, ring degree and stack; ``agrees`` when the
     two max contexts are equal (empty where no sweep searched that setting)."""
     keys = ["mode", "method", "model", "nproc", "ring_degree", "stack"]

@@ -1,4 +1,5 @@
-"""Plots of a sweep: a pure function of its two tables (rows.csv, max_context.csv; STYLE.md §12).
+"""Plots of a sweep: a pure function of its two tables (rows.csv, max_context.csv;
+docs/conventions.md#plots-are-functions-of-the-tables).
 
 Every plot reads only the CSVs that ``tables`` writes, so a figure can be redrawn or restyled
 without rerunning anything, and each shows its reference: the device-memory (or budget) line,

@@ -1,9 +1,9 @@
 """The provenance index of ``results/``: one generated table in ``results/README.md``.
 
-Every cell is read from the committed files, never typed by hand (STYLE.md §14): each sweep's
-``sweep.json``, ``env.json``, ``rows.csv`` and ``max_context.csv``, ``baselines/`` and
-``emulate_vs_allocator/``. The rows' provenance wins; one only ``env.json`` records gets a
-dagger.
+Every cell is read from the committed files, never typed by hand
+(docs/conventions.md#provenance-travels-with-results): each sweep's ``sweep.json``, ``env.json``,
+``rows.csv`` and ``max_context.csv``, ``baselines/`` and ``emulate_vs_allocator/``. The rows'
+provenance wins; one only ``env.json`` records gets a dagger.
 
     python -m experiments.reporting.results_index          # rewrite the section (markers)
     python -m experiments.reporting.results_index --check  # exit 1 naming what is stale
@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from experiments.config.status import Status
+from experiments.reporting.sections import section, write_section
 
 BEGIN, END = "<!-- results-index:begin -->", "<!-- results-index:end -->"
 COMMAND = "python -m experiments.reporting.results_index"
@@ -31,7 +32,7 @@ GPU_CHECK_COMMAND = "python -m experiments.emulation.gpu_check"
 PAPER_GRID_COMMAND = "python -m experiments.reporting.paper_grid"
 # GPU checks: (folder, what it shows, mode of every row, the command that regenerates it)
 GPU_FOLDERS = (
-    ("emulate_vs_allocator", "emulator check on a GPU (DESIGN.md §8; no paper table)",
+    ("emulate_vs_allocator", "emulator check on a GPU (no paper table)",
      "measured + emulated", GPU_CHECK_COMMAND),
     ("emulate_vs_allocator_beyond", "emulator check on a GPU of UPipe's options beyond the "
      "paper (overlap, the long stack, the chunked backward)", "measured + emulated",
@@ -60,8 +61,7 @@ ARTEFACTS = {"table3_llama3_8b_h100x8": "Table 3 (Llama3-8B, 8x H100)",
              "memory_wall_llama3_8b_h100x8": "the memory wall at 3M (the paper's figure, "
                                               "Llama3-8B)",
              "ablation_heads_per_stage_llama3_8b_h100x8": "heads-per-stage U ablation (Llama3-8B)",
-             "time_validation_cpu": "emulated time vs measured CPU steps (DESIGN.md §9; no "
-                                    "paper table)",
+             "time_validation_cpu": "emulated time vs measured CPU steps (no paper table)",
              "upipe_overlap": "UPipe's overlapped stages vs blocking and Ulysses (beyond the "
                               "paper)",
              "long_context_llama3_8b_h100x8": "UPipe to 8M tokens on one node, Llama3-8B "
@@ -211,17 +211,12 @@ def render(results: Path) -> str:
         *header, *map(sweep_line, dirs), *other_lines(results), "", _footnote(dirs), END])
 
 
-def _section(text: str) -> str | None:
-    """The committed section, markers included; None when the markers are missing."""
-    i, j = text.find(BEGIN), text.find(END)
-    return text[i:j + len(END)] if 0 <= i < j else None
-
-
 def stale(results: Path) -> list[str]:
     """What differs between README.md's section and ``render``: the names of the entries whose
     row changed, appeared or went (or a description); [] when the section is up to date."""
     readme = results / "README.md"
-    old, new = _section(readme.read_text()) if readme.exists() else None, render(results)
+    old = section(readme.read_text(), BEGIN, END) if readme.exists() else None
+    new = render(results)
     if old is None:
         return [f"{readme} has no {BEGIN} ... {END} section"]
     changed = set(old.splitlines()) ^ set(new.splitlines())
@@ -231,11 +226,7 @@ def stale(results: Path) -> list[str]:
 
 def write(results: Path) -> Path:
     """Rewrite the section in ``results/README.md`` (appended, or a new file, when absent)."""
-    readme = results / "README.md"
-    text = readme.read_text() if readme.exists() else "# results\n"
-    old, new = _section(text), render(results)
-    readme.write_text(text.replace(old, new) if old else f"{text.rstrip()}\n\n{new}\n")
-    return readme
+    return write_section(results / "README.md", render(results), BEGIN, END, "# results\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Tidy tables rebuilt from a sweep's run directories (DESIGN.md §7).
+"""Tidy tables rebuilt from a sweep's run directories (docs/design.md#measurement).
 
 Layout of ``results/<sweep>/``::
 

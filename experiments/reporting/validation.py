@@ -1,4 +1,5 @@
-"""The time model's validation against real runs: its summary and plot (DESIGN.md §9).
+"""The time model's validation against real runs: its summary and plot
+(docs/design.md#the-time-model).
 
 ``write_time_validation(dir, table)`` writes ``comparison.csv`` (the table as given: one row per
 cell, measured and predicted step seconds and ``error`` = predicted / measured - 1),

@@ -42,9 +42,9 @@ class Launcher:
 
 @dataclass(frozen=True)
 class Emulator:
-    """Emulates a cell at its own scale in this process (DESIGN.md §8), rows with ``mode``
-    ``emulated``: on ``hardware``, by the fit (``exact``: the target size itself), with FLOPs
-    and bytes sent (``count``) or memory only."""
+    """Emulates a cell at its own scale in this process (docs/design.md#emulation), rows with
+    ``mode`` ``emulated``: on ``hardware``, by the fit (``exact``: the target size itself), with
+    FLOPs and bytes sent (``count``) or memory only."""
 
     hardware: Hardware = field(default_factory=Hardware)
     exact: bool = False

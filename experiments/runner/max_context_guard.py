@@ -1,8 +1,8 @@
 """The maximum-context baseline CI guards (``results/baselines/max_context.csv``).
 
 Rows: every registered method x the paper's two settings, emulated on 80 GiB GPUs with the
-paper's stack for the method (DESIGN.md §6) -- Llama3-8B on 8 ranks, Qwen3-32B on 16 (the
-hybrids on the 8 (Ulysses) x 2 (ring) mesh, UPipe also on all 16 ranks as one Ulysses group;
+paper's stack for the method (docs/design.md#the-comparison) -- Llama3-8B on 8 ranks, Qwen3-32B on
+16 (the hybrids on the 8 (Ulysses) x 2 (ring) mesh, UPipe also on all 16 ranks as one Ulysses group;
 on 8 ranks the hybrids run 4 x 2) -- searched to a 64K-token granularity; beyond the paper,
 UPipe on the ``long`` stack level with its chunked backward in both settings (the configuration
 that reaches 8M tokens on one node: ``runner.plan.LONG``); plus one real CPU

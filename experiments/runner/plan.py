@@ -1,4 +1,4 @@
-"""What fits on a cluster, and how fast (DESIGN.md §9): ``upipe-bench plan``.
+"""What fits on a cluster, and how fast (docs/design.md#the-time-model): ``upipe-bench plan``.
 
 Every configuration a cluster of ``gpus`` GPUs can run a model with at one sequence length:
 each registered method, on each stack level, with each valid mesh (hybrids: ring degree x
@@ -49,8 +49,9 @@ LADDER: dict[str, tuple[str, ...]] = {
 }
 
 # Beyond the paper: the ``long`` level (config.stack) with UPipe's chunked attention backward,
-# what takes UPipe to 8M tokens on one 8-GPU node (README, "One node to 8M tokens"). Planned as
-# one more UPipe configuration (plain Ulysses mesh, default U), on that level only: its fused
+# what takes UPipe to 8M tokens on one 8-GPU node
+# (docs/results.md#one-node-to-8m-tokens-beyond-the-paper). Planned as one more UPipe
+# configuration (plain Ulysses mesh, default U), on that level only: its fused
 # input norm is UPipe's, and the other methods gain little from the level's other mechanisms.
 LONG = "long"
 LONG_CHUNK = 2**16  # tokens per chunk of the backward: FPDT's chunk in the paper's FPDT runs

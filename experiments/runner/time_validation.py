@@ -1,4 +1,5 @@
-"""The emulated time model against real CPU runs (DESIGN.md §9; issue 14's validation).
+"""The emulated time model against real CPU runs (docs/design.md#the-time-model; issue 14's
+validation).
 
     upipe-bench validate-time [--out results] [--calibrate]
 

@@ -1,5 +1,5 @@
-"""The time model against one real GPU: ``upipe-bench validate-time --device cuda`` (README,
-"Emulated time and the planner").
+"""The time model against one real GPU: ``upipe-bench validate-time --device cuda``
+(docs/gpu.md#validating-the-time-model-on-a-gpu).
 
 On any single CUDA GPU, in one process:
 

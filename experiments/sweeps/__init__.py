@@ -1,10 +1,10 @@
-"""Sweep declarations, one module per paper artefact (STYLE.md §5).
+"""Sweep declarations, one module per paper artefact (docs/conventions.md#sweeps-are-data).
 
 Each module defines ``SWEEPS``: the paper-scale sweep and its CPU-scale counterpart (named with
 a ``-cpu`` suffix). Every paper-scale sweep also gets an emulated twin here (``-emulated``): the
-same cells through the emulator on the paper's hardware (8x H100 80 GB per node, DESIGN.md §8)
-with the paper's attention kernel, its plots (time emulated on the h100-sxm profile, §9), and
-its max-context searches at a 64K-token granularity from 1M tokens.
+same cells through the emulator on the paper's hardware (8x H100 80 GB per node,
+docs/design.md#emulation) with the paper's attention kernel, its plots (time emulated on the
+h100-sxm profile, §9), and its max-context searches at a 64K-token granularity from 1M tokens.
 Baselines added to the registry join the method lists here.
 """
 

@@ -1,12 +1,12 @@
 """Table 3 of the paper: Llama3-8B on 8 H100s, every method from 128K tokens to 5M.
 
 Tokens/s per GPU and peak memory per (method, length); the longest context each method trains
-(max-context search against the 80 GB device). Methods as the paper compares them (DESIGN.md
-§6): PyTorch's native ring CP with its TorchTitan fork's stack (checkpointing, every block
-input but the first offloaded, the chunked loss, no tiling), DeepSpeed's FPDT (64K-token chunks,
-FlashAttention-3 as the paper's patched FPDT) on Megatron-DeepSpeed's stack, and zigzag Ring,
-Ulysses and UPipe on the ALST stack; DeepSpeed's Ulysses beside ours, and upipe's own
-FPDT (a stronger one than the paper's, on the ALST stack). The CPU counterpart keeps the shape
+(max-context search against the 80 GB device). Methods as the paper compares them
+(docs/design.md#the-comparison): PyTorch's native ring CP with its TorchTitan fork's stack
+(checkpointing, every block input but the first offloaded, the chunked loss, no tiling), DeepSpeed's
+FPDT (64K-token chunks, FlashAttention-3 as the paper's patched FPDT) on Megatron-DeepSpeed's stack,
+and zigzag Ring, Ulysses and UPipe on the ALST stack; DeepSpeed's Ulysses beside ours, and upipe's
+own FPDT (a stronger one than the paper's, on the ALST stack). The CPU counterpart keeps the shape
 of the experiment (the same methods, growing lengths, a per-rank budget) at CPU size.
 """
 

@@ -1,5 +1,5 @@
-"""The time model against real runs (DESIGN.md §9): CPU cells whose step times are measured,
-then predicted by the emulator on this machine's calibrated profile
+"""The time model against real runs (docs/design.md#the-time-model): CPU cells whose step times are
+measured, then predicted by the emulator on this machine's calibrated profile
 (``upipe-bench validate-time``).
 
 Every CPU-capable method at CPU scale (tiny and tiny-wide, 2K to 8K tokens, 2 gloo ranks on 2

@@ -1,7 +1,8 @@
 """The long-context memory stack for a Hugging Face causal LM: ``parallelize(..., stack=...)``.
 
-The same building blocks as the benchmark harness (``upipe.stack``; DESIGN.md §6, "the ALST
-stack"), put into a ``transformers`` model in place, each level optional (``MemoryStack``):
+The same building blocks as the benchmark harness (``upipe.stack``;
+docs/design.md#the-memory-stack), put into a ``transformers`` model in place, each level optional
+(``MemoryStack``):
 
 - ``checkpoint``: every decoder layer (a ``GradientCheckpointingLayer``) through non-reentrant
   ``torch.utils.checkpoint``, by transformers' own mechanism: the layer's

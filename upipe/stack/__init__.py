@@ -1,4 +1,4 @@
-"""The long-context memory stack's building blocks (DESIGN.md §6, "the ALST stack").
+"""The long-context memory stack's building blocks (docs/design.md#the-memory-stack).
 
 Shared by the benchmark harness (``experiments.harness.model``) and the Hugging Face integration
 (``upipe.integrations.hf``, ``parallelize(..., stack=...)``): activation offload of checkpointed

@@ -1,4 +1,5 @@
-"""What a memory-stack level switches on, for models outside the harness (DESIGN.md §6)."""
+"""What a memory-stack level switches on, for models outside the harness
+(docs/design.md#the-memory-stack)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass, fields
 
 @dataclass(frozen=True)
 class MemoryStack:
-    """The ALST memory stack's levels, each optional (DESIGN.md §6, "the ALST stack")."""
+    """The ALST memory stack's levels, each optional (docs/design.md#the-memory-stack)."""
 
     checkpoint: bool
     """activation checkpointing of every decoder layer (torch.utils.checkpoint, non-reentrant)"""

@@ -9,7 +9,8 @@ no-op (``tensor.cpu()`` returns the tensor itself), so the CPU reproduction and 
 emulation would show no offload; and host bytes must be attributed to host memory, which the
 ``host_context`` hook (the harness passes its tracker's ``host()``) does. On CUDA this is what
 ``save_on_cpu`` does; the caller pins host memory up to 4M tokens and uses pageable memory
-above (DESIGN.md §6, after ALST: pinning that much host memory stalls the host allocator):
+above (docs/design.md#the-memory-stack, after ALST: pinning that much host memory stalls the host
+allocator):
 ``pin_host_memory(seq_len)`` is that rule, for the harness and the Hugging Face stack alike.
 """
 

@@ -1,6 +1,6 @@
 """UPipe's projections of a head subset, and their hand-written backward (``upipe.untied``).
 
-Each stage projects only its own heads from the layer input (``_Proj``: linear, optional bias
+Each stage projects only its own heads from the layer input (``Projection``: linear, optional bias
 and per-head RMSNorm, RoPE), and its backward accumulates the weight rows' gradients and dx in
 place; the output projection's gradient is formed stage by stage (``OutputGrad``), so no
 all-heads (B, L, H, D) tensor but the output buffer ever exists.
@@ -27,7 +27,7 @@ def _rows(w: torch.Tensor, heads: torch.Tensor, head_dim: int) -> torch.Tensor:
     return w.view(-1, head_dim, w.shape[-1]).index_select(0, heads).flatten(0, 1)
 
 
-class _Proj:
+class Projection:
     """One of the q/k/v projections of a head subset, and its hand-written backward.
 
     w (n*D, dim) head-major rows; optional bias b (n*D,) (Qwen2) and per-head RMSNorm weight
@@ -145,10 +145,10 @@ def input_norm_backward(x2, in_w, in_eps: float, dx2) -> torch.Tensor:
 @metadata_pure
 def _project(x, heads, cos, sin, w_rows, w, b, norm_w, eps: float, rope: bool,
              head_dim: int, in_w=None, in_eps: float = 0.0, split: int | None = None):
-    """``_Proj(w, b, norm_w, eps, rope, head_dim, in_w, in_eps)(x, heads, cos, sin, w_rows,
+    """``Projection(w, b, norm_w, eps, rope, head_dim, in_w, in_eps)(x, heads, cos, sin, w_rows,
     split)``: x (B, L, dim) -> (B, L, n, D) for ``heads`` (n,), with w's rows of those heads
     unless ``w_rows`` (n*D, dim) is given."""
-    p = _Proj(w, b, norm_w, eps, rope, head_dim, in_w, in_eps)
+    p = Projection(w, b, norm_w, eps, rope, head_dim, in_w, in_eps)
     return p.finish(p.pre_norm(x, heads, p.rows(heads) if w_rows is None else w_rows), cos, sin,
                     split)
 
@@ -197,6 +197,6 @@ class OutputGrad:
 
 
 def projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, eps, d, in_w=None, in_eps=0.0):
-    return (_Proj(wq, bq, q_norm, eps, True, d, in_w, in_eps),
-            _Proj(wk, bk, k_norm, eps, True, d, in_w, in_eps),
-            _Proj(wv, bv, None, eps, False, d, in_w, in_eps))
+    return (Projection(wq, bq, q_norm, eps, True, d, in_w, in_eps),
+            Projection(wk, bk, k_norm, eps, True, d, in_w, in_eps),
+            Projection(wv, bv, None, eps, False, d, in_w, in_eps))

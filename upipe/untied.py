@@ -46,6 +46,8 @@ input is the block's own and no normalised (L, dim) copy is kept.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.distributed import ProcessGroup
 
@@ -55,7 +57,7 @@ from upipe.documents import RingDocuments, documents
 from upipe.layout import SeqLayout
 from upipe.module import ContextParallelAttention, check_ulysses_heads
 from upipe.norm import norm_params
-from upipe.projections import OutputGrad, input_norm_backward, projections
+from upipe.projections import OutputGrad, Projection, input_norm_backward, projections
 from upipe.registry import register_method
 from upipe.ring import SequenceAttention
 from upipe.staging import (
@@ -67,15 +69,49 @@ from upipe.staging import (
 )
 
 
+@dataclass(frozen=True)
+class _Walk:
+    """What a stage walk runs besides its tensors, the same forward and backward: the head
+    schedule, the Ulysses group, the attention core (kernel, ring axis, documents, chunks),
+    the options, and the epsilons of the per-head (``eps``) and input (``in_eps``) RMSNorms."""
+
+    plan: StagePlan
+    group: ProcessGroup | None
+    core: SequenceAttention
+    overlap: bool
+    keep: bool
+    eps: float
+    in_eps: float
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One pass's view of the layer: its input ``x`` (B, L, dim), the Q, K, V projections made
+    from the weights (``upipe.projections``) and the RoPE tables ``cos``, ``sin`` (L, D)."""
+
+    x: torch.Tensor
+    pq: Projection
+    pk: Projection
+    pv: Projection
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def _layer(walk: _Walk, x, wq, wk, wv, bq, bk, bv, q_norm, k_norm, in_w, cos, sin) -> _Layer:
+    d = wq.shape[0] // walk.plan.n_heads
+    pq, pk, pv = projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, walk.eps, d, in_w,
+                             walk.in_eps)
+    return _Layer(x, pq, pk, pv, cos, sin)
+
+
 def _order(plan: StagePlan) -> list[tuple[int, int]]:
     """(block, stage) of every stage, in execution order."""
     return [(b, s) for b, block in enumerate(plan.blocks) for s in range(len(block.stages))]
 
 
-def _forward_stages(x, pq, pk, pv, cos, sin, plan, group, core, overlap, out,
-                    keep: bool) -> tuple[list, tuple | None]:
+def _forward_stages(layer: _Layer, walk: _Walk, out: torch.Tensor) -> tuple[list, tuple | None]:
     """Run every stage, writing its heads into ``out`` (B, L, H, D); returns the per-stage LSEs
-    and, with ``keep``, the last stage's Q and its KV block's K, V (head layout), which the
+    and, with ``walk.keep``, the last stage's Q and its KV block's K, V (head layout), which the
     backward starts with instead of recomputing them (else None).
 
     With ``overlap`` the next stage's Q all-to-all is issued before this stage's attention, and
@@ -85,6 +121,8 @@ def _forward_stages(x, pq, pk, pv, cos, sin, plan, group, core, overlap, out,
     hold a second block's K/V beside the first. Without ``overlap``, each all-to-all runs where
     its tensor is made and is waited on at once (the paper's schedule).
     """
+    x, pq, pk, pv, cos, sin = layer.x, layer.pq, layer.pk, layer.pv, layer.cos, layer.sin
+    plan, group, core, overlap, keep = walk.plan, walk.group, walk.core, walk.overlap, walk.keep
     c, idx = group_size(group), plan_indices(plan, x.device)
 
     def q_in(b, s, ov):
@@ -130,15 +168,18 @@ class _BlockGrads:
         self.dv = dv_s.to(acc) if self.dv is None else self.dv.add_(dv_s)
 
 
-def _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, group, core, overlap, out, dout,
-                     lses, kept) -> None:
-    """Walk the stages in reverse, accumulating dx (``dx2``, (B*L, dim)) and the projections'
-    weight gradients. The first is the forward's last stage: with ``kept`` (its Q and its KV
+def _backward_stages(layer: _Layer, walk: _Walk, x2, dx2, out, dout, lses, kept) -> None:
+    """Walk the stages in reverse, accumulating dx (``dx2``, (B*L, dim); ``x2`` is the input's
+    (B*L, dim) view) and the projections' weight gradients; ``out`` is the forward's (B, L, H,
+    D) output, ``dout`` its gradient by stage (``OutputGrad``), ``lses`` the forward's per-stage
+    LSEs. The first is the forward's last stage: with ``kept`` (its Q and its KV
     block's K, V, saved by the forward) they are not projected and all-to-all'd again. With
     ``overlap`` the next stage's Q, O, dO all-to-alls run beside this stage's attention backward,
     and this stage's dQ all-to-all back runs beside the next one's; it is then finished (RoPE
     undone, rows and dx accumulated). A block's K/V (in) and dK/dV (out) are blocking, as in
     the forward: in flight they would hold a second block's."""
+    x, pq, pk, pv, cos, sin = layer.x, layer.pq, layer.pk, layer.pv, layer.cos, layer.sin
+    plan, group, core, overlap = walk.plan, walk.group, walk.core, walk.overlap
     # dK/dV are summed over a block's stages in accumulator_dtype (only U/C heads wide); dx and
     # the weight rows in the input dtype, as autograd would, to keep dx one (L, dim) tensor
     dev, acc, c = x.device, accumulator_dtype(x.dtype), group_size(group)
@@ -228,18 +269,15 @@ def _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, group, core, overla
 
 class _UPipeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, in_w, cos, sin, plan, group,
-                core, eps, in_eps, overlap, keep):
+    def forward(ctx, walk, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, in_w, cos, sin):
         b, l, _ = x.shape
-        d = wq.shape[0] // plan.n_heads
-        pq, pk, pv = projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, eps, d, in_w, in_eps)
-        out = x.new_empty(b, l, plan.n_heads, d)
-        lses, kept = _forward_stages(x, pq, pk, pv, cos, sin, plan, group, core, overlap, out,
-                                     keep)
+        layer = _layer(walk, x, wq, wk, wv, bq, bk, bv, q_norm, k_norm, in_w, cos, sin)
+        out = x.new_empty(b, l, walk.plan.n_heads, wq.shape[0] // walk.plan.n_heads)
+        lses, kept = _forward_stages(layer, walk, out)
+        del layer
         ctx.save_for_backward(x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, in_w, cos, sin, out,
                               *(kept or ()), *lses)
-        ctx.plan, ctx.group, ctx.core, ctx.eps, ctx.overlap = plan, group, core, eps, overlap
-        ctx.in_eps, ctx.keep = in_eps, keep
+        ctx.walk = walk
         if wo is None:
             return out
         return out.flatten(2) @ wo.t()
@@ -248,24 +286,22 @@ class _UPipeFunction(torch.autograd.Function):
     def backward(ctx, grad):
         (x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, in_w, cos, sin, out,
          *rest) = ctx.saved_tensors
+        walk = ctx.walk
         # the kept Q, K, V go in a list the walk empties: no reference here outlives their use
-        kept, lses = (list(rest[:3]), rest[3:]) if ctx.keep else (None, rest)
+        kept, lses = (list(rest[:3]), rest[3:]) if walk.keep else (None, rest)
         del rest
-        plan = ctx.plan
-        d = wq.shape[0] // plan.n_heads
-        pq, pk, pv = projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, ctx.eps, d, in_w,
-                                 ctx.in_eps)
-        dout = OutputGrad(grad, out, wo, d)
+        layer = _layer(walk, x, wq, wk, wv, bq, bk, bv, q_norm, k_norm, in_w, cos, sin)
+        pq, pk, pv = layer.pq, layer.pk, layer.pv
+        dout = OutputGrad(grad, out, wo, wq.shape[0] // walk.plan.n_heads)
         x2 = x.reshape(-1, x.shape[-1])
         dx2 = torch.empty_like(x2)  # the first stage's finish writes it (beta 0)
         for p in (pq, pk, pv):
             p.dw = torch.zeros_like(p.w)
-        _backward_stages(x, x2, dx2, pq, pk, pv, cos, sin, plan, ctx.group, ctx.core,
-                         ctx.overlap, out, dout, lses, kept)
+        _backward_stages(layer, walk, x2, dx2, out, dout, lses, kept)
         (dwq, dbq, dqn), (dwk, dbk, dkn), (dwv, dbv, _) = pq.grads(), pk.grads(), pv.grads()
-        d_in = None if in_w is None else input_norm_backward(x2, in_w, ctx.in_eps, dx2)
-        return (dx2.view(x.shape), dwq, dwk, dwv, dout.dwo, dbq, dbk, dbv, dqn, dkn, d_in,
-                *([None] * 9))
+        d_in = None if in_w is None else input_norm_backward(x2, in_w, walk.in_eps, dx2)
+        return (None, dx2.view(x.shape), dwq, dwk, dwv, dout.dwo, dbq, dbk, dbv, dqn, dkn,
+                d_in, None, None)
 
 
 def upipe_attention(
@@ -346,12 +382,11 @@ def upipe_attention(
         docs, SeqLayout("zigzag") if ring_group is not None else SeqLayout(), ring)
     check_input_norm(input_norm, x.shape[-1])
     keep = check_keep(keep_last_stage, overlap)
-    return _UPipeFunction.apply(
-        x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, input_norm, cos, sin, plan, group,
-        SequenceAttention(causal=causal, scale=scale, kernel=kernel, ring_group=ring_group,
-                          docs=ring_docs, chunk=chunk_size),
-        norm_eps, input_norm_eps, overlap, keep,
-    )
+    core = SequenceAttention(causal=causal, scale=scale, kernel=kernel, ring_group=ring_group,
+                             docs=ring_docs, chunk=chunk_size)
+    walk = _Walk(plan, group, core, overlap, keep, norm_eps, input_norm_eps)
+    return _UPipeFunction.apply(walk, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, input_norm,
+                                cos, sin)
 
 
 def check_keep(keep_last_stage: bool | None, overlap: bool) -> bool:
@@ -440,14 +475,14 @@ class UPipeAttention(ContextParallelAttention):
         norms = [None if n is None else norm_params(n, d, name)
                  for name, n in (("q_norm", self.q_norm), ("k_norm", self.k_norm))]
         eps = next((n[1] for n in norms if n is not None), 1e-6)
+        core = SequenceAttention(causal=self.causal, kernel=self.kernel,
+                                 ring_group=self.ring_group, docs=self.ring_documents(docs),
+                                 chunk=self.chunk_size)
+        walk = _Walk(self.plan, self.group, core, self.overlap, self.keep_last_stage, eps, in_eps)
         y = _UPipeFunction.apply(
-            x, self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight,
+            walk, x, self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight,
             self.wq.bias, self.wk.bias, self.wv.bias, *(None if n is None else n[0] for n in norms),
-            in_w, cos, sin, self.plan, self.group,
-            SequenceAttention(causal=self.causal, kernel=self.kernel, ring_group=self.ring_group,
-                              docs=self.ring_documents(docs), chunk=self.chunk_size),
-            eps, in_eps, self.overlap, self.keep_last_stage,
-        )
+            in_w, cos, sin)
         return y if self.wo.bias is None else y + self.wo.bias
 
     def extra_repr(self) -> str:

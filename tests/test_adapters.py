@@ -95,6 +95,7 @@ def _build_and_call(name: str) -> dict:
     return {"stage": "returned", "comms": cc.total}
 
 
+@pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)
 @pytest.mark.parametrize("name", GATED)
 def test_cpu_call_fails_on_every_rank_before_any_collective(dist_pool, name):
     reason = ADAPTERS[name].unavailable_reason("cpu")
@@ -165,6 +166,7 @@ def test_zigzag_is_torch_head_tail_order(seq, world):
     assert torch.equal(ours, order)  # pure index movement: exact
 
 
+@pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)
 @pytest.mark.parametrize("seq,world,chunk", [(32, 2, 8), (48, 4, 16), (16, 2, 16)])
 def test_chunked_is_fpdt_input_construct(seq, world, chunk):
     from deepspeed.sequence.fpdt_layer import FPDT_InputConstruct
@@ -247,6 +249,7 @@ FPDT_CPU_CASES = [  # (world, case)
 ]
 
 
+@pytest.mark.slow  # about 9 s on 2 cores (docs/testing.md)
 @pytest.mark.parametrize("world,case", FPDT_CPU_CASES)
 def test_fpdt_mapping_matches_reference_with_math_kernels(dist_pool, world, case):
     assert_close_to_reference(dist_pool(world).run(_fpdt_with_stand_in, case), case)

@@ -39,6 +39,7 @@ def _constants(tree, path=""):
             yield from _constants(v, f"{path}.{k}" if path else k)
 
 
+@pytest.mark.slow  # about 4 s on 2 cores (docs/testing.md)
 def test_quick_cpu_profile_round_trips(cpu_profile, tmp_path):
     path = tmp_path / "cpu.json"
     write_profile(cpu_profile, path)
@@ -92,6 +93,7 @@ def test_a_profile_that_would_not_load_is_not_written(cpu_profile, tmp_path):
     assert not (tmp_path / "broken.json").exists()
 
 
+@pytest.mark.slow  # about 4 s on 2 cores (docs/testing.md)
 def test_inter_node_rates_from_a_base_profile():
     got = calibrate(nproc=2, device="cpu", quick=True, base="h100-sxm", dtypes=("fp32",))
     shipped = json.loads(Path(load_profile("h100-sxm").path).read_text())
@@ -162,6 +164,7 @@ def test_out_creates_missing_folders_as_every_writer_does(tmp_path, monkeypatch,
     assert json.loads(out.read_text()) == shipped
 
 
+@pytest.mark.slow  # about 4 s on 2 cores (docs/testing.md)
 def test_a_grid_by_heads_and_narrow_widths_round_trips(monkeypatch, tmp_path):
     """The CUDA grid's shape on CPU ranks: attention timed per heads per call gives tables by
     heads, narrow products give ``matmul_narrow``, the eager step gives ``host_op_s``; the

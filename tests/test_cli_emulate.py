@@ -128,6 +128,7 @@ def test_emulate_json_row(capsys):
     assert row["hw_reserve_gib"] == DEFAULT_RESERVE_GIB  # resolved for the method
 
 
+@pytest.mark.slow  # about 4 s on 2 cores (docs/testing.md)
 def test_emulate_text_and_stack_default(capsys):
     """torch-cp emulates on the torchtitan stack the paper runs it on; a method that cannot be
     emulated here (rfa-zigzag: flash-attn's code, absent) is a skipped row, exit 1; the text
@@ -275,6 +276,7 @@ def test_emulated_sweep_runs_into_tables_and_plots(tmp_path):
     assert set(again.counts) == {"cached"}  # resumes like a measured sweep
 
 
+@pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)
 def test_plots_draw_from_emulated_rows(tmp_path):
     """Every plot an emulated twin declares draws from emulated rows (with the time model's
     step times), labelled emulated."""

@@ -136,6 +136,7 @@ def _fake_all_gather_bytes():
     return world, dict(cc.bytes_sent), dict(cc.payload_bytes)
 
 
+@pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)
 def test_all_gather_bytes_under_fake_group(dist_pool):
     [(world, sent, moved)] = dist_pool(8, fake=True).run(_fake_all_gather_bytes)
     gib = 1 << 30

@@ -145,6 +145,7 @@ def test_cudnn_model_allocates_what_the_cudnn_ops_do(causal):
     assert sdpa_fwd - fwd == 2 * b * s * h * d * 2 + 8  # sdpa's expanded K/V, its larger RNG
 
 
+@pytest.mark.slow  # about 12 s on 2 cores (docs/testing.md)
 def test_emulated_llama3_8b_at_1m_is_faster_with_cudnn_by_the_ratio_of_the_rates():
     """8 ranks at 1M tokens on the h100-sxm profile: the attention kernels' time falls by the
     ratio of the profile's sdpa and cudnn rates at the calls' shape (Ulysses: 4 query heads of

@@ -138,6 +138,7 @@ DP_METHODS = [{}, {"method": "usp", "ring_degree": 2}, {"method": "torch-cp"},
               {"method": "ds-ulysses"}]
 
 
+@pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)
 @pytest.mark.parametrize("options", DP_METHODS, ids=["ulysses", "usp-R2", "torch-cp", "ds-ulysses"])
 def test_dp_gradient_is_the_average_of_the_replicas(dist_pool, options):
     cell = dataclasses.replace(STEP, **options)
@@ -166,6 +167,7 @@ def test_dp_gradient_is_the_average_of_the_replicas(dist_pool, options):
 # -- emulation ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # about 8 s on 2 cores (docs/testing.md)
 def test_dp_emulation_equals_the_real_run(dist_pool):
     """As tests/test_emulate.py's exactness check, with dp 2 x cp 2: the emulator plays rank 0
     (replica 0's critical rank) of the 4-rank world, FSDP2's shards over all 4."""
@@ -178,6 +180,7 @@ def test_dp_emulation_equals_the_real_run(dist_pool):
     assert {k: emulated[k] for k in KEYS} == real
 
 
+@pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)
 def test_fsdp_only_holds_the_model_states_of_cp_over_as_many_ranks():
     """(cp 1, dp 8), the paper's "FSDP only", and (cp 8, dp 1) shard the model over 8 ranks
     alike, so each rank holds the same model-state bytes at its peak; the rank's sequence is

@@ -121,6 +121,7 @@ def test_checkpointed_peak_grows_by_at_most_one_layers_attention_state(dist_pool
         assert fpdt[k] - ref[k] <= one_layer, (k, fpdt[k], ref[k], one_layer)
 
 
+@pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)
 def test_emulated_fpdt_runs_fa3_and_its_host_copies_run_beside_the_compute():
     """The paper's FPDT calls FlashAttention-3 (kernel="fa3": every attention op the emulated
     step prices is fa3's) and issues every host copy of its offloading path on its side streams

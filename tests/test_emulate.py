@@ -141,6 +141,7 @@ def test_chunked_upipe_attention_backward_stays_affine_far_past_the_fit_window()
     assert peaks[2] - peaks[1] == 12 * (peaks[1] - peaks[0]) > 0
 
 
+@pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)
 def test_budgets_decide_the_status():
     # memory only (count=False): the budgets read the peaks, which counting does not change
     # (test_memory_only_emulation_allocates_the_same)
@@ -302,6 +303,7 @@ def test_sdpa_model_is_upipes_cuda_path_plus_the_flash_workspace():
     assert bwd == kv_expanded + 3 * b * s * h * d * 2 + workspace + no_rng
 
 
+@pytest.mark.slow  # about 3 s on 2 cores (docs/testing.md)
 def test_memory_only_emulation_allocates_the_same():
     """Searches skip the FLOP and byte counters (``count=False``): same memory, no counts."""
     cell = Cell(method="zigzag-ring", model="tiny", seq_len=4096, nproc=4, dtype="fp32")

@@ -178,6 +178,7 @@ _HOLD = "import sys, time; from experiments.runner.lock import results_lock\n" \
         "with results_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(600)"
 
 
+@pytest.mark.slow  # about 3 s on 2 cores (docs/testing.md)
 def test_a_second_sweep_on_a_directory_in_use_is_refused(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path / "bench_attention")],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True)

@@ -327,6 +327,7 @@ def _measure_fake(seq_local: int, options: dict) -> dict[str, int]:
         return _measure("fpdt", seq_local, options)
 
 
+@pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)
 def test_emulation_predicts_the_real_run(dist_pool):
     """Fake tensors on the fake process group give the real gloo run's peaks to the byte
     (docs/design.md#emulation), device and host."""

@@ -61,6 +61,7 @@ def test_cudnn_constants_skip_failed_shapes_and_runs_without_cudnn(tmp_path):
             json.loads((PROFILE_DIR / "h200.json").read_text())["attention"]["cudnn"])
 
 
+@pytest.mark.slow  # about 4 s on 2 cores (docs/testing.md)
 def test_the_profiled_cells_run_on_cpu(tmp_path):
     """The smoke sizes on the CPU: every profiled cell a row, its op table and timeline."""
     assert gpu_costs.main(["--out", str(tmp_path), "--small", "--only-profiled", "--layers", "1",

@@ -111,6 +111,7 @@ CASES = [  # (world, family, method, options, mesh)
 @pytest.mark.parametrize("world,family,method,options,mesh", CASES,
                          ids=[f"w{w}-{f}-{m}" + "".join(f"-{k}{v}" for k, v in o.items())
                               + ("-mesh2x2" if mesh else "") for w, f, m, o, mesh in CASES])
+@pytest.mark.slow  # about 4 s on 2 cores (docs/testing.md)
 def test_same_loss_and_gradients_as_the_unmodified_model(dist_pool, world, family, method,
                                                          options, mesh):
     results = dist_pool(world).run(_run, family, method, options, mesh)

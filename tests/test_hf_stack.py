@@ -175,6 +175,7 @@ def _measure(base, ids, stack) -> dict:
             "peak_host": mt.peak_host_bytes, "vocab_rows": rows.rows, "loss": out.loss.detach()}
 
 
+@pytest.mark.slow  # about 7 s on 2 cores (docs/testing.md)
 def test_each_level_saves_what_it_claims():
     cfg = transformers.LlamaConfig(
         vocab_size=M_VOCAB, hidden_size=M_HIDDEN, intermediate_size=M_FFN,

@@ -24,6 +24,7 @@ def test_without_a_gpu_it_says_why_and_exits_2(monkeypatch, capsys, tmp_path):
     assert not (tmp_path / "k").exists()  # nothing measured, nothing written
 
 
+@pytest.mark.slow  # about 3 s on 2 cores (docs/testing.md)
 def test_the_pipeline_runs_end_to_end_at_smoke_sizes(monkeypatch, tmp_path):
     """Two methods, sdpa for cudnn and math for sdpa; upipe's math cell fails inside its step
     (an injected error): its row says so, the other cells are measured, its ratio is missing
@@ -70,6 +71,7 @@ def test_the_pipeline_runs_end_to_end_at_smoke_sizes(monkeypatch, tmp_path):
     assert "upipe with `math`: error: RuntimeError: injected failure" in readme
 
 
+@pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)
 def test_a_kernel_this_machine_cannot_run_is_a_skipped_row_and_exit_1(tmp_path, capsys):
     """The default kernels on the CPU (smoke sizes, --quick's methods): every cudnn cell is a
     skipped row with the kernel's reason, every sdpa cell is measured, and the exit is 1."""

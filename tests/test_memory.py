@@ -416,6 +416,7 @@ def measure_fake(method: str, s: Shape) -> dict[str, int]:
         return measure_layer(method, s)
 
 
+@pytest.mark.slow  # about 17 s on 2 cores (docs/testing.md)
 def test_fake_equals_real_gloo(dist_pool):
     """Emulation predicts the real CPU run to the byte (docs/design.md#emulation), for both methods,
     UPipe with and without overlapped stages (whose asynchronous all-to-alls gloo runs on its worker

@@ -176,6 +176,7 @@ def _real_memory(cell_dict: dict) -> dict:
     return {k: row[k] for k in KEYS}
 
 
+@pytest.mark.slow  # about 4 s on 2 cores (docs/testing.md)
 def test_emulated_packed_step_equals_the_real_one_and_needs_no_more(dist_pool):
     """The emulator passes the documents as the real run does (host ints under fake tensors):
     its memory equals the real gloo run's to the byte (as tests/test_emulate.py for unpacked

@@ -94,6 +94,7 @@ def test_the_stack_ladder_emulates_a_heavier_level_only_if_the_lighter_ones_fit(
             assert r["plan_inferred_from"] in LADDER[r["stack"]]
 
 
+@pytest.mark.slow  # about 4 s on 2 cores (docs/testing.md)
 def test_more_heads_per_stage_never_keep_less_on_the_device():
     """What the planner's inference over U rests on (``plan._over_by_u``): exact emulations of
     UPipe on tiny (16 heads), U from 2 to 16, on two stacks and both mesh shapes (alst: the
@@ -137,6 +138,7 @@ def test_a_heads_per_stage_over_the_device_spares_the_larger_ones(monkeypatch):
     assert (16, "alst") not in emulated and (4, "offload") in emulated
 
 
+@pytest.mark.slow  # about 3 s on 2 cores (docs/testing.md)
 def test_the_device_lower_bound_is_below_the_peak_and_decides_only_when_over():
     """``device_lower_bound``: 1, then 4, of 8 layers at the full length, exactly; never above
     the 8-layer model's emulated peak; a row (oom, "at least") only when over the budget, from
@@ -168,6 +170,7 @@ def test_the_device_lower_bound_is_below_the_peak_and_decides_only_when_over():
                               Hardware()) is None
 
 
+@pytest.mark.slow  # about 9 s on 2 cores (docs/testing.md)
 def test_the_fits_shallow_bound_is_below_the_peak_and_decides_only_when_over():
     """``emulate_cell(bound_first=True)``: the fit's 4-layer samples predicted at the full
     length, plus the further layers' parameter and optimizer shards, never above the deeper

@@ -113,6 +113,7 @@ def overlaps(texts: list[tuple[str, object]]) -> list[str]:
     return out
 
 
+@pytest.mark.slow  # about 6 s on 2 cores (docs/testing.md)
 def test_every_committed_plot_is_redrawn(drawn):
     committed = {p.relative_to(RESULTS).as_posix() for p in RESULTS.glob("*/*.png")}
     assert set(drawn) == committed

@@ -185,6 +185,7 @@ STEPS = [
 ]
 
 
+@pytest.mark.slow  # about 3 s on 2 cores (docs/testing.md)
 @pytest.mark.parametrize("method,options", STEPS, ids=[m for m, _ in STEPS])
 def test_a_replayed_step_measures_what_a_dispatched_one_does(monkeypatch, method, options):
     hooks = []

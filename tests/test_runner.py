@@ -70,6 +70,7 @@ def test_hybrid_and_fpdt_cells_run_end_to_end():
     assert fpdt["chunk_size"] == 256 and fpdt["peak_host_bytes"] > 0
 
 
+@pytest.mark.slow  # about 5 s on 2 cores (docs/testing.md)
 def test_runtime_failure_and_timeout_become_rows():
     row = run_cell(Cell("ulysses", seq_len=256, lr=-1.0, **BASE), timeout_s=300)
     assert row["status"] == "error" and "Invalid learning rate" in row["error"]

@@ -136,6 +136,7 @@ def test_upipes_overlapped_all_to_alls_share_the_attention_with_the_ring(cuda):
     assert (both.step_s, both.comm_exposed_s) == pytest.approx((1.3, 0.3))
 
 
+@pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)
 def test_upipe_overlap_work_per_block_window():
     """tiny UPipe on 2 ranks (16 heads over 4 KV heads, U = 2: two KV blocks of 4 stages): per
     pass the first stage's inputs (Q; backward also O, dO), the last stage's output (dQ) and
@@ -240,6 +241,7 @@ def _work(cell: Cell, hw: Hardware, kind: str, rank: int | None = None) -> float
     return sum(v for _, w in m.work for k, v in w.items() if k[0] == kind)
 
 
+@pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)
 def test_the_emulator_plays_the_critical_rank():
     ring = Cell("ring", "tiny", seq_len=2048, nproc=4, stack="ac")
     zigzag = dataclasses.replace(ring, method="zigzag-ring")

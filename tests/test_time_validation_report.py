@@ -114,6 +114,7 @@ def test_validate_time_on_cuda_without_a_gpu_exits_2(monkeypatch, capsys, tmp_pa
     assert not any(tmp_path.iterdir())  # nothing measured, nothing written
 
 
+@pytest.mark.slow  # about 3 s on 2 cores (docs/testing.md)
 def test_the_gpu_validation_runs_end_to_end_at_smoke_sizes(monkeypatch, tmp_path):
     """Measure, emulate, price, summarise and write, on the CPU at the smoke sizes (two cells;
     priced on the shipped h200 profile, no calibration): every file, a prediction and an

@@ -121,6 +121,7 @@ def _emulated_in_a_fresh_process(kept: bool) -> dict[int, dict]:
     return rows
 
 
+@pytest.mark.slow  # about 9 s on 2 cores (docs/testing.md)
 def test_checkpointing_frees_attention_state_in_emulation_and_the_check_can_tell():
     _check_growth(_emulated_in_a_fresh_process(kept=False), _cell(N_LAYERS[0]))
     with pytest.raises(AssertionError, match="more checkpointed layers"):

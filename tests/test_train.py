@@ -97,6 +97,7 @@ def _measure(cell: Cell) -> dict:
     return measure_cell(cell, cell.validate())
 
 
+@pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)
 def test_row_figures_and_breakdown(dist_pool):
     rows = dist_pool(2).run(_measure, dataclasses.replace(MEASURED, stack="offload"))
     row = rows[0]

@@ -82,7 +82,7 @@ from experiments.config import (
     format_size,
     takes_option,
 )
-from experiments.emulation.calibrate import calibrate, check_profile_path, write_profile
+from experiments.gpu.time_validation_gpu import NoGPU, validate_gpu
 from experiments.harness.interrupts import Terminated, terminating_signals_raise
 from experiments.harness.launch import exit_without_finalizing
 from experiments.reporting.plots import draw_plots
@@ -93,9 +93,9 @@ from experiments.runner.search import print_probe, run_search, summarize
 from experiments.runner.sweep_runner import SweepRunner
 from experiments.runner.time_validation import SWEEP as TIME_SWEEP
 from experiments.runner.time_validation import validate_time
-from experiments.runner.time_validation_gpu import NoGPU, validate_gpu
 from experiments.store import read_json
 from experiments.sweeps import SWEEPS, get_sweep
+from experiments.timing.calibrate import calibrate, check_profile_path, write_profile
 from upipe.registry import available_methods, get_method
 
 RESULTS = Path("results")

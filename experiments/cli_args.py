@@ -38,8 +38,8 @@ from experiments.config import (
     parse_size,
     takes_option,
 )
-from experiments.emulation.profile import ProfileError, profile_for, shipped_profiles
 from experiments.runner.plan import DEFAULT_STACKS, PlanSpec
+from experiments.timing.profile import ProfileError, profile_for, shipped_profiles
 from upipe.kernels import KERNELS
 from upipe.registry import available_methods, get_method
 

@@ -1,4 +1,4 @@
-"""``upipe-bench calibrate``'s measurement (experiments/emulation/calibrate.py) on CPU ranks."""
+"""``upipe-bench calibrate``'s measurement (experiments/timing/calibrate.py) on CPU ranks."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 
 from experiments import cli
 from experiments.config import Cell, Hardware
-from experiments.emulation import calibrate as cal
-from experiments.emulation.calibrate import calibrate, write_profile
-from experiments.emulation.calibrate_comm import bus_factor, fit_latency_bandwidth
 from experiments.emulation.emulate import emulate_cell
-from experiments.emulation.profile import (
+from experiments.timing import calibrate as cal
+from experiments.timing.calibrate import calibrate, write_profile
+from experiments.timing.calibrate_comm import bus_factor, fit_latency_bandwidth
+from experiments.timing.profile import (
     COLLECTIVE_OPS,
     PASSES,
     ProfileError,

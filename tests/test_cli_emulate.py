@@ -26,10 +26,10 @@ from experiments.config import (
     paper_stack,
     takes_option,
 )
-from experiments.emulation.profile import load_profile
 from experiments.harness.launch import run_cell
 from experiments.runner.sweep_runner import SweepRunner
 from experiments.sweeps import SWEEPS, emulated_sweeps, get_sweep, paper_sweeps
+from experiments.timing.profile import load_profile
 from upipe.registry import available_methods, get_method
 
 TINY = ["--model", "tiny", "--world", "4", "--emulate-device", "cpu", "--exact"]

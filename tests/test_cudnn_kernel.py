@@ -13,9 +13,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from experiments.config import Cell, Hardware
 from experiments.emulation.emulate import emulate_cell
 from experiments.emulation.kernel_models import auto_on, cuda_kernels
-from experiments.emulation.profile import PROFILE_DIR, attention_flops, load_profile
 from experiments.harness.launch import unavailable_reason
 from experiments.instruments.memory import MemoryTracker
+from experiments.timing.profile import PROFILE_DIR, attention_flops, load_profile
 from upipe.kernels import (
     KERNELS,
     attention_backward,

@@ -5,7 +5,7 @@ The same cell runs twice in this process on the ``fake`` process group of P rank
 real CUDA tensors (the collectives are shape-correct no-ops, the memory is real:
 ``torch.cuda.max_memory_allocated``), once emulated (fake tensors, ``Hardware(device="cuda")``:
 CUDA kernel models and 512-byte rounding). World size 1 and an 8-rank cell; target within 5%.
-``python -m experiments.emulation.gpu_check`` writes the same comparison for more cells to results/.
+``python -m experiments.gpu.gpu_check`` writes the same comparison for more cells to results/.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _allocator_peak(cell: Cell) -> int:
-    from experiments.emulation.gpu_check import _clean_allocator
+    from experiments.gpu.gpu_check import _clean_allocator
     from experiments.harness.measure import measure_cell
 
     _clean_allocator()  # an earlier cell's tensors held in cycles would add to this peak

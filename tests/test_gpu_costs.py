@@ -1,4 +1,4 @@
-"""``experiments.emulation.gpu_costs``: its CPU smoke run, and the shipped GPU profiles holding
+"""``experiments.gpu.gpu_costs``: its CPU smoke run, and the shipped GPU profiles holding
 exactly the constants its committed H200 run gives."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from experiments.emulation import gpu_costs
-from experiments.emulation.profile import PROFILE_DIR
+from experiments.gpu import gpu_costs
+from experiments.timing.profile import PROFILE_DIR
 
 KERNELS = Path(__file__).resolve().parent.parent / "results" / "gpu_costs_h200" / "kernels"
 

@@ -27,10 +27,13 @@ ALLOWED = {
     "sweeps": {"config", "sweeps"},
     "instruments": {"config", "instruments"},
     "harness": BASE | {"instruments", "harness"},
-    "emulation": BASE | {"instruments", "harness", "emulation"},
+    "timing": BASE | {"instruments", "harness", "timing"},
+    "emulation": BASE | {"instruments", "harness", "timing", "emulation"},
     "reporting": {"config", "store", "reporting"},
-    "runner": BASE | {"instruments", "harness", "emulation", "reporting", "runner"},
-    "cli": BASE | {"instruments", "harness", "emulation", "reporting", "runner", "sweeps", "cli"},
+    "runner": BASE | {"instruments", "harness", "timing", "emulation", "reporting", "runner"},
+    "gpu": BASE | {"instruments", "harness", "timing", "emulation", "reporting", "gpu"},
+    "cli": BASE | {"instruments", "harness", "timing", "emulation", "reporting", "runner", "gpu",
+                   "sweeps", "cli"},
 }
 
 

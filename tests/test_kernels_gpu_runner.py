@@ -1,4 +1,4 @@
-"""``python -m experiments.runner.kernels_gpu`` (cudnn against sdpa in a step) on the CPU: it
+"""``python -m experiments.gpu.kernels_gpu`` (cudnn against sdpa in a step) on the CPU: it
 refuses without a GPU (exit 2, nothing written), and its whole pipeline at the smoke sizes
 with kernels the CPU runs (``sdpa`` measured against ``math``): every file and column, the
 ratio from the rows, and a failing cell kept as a row with its error."""
@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 import torch
 
-from experiments.emulation import gpu_costs
-from experiments.runner import kernels_gpu as kg
+from experiments.gpu import gpu_costs
+from experiments.gpu import kernels_gpu as kg
 
 
 def test_without_a_gpu_it_says_why_and_exits_2(monkeypatch, capsys, tmp_path):

@@ -1,5 +1,5 @@
 """Hardware profiles of the time model (docs/design.md#the-time-model;
-experiments/emulation/profile.py).
+experiments/timing/profile.py).
 
 The shipped profiles load and validate; the loader refuses a number without a source, a bare
 number, an unknown name and a missing field, naming what is wrong; rate lookups fall back from a
@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from experiments.emulation.profile import (
+from experiments.timing.profile import (
     COLLECTIVE_OPS,
     DEFAULT_PROFILE,
     HOST_COPIES,

@@ -23,11 +23,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from experiments.config import Cell, Hardware
 from experiments.emulation import fake_step
-from experiments.emulation.op_costs import StepWork
 from experiments.emulation.replay import CallReplay
 from experiments.instruments.collectives import CollectiveCounter
 from experiments.instruments.memory import MemoryTracker
 from experiments.instruments.op_flops import CountedFlops
+from experiments.timing.op_costs import StepWork
 from upipe.pure import metadata_pure, metadata_pure_hook
 
 _KEPT: list[torch.Tensor] = []

@@ -21,12 +21,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from experiments.config import Cell, Hardware
 from experiments.emulation.emulate import emulate_cell
 from experiments.emulation.fake_step import critical_rank, fake_world, measure_fake
-from experiments.emulation.op_costs import StepWork, launches_kernel
-from experiments.emulation.profile import ProfileError, attention_flops, load_profile
-from experiments.emulation.time_model import WindowTime, price, step_time
-from experiments.emulation.work_fit import _predict_window, quadratic_at
 from experiments.harness.train import build
 from experiments.instruments.memory import MemoryTracker, tensor_leaves
+from experiments.timing.op_costs import StepWork, launches_kernel
+from experiments.timing.profile import ProfileError, attention_flops, load_profile
+from experiments.timing.time_model import WindowTime, price, step_time
+from experiments.timing.work_fit import _predict_window, quadratic_at
 from upipe.staging import make_stage_plan
 
 DATA = Path(__file__).parent / "data"

@@ -12,6 +12,7 @@ import torch
 
 from experiments import cli
 from experiments.config import Cell
+from experiments.gpu import time_validation_gpu as tvg
 from experiments.harness.launch import describe
 from experiments.reporting.validation import (
     plot_gpu_validation,
@@ -19,7 +20,6 @@ from experiments.reporting.validation import (
     summarize_gpu_validation,
     write_time_validation,
 )
-from experiments.runner import time_validation_gpu as tvg
 from experiments.runner.time_validation import predictions
 from experiments.store import BadResultFile, write_json
 

@@ -10,7 +10,7 @@ from experiments.config.cell import Cell
 from experiments.config.sizes import GiB, MiB
 
 # Device memory of the paper's GPU: an "80 GB" H100 SXM shows 81559 MiB = 79.65 GiB to CUDA
-# (nvidia-smi; the source in experiments/emulation/profiles/h100-sxm.json)
+# (nvidia-smi; the source in experiments/timing/profiles/h100-sxm.json)
 H100_MEM_GIB = 79.65
 
 # Headroom kept off the device budget: what the caching allocator holds beyond the tensors it

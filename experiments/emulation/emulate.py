@@ -33,12 +33,12 @@ from experiments.config import (
 from experiments.emulation.fake_step import Measurement, emulated_gpu, measure_fake
 from experiments.emulation.fit import N_SAMPLE, depth_lower_bound, fitted, sequence_chunk
 from experiments.emulation.kernel_models import MODELLED_KERNELS, auto_on
-from experiments.emulation.profile import Profile, profile_for
-from experiments.emulation.time_model import price, step_time
 from experiments.harness.flops import step_flops
 from experiments.harness.launch import describe, kernel_ran, method_kernel_refusal, unrun
 from experiments.harness.train import packed_cu_seqlens
 from experiments.provenance import provenance
+from experiments.timing.profile import Profile, profile_for
+from experiments.timing.time_model import price, step_time
 from upipe.kernels import cudnn_dtype_reason, cudnn_shape_reason, kernel_unavailable_reason
 from upipe.registry import get_method
 from upipe.stack import pin_host_memory

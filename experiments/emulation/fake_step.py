@@ -38,14 +38,14 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from experiments.config import Cell, Hardware, ModelConfig
 from experiments.emulation.kernel_models import PYTORCH_KERNELS, cuda_kernels
-from experiments.emulation.op_costs import StepWork, Window
-from experiments.emulation.profile import profile_for
 from experiments.emulation.replay import CallReplay
 from experiments.harness.train import build, make_meshes
 from experiments.instruments.collectives import CollectiveCounter
 from experiments.instruments.labels import label_fsdp_reductions, label_modules
 from experiments.instruments.memory import MemoryTracker
 from experiments.instruments.op_flops import CountedFlops
+from experiments.timing.op_costs import StepWork, Window
+from experiments.timing.profile import profile_for
 from upipe.pure import metadata_pure_hook
 from upipe.registry import get_method
 

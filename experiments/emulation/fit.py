@@ -43,7 +43,7 @@ from fractions import Fraction
 
 from experiments.config import Cell, Hardware, takes_option
 from experiments.emulation.fake_step import Measurement, emulated_gpu, measure_fake
-from experiments.emulation.work_fit import predict_work
+from experiments.timing.work_fit import predict_work
 from upipe.registry import get_method
 
 N_SAMPLE = (4, 5)  # layers in the sample runs: first, two (three) middle blocks, last

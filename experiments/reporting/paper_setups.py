@@ -43,7 +43,7 @@ FINDINGS: tuple[Finding, ...] = (
         "DeepSpeed deepspeed/sequence/fpdt_layer.py (SequenceChunk copies under "
         "get_accelerator().stream(offload_stream))",
         "modelled since issue 32: `ds-fpdt` takes kernel `fa3` (baselines/ds_fpdt_portable.py) "
-        "and its copies are side copies (experiments/emulation/op_costs.py)"),
+        "and its copies are side copies (experiments/timing/op_costs.py)"),
     Finding(
         "ds-fpdt at 5M (T3 and T4: paper OOM)",
         "Not found in the code. The emulated FPDT fits the device at 5M; its host memory "
@@ -82,8 +82,8 @@ FINDINGS: tuple[Finding, ...] = (
         "paper gives no trace or fabric figures for its two-node runs.",
         "torch/distributed/tensor/experimental/_context_parallel/_attention.py "
         "(_AllGatherRotater, next_buffer); torchtitan/torchtitan/models/llama3/model.py "
-        "(repeat_kv for torch CP); experiments/emulation/op_costs.py (StepWork._settle); "
-        "experiments/emulation/time_model.py (ring_async_exposed)",
+        "(repeat_kv for torch CP); experiments/timing/op_costs.py (StepWork._settle); "
+        "experiments/timing/time_model.py (ring_async_exposed)",
         "partly modelled since issue 32: the all-gather's exposure; the linear cost is "
         "unknowable from the paper"),
     Finding(
@@ -116,7 +116,7 @@ FINDINGS: tuple[Finding, ...] = (
         "called with sm_margin=0) may not run beside NCCL's kernels, which would expose the "
         "P2P (estimated to close most of the T4 gap).",
         "baselines/ring.py and upipe/module.py (critical_rank); "
-        "experiments/emulation/op_costs.py (p2p scope); long-context-attention/yunchang/ring/"
+        "experiments/timing/op_costs.py (p2p scope); long-context-attention/yunchang/ring/"
         "zigzag_ring_flash_attn.py and ring/utils.py (barrier)",
         "partly modelled since issue 32: the last ring rank is emulated and a ring step is "
         "priced at its slowest hop; the P2P's exposure and FA3's causal rates beyond 16K "

@@ -28,7 +28,7 @@ BEGIN, END = "<!-- results-index:begin -->", "<!-- results-index:end -->"
 COMMAND = "python -m experiments.reporting.results_index"
 # how the folders that are not sweeps are regenerated today (their json may name an older path)
 GUARD_COMMAND = "python -m experiments.runner.max_context_guard --update"
-GPU_CHECK_COMMAND = "python -m experiments.emulation.gpu_check"
+GPU_CHECK_COMMAND = "python -m experiments.gpu allocator"
 PAPER_GRID_COMMAND = "python -m experiments.reporting.paper_grid"
 # GPU checks: (folder, what it shows, mode of every row, the command that regenerates it)
 GPU_FOLDERS = (
@@ -39,13 +39,13 @@ GPU_FOLDERS = (
      f"{GPU_CHECK_COMMAND} --set beyond --out results/emulate_vs_allocator_beyond"),
     ("chunked_backward_gpu", "UPipe's chunked attention backward against one kernel call "
      "(beyond the paper)", "measured",
-     "python -m experiments.emulation.gpu_chunk_bench --out results/chunked_backward_gpu"),
+     "python -m experiments.gpu chunked-backward --out results/chunked_backward_gpu"),
     ("time_validation_gpu", "emulated step time vs measured on one GPU (no paper table)",
      "measured + emulated",
      "upipe-bench validate-time --device cuda --quick --out results"),
     ("kernels_gpu", "a training step with PyTorch's cuDNN attention against its flash kernel "
      "(no paper table)", "measured",
-     "python -m experiments.runner.kernels_gpu --out results/kernels_gpu"),
+     "python -m experiments.gpu kernels --out results/kernels_gpu"),
 )
 COLUMNS = ("sweep", "reproduces", "mode", "scale", "device", "date", "git rev", "versions",
            "rows (by status)", "plots", "regenerate")

@@ -27,11 +27,11 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.config import Cell, Hardware, Status, Sweep
-from experiments.emulation.calibrate import calibrate, write_profile
 from experiments.emulation.emulate import emulate_cell
 from experiments.reporting.validation import write_time_validation
 from experiments.runner.sweep_runner import SweepRunner
 from experiments.store import CELL_FILE, BadResultFile, read_json, read_row
+from experiments.timing.calibrate import calibrate, write_profile
 
 SWEEP = "time_validation_cpu"  # the sweep (experiments/sweeps) the CLI validates with
 NPROC = 2  # the sweep's ranks: the calibration times as many at once

@@ -12,7 +12,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from experiments.emulation.profile import COLLECTIVE_OPS
+from experiments.timing.profile import COLLECTIVE_OPS
 
 # torch >= 2.13 names them *_single; earlier versions *_into_tensor / *_tensor (same arguments)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -29,10 +29,10 @@ kernels and host copies, no-op collectives), the allocator cleaned between cells
 (``profile_constants``: flash and cuDNN attention by heads, narrow-matmul caps, the host's cost
 per op) into a profile JSON, as the shipped ``h200`` and ``h100-sxm`` took them.
 
-    python -m experiments.emulation.gpu_costs --out results/gpu_costs   # needs a GPU
-    python -m experiments.emulation.gpu_costs --out /tmp/x --small       # CPU smoke test
-    python -m experiments.emulation.gpu_costs --out results/gpu_costs_h200/kernels \
-        --merge-into experiments/emulation/profiles/h200.json --where "..."
+    python -m experiments.gpu.gpu_costs --out results/gpu_costs   # needs a GPU
+    python -m experiments.gpu.gpu_costs --out /tmp/x --small       # CPU smoke test
+    python -m experiments.gpu.gpu_costs --out results/gpu_costs_h200/kernels \
+        --merge-into experiments/timing/profiles/h200.json --where "..."
 """
 
 from __future__ import annotations
@@ -56,12 +56,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from experiments.config import Cell
-from experiments.emulation.calibrate import calibrate, write_profile
 from experiments.emulation.fake_step import fake_world
-from experiments.emulation.profile import attention_flops
 from experiments.harness.train import build
 from experiments.provenance import provenance
 from experiments.store import write_json
+from experiments.timing.calibrate import calibrate, write_profile
+from experiments.timing.profile import attention_flops
 from upipe.kernels import attention_backward, attention_forward
 
 #: (method, ranks, tokens, extra cell fields, profiled): Llama3-8B shapes, 4 layers, bf16, ALST
@@ -567,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             write_profile(prof, args.out / f"profile_{'quick' if quick else 'full'}.json")
             print(f"== calibrate quick={quick}: {time.monotonic() - t0:.0f} s", flush=True)
     write_json(args.out / "env.json", {
-        "command": "python -m experiments.emulation.gpu_costs " + " ".join(
+        "command": "python -m experiments.gpu.gpu_costs " + " ".join(
             sys.argv[1:] if argv is None else argv),
         "wall_s": time.monotonic() - t_start, **provenance()})
     return 0

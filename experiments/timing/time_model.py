@@ -56,8 +56,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from experiments.emulation.op_costs import DTYPE_BYTES, Window
-from experiments.emulation.profile import Profile
+from experiments.timing.op_costs import DTYPE_BYTES, Window
+from experiments.timing.profile import Profile
 
 
 @dataclass(frozen=True)

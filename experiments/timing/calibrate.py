@@ -42,18 +42,6 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments.config import PROCESS_GROUP_TIMEOUT_S, format_size
-from experiments.emulation.calibrate_comm import (
-    CALLS,
-    bus_factor,
-    fit_latency_bandwidth,
-    measure_collectives,
-)
-from experiments.emulation.profile import (
-    HOST_COPIES,
-    attention_flops,
-    load_profile,
-    shipped_profiles,
-)
 from experiments.harness.launch import (
     exit_without_finalizing,
     free_port,
@@ -61,6 +49,18 @@ from experiments.harness.launch import (
 )
 from experiments.provenance import provenance
 from experiments.store import write_json
+from experiments.timing.calibrate_comm import (
+    CALLS,
+    bus_factor,
+    fit_latency_bandwidth,
+    measure_collectives,
+)
+from experiments.timing.profile import (
+    HOST_COPIES,
+    attention_flops,
+    load_profile,
+    shipped_profiles,
+)
 from upipe.kernels import (
     attention_backward,
     attention_forward,

@@ -6,8 +6,8 @@ real CUDA tensors (collectives are shape-correct no-ops, the memory is real; one
 0 of P) and once emulated (fake tensors, ``Hardware(device="cuda")``, exact). Written to
 ``<out>/rows.csv`` and ``<out>/env.json``:
 
-    python -m experiments.emulation.gpu_check --out results/emulate_vs_allocator     # needs a GPU
-    python -m experiments.emulation.gpu_check --set beyond --out results/emulate_vs_allocator_beyond
+    python -m experiments.gpu.gpu_check --out results/emulate_vs_allocator     # needs a GPU
+    python -m experiments.gpu.gpu_check --set beyond --out results/emulate_vs_allocator_beyond
 
 Before each real run the previous cell's tensors are collected and the allocator must hold
 nothing: a leftover (a reference cycle not yet collected) would inflate the peak.
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.get('reserved_over_allocated', float('nan')):.3f}  {r['status']}", flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
         pd.DataFrame(rows).to_csv(args.out / "rows.csv", index=False)
-    write_json(args.out / "env.json", {"command": "python -m experiments.emulation.gpu_check "
+    write_json(args.out / "env.json", {"command": "python -m experiments.gpu.gpu_check "
                                        f"--set {args.set} --out {args.out}", **provenance()})
     return 0
 

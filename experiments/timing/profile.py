@@ -1,7 +1,7 @@
 """Hardware profiles for the time model (docs/design.md#the-time-model): rates as data, each with
 its source.
 
-A profile is a JSON file: the shipped ones in ``experiments/emulation/profiles/`` (named by file
+A profile is a JSON file: the shipped ones in ``experiments/timing/profiles/`` (named by file
 stem: ``h100-sxm``, ``h200``, ``a100-80gb``), or one written by ``upipe-bench calibrate``
 (selected by path). Every number is a *constant*: an object ``{"value": ..., "source": "..."}``
 whose source names where the value comes from (a datasheet, a paper's figure, an issue thread

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from fractions import Fraction
 
-from experiments.emulation.op_costs import Window
+from experiments.timing.op_costs import Window
 
 SIZED = {"matmul": 2, "attention": 5}  # key kind -> index of its size
 

@@ -1,6 +1,6 @@
 """Kernel ``cudnn`` against ``sdpa`` in a whole training step, on one GPU.
 
-    python -m experiments.runner.kernels_gpu --out results/kernels_gpu [--quick]
+    python -m experiments.gpu.kernels_gpu --out results/kernels_gpu [--quick]
 
 For each method in ``METHODS`` (``--quick``: ``QUICK_METHODS``) one Llama3-8B-shaped step (4
 layers, bf16, the ALST stack: ``gpu_costs.cell_of`` of ``STEP_CELLS``' 8-rank entry, its options
@@ -38,7 +38,7 @@ import pandas as pd
 import torch
 
 from experiments.config import Status
-from experiments.emulation.gpu_costs import STEP_CELLS, cell_of, measure_steps
+from experiments.gpu.gpu_costs import STEP_CELLS, cell_of, measure_steps
 from experiments.provenance import provenance
 from experiments.store import write_json, write_text
 from upipe.kernels import kernel_unavailable_reason
@@ -191,7 +191,7 @@ def compare_kernels(out: Path, *, quick: bool = False, small: bool = False,
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     methods = methods or (QUICK_METHODS if quick else METHODS)
     seq_len = QUICK_SEQ_LEN if quick else SEQ_LEN
-    env = {"command": "python -m experiments.runner.kernels_gpu" + (" --quick" if quick else "")
+    env = {"command": "python -m experiments.gpu.kernels_gpu" + (" --quick" if quick else "")
            + (" --small" if small else "") + (f" --kernels {','.join(kernels)}"
                                               if kernels != KERNELS else ""),
            "kernels": list(kernels), "methods": list(methods), "iters": ITERS,

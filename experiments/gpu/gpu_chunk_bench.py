@@ -6,7 +6,7 @@ rank: B = 1, H = Hkv = 1, D = 128, bf16, causal. Per length S and chunk: the bac
 the inputs while it runs, and the largest difference of dq, dk, dv from the one-call backward
 (in units of that gradient's largest magnitude). Written to ``<out>/rows.csv`` and ``env.json``:
 
-    python -m experiments.emulation.gpu_chunk_bench --out results/chunked_backward_gpu  # a GPU
+    python -m experiments.gpu.gpu_chunk_bench --out results/chunked_backward_gpu  # a GPU
 
 The kernel is ``sdpa`` (PyTorch's flash backend), what ``kernel="auto"`` picked when the
 committed results/chunked_backward_gpu was measured (``auto`` now picks ``cudnn`` on Hopper).
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     df["device"] = torch.cuda.get_device_name()
     df.to_csv(args.out / "rows.csv", index=False)
     write_json(args.out / "env.json", {
-        "command": f"python -m experiments.emulation.gpu_chunk_bench --out {args.out} "
+        "command": f"python -m experiments.gpu.gpu_chunk_bench --out {args.out} "
                    f"--seq-lens {args.seq_lens} --chunks {args.chunks} --reps {args.reps}",
         **provenance()})
     return 0

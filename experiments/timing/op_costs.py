@@ -58,10 +58,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from baselines.ds_fpdt_portable import on_side_stream
-from experiments.emulation.profile import attention_flops
 from experiments.instruments.collectives import COLLECTIVE_NAMESPACES, describe_collective
 from experiments.instruments.memory import HOST, MemoryTracker, plain_tensors, tensor_leaves
 from experiments.instruments.op_flops import flop_formula
+from experiments.timing.profile import attention_flops
 
 Window = tuple[str, int | None]
 

@@ -32,14 +32,14 @@ import pandas as pd
 import torch
 
 from experiments.config import Hardware, Status
-from experiments.emulation.calibrate import DATASHEETS, calibrate, write_profile
 from experiments.emulation.emulate import time_columns
 from experiments.emulation.fake_step import measure_fake
-from experiments.emulation.gpu_costs import STEP_CELLS, cell_of, measure_steps
-from experiments.emulation.profile import load_profile
+from experiments.gpu.gpu_costs import STEP_CELLS, cell_of, measure_steps
 from experiments.provenance import provenance
 from experiments.reporting.validation import plot_gpu_validation, summarize_gpu_validation
 from experiments.store import write_json, write_text
+from experiments.timing.calibrate import DATASHEETS, calibrate, write_profile
+from experiments.timing.profile import load_profile
 
 FOLDER = "time_validation_gpu"
 ITERS = 2  # timed steps per cell (one at 512K tokens), after a warm-up step

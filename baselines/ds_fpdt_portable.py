@@ -131,7 +131,7 @@ def on_side_stream() -> bool:
     issues every host copy of its offloading path so (``SequenceChunk``'s offload and
     ``load_to_gpu``, the dQ write-back), where on CUDA they run beside the attention kernels
     of the compute stream (it waits for them once per chunk pair); the emulator's time model
-    prices such copies as side copies (``experiments.emulation.op_costs``)."""
+    prices such copies as side copies (``experiments.timing.op_costs``)."""
     return _SIDE_STREAM.get()
 
 

@@ -106,6 +106,7 @@ def test_max_context_rejects_bad_input_naming_the_flag(capsys, args, names):
         assert name in err, err
 
 
+@pytest.mark.slow  # about 1 s on 2 cores (docs/testing.md)
 def test_emulate_json_row(capsys):
     code, out, err = _cli(capsys, "emulate", "--method", "upipe", "--seq-len", "4K", "--json",
                           *TINY)

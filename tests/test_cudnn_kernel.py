@@ -86,6 +86,7 @@ def test_refusals_name_the_rule():
             attention_forward(q32, q32, q32, causal=True, kernel="cudnn")
 
 
+@pytest.mark.slow  # about 1 s on 2 cores (docs/testing.md)
 def test_methods_calling_their_own_library_refuse_cudnn_and_say_why():
     for method, kernel in (("torch-cp", "sdpa"), ("ds-fpdt", "flash-attn")):
         cell = Cell(method=method, model="tiny", seq_len=1024, nproc=4, dtype="bf16",

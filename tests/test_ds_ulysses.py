@@ -105,6 +105,7 @@ def test_missing_deepspeed_is_a_clear_error(monkeypatch):
         build_method("ds-ulysses", 48, 6, 2, 16)
 
 
+@pytest.mark.slow  # about 1 s on 2 cores (docs/testing.md)
 def test_importing_baselines_does_not_import_deepspeed():
     code = "import sys, baselines; assert 'deepspeed' not in sys.modules, 'eager import'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -88,6 +88,7 @@ def _wait_for(predicate, timeout_s: float = 120.0, what: str = "a condition"):
 # -- 1. a rank killed from outside -------------------------------------------------------------
 
 
+@pytest.mark.slow  # about 1 s on 2 cores (docs/testing.md)
 def test_a_rank_killed_from_outside_is_an_error_not_an_oom():
     """SIGKILL from outside (a user, a scheduler; the launcher cannot tell the kernel's OOM
     killer apart) is not a measured OOM: the row is an error naming the signal."""

@@ -110,6 +110,7 @@ def test_more_heads_per_stage_never_keep_less_on_the_device():
         assert (peaks[-1] > peaks[0]) == (stack == "alst")
 
 
+@pytest.mark.slow  # about 1 s on 2 cores (docs/testing.md)
 def test_a_heads_per_stage_over_the_device_spares_the_larger_ones(monkeypatch):
     """Serially (one worker) the plan starts U = 4 first (most stages), then 8, then 16: once 8
     is over the device on alst, 16 is not emulated on any stack (each row says why)."""
@@ -222,6 +223,7 @@ def test_ranking_puts_what_fits_first_fastest_first():
     assert [r.get("peak_device_bytes") for r in ranked[2:4]] == [5, 9]
 
 
+@pytest.mark.slow  # about 1 s on 2 cores (docs/testing.md)
 def test_a_small_real_plan_emulates_and_ranks(tmp_path):
     """tiny on 2 CPU "GPUs", Ulysses on two stacks, emulated with the CPU unit profile: every
     row has a time and the ranking follows the emulated tokens/s."""

@@ -107,6 +107,7 @@ def test_format_helpers():
     assert variant_label("fpdt", None, 1, 1024.0, 4) == "fpdt (upipe's, ALST stack) c=1K"
 
 
+@pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)
 def test_every_plot_drawn_and_closed(tmp_path):
     _write(tmp_path, _rows(), _maxctx())
     out = draw_plots(tmp_path, PLOTS)

@@ -93,6 +93,7 @@ def test_a_row_that_is_not_its_cells_or_not_numeric_is_bad(tmp_path, field, valu
     assert runner.action(ulysses) == "re-run"  # set aside and run again, as a cut row
 
 
+@pytest.mark.slow  # about 3 s on 2 cores (docs/testing.md)
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
 def test_result_files_get_the_umask(tmp_path, umask, mode):
     """Results are shared and committed: a written file is 0666 less the umask, as any file

@@ -275,6 +275,7 @@ def test_a_ring_step_waits_for_its_slowest_hop():
 # rows
 
 
+@pytest.mark.slow  # about 1 s on 2 cores (docs/testing.md)
 def test_emulated_rows_carry_the_time_columns_and_the_parts_sum_to_the_step():
     cell = Cell("upipe", "tiny", seq_len=4096, nproc=2, stack="alst", dtype="bf16")
     row = emulate_cell(cell, Hardware(profile=CUDA), exact=True)
@@ -566,6 +567,7 @@ class _KernelCount(TorchDispatchMode):
 @pytest.mark.parametrize("method,nproc,extra", [
     ("ulysses", 1, {}), ("upipe", 1, {"heads_per_stage": 1}), ("upipe", 2, {}),
     ("zigzag-ring", 2, {})], ids=["ulysses", "upipe-U1", "upipe-P2", "zigzag-P2"])
+@pytest.mark.slow  # about 3 s on 2 cores (docs/testing.md)
 def test_the_fake_steps_kernels_are_a_real_steps(method, nproc, extra):
     """The kernels the time model prices are the ones a real step launches: rank 0 of the job
     on the fake process group with real CPU tensors (collectives do nothing, every other op

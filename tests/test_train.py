@@ -62,6 +62,7 @@ OTHER_METHODS = [("zigzag-ring", {}), ("usp", {"ring_degree": 2}),
 @pytest.mark.parametrize("method, options", OTHER_METHODS,
                          ids=[m + "".join(f"-{k}{v}" for k, v in o.items())
                               for m, o in OTHER_METHODS])
+@pytest.mark.slow  # about 5 s on 2 cores (docs/testing.md)
 def test_other_methods_train_like_single_device(dist_pool, reference_losses, method, options):
     """As above (same tolerance, same reason): their layouts shard tokens and labels alike, and
     their attention is exact, so the step is the single-device step up to round-off."""
@@ -72,6 +73,7 @@ def test_other_methods_train_like_single_device(dist_pool, reference_losses, met
         torch.testing.assert_close(rank_losses, reference_losses["alst"], rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)
 @pytest.mark.parametrize("method, options", [("ds-fpdt", {"chunk_size": 32}), ("ulysses", {})])
 def test_megatron_ds_stack_trains_like_single_device(dist_pool, reference_losses, method,
                                                      options):

@@ -74,6 +74,7 @@ def test_bad_input_raises_before_any_collective(dist_pool, method):
             assert n_collectives == 0, f"rank {rank}: {n_collectives} collectives before {msg!r}"
 
 
+@pytest.mark.slow  # about 1 s on 2 cores (docs/testing.md)
 def test_unknown_method_lists_valid_choices():
     with pytest.raises(ValueError, match=r"method must be one of \[.*'upipe'.*\], got 'nope'"):
         build_method("nope", 32, 8, 2)

@@ -3,8 +3,9 @@
 The layering is docs/design.md#layout-and-dependency-direction:
 
 upipe <- baselines <- experiments; inside experiments each package imports only the packages
-below it (``ALLOWED``), reporting reads result files and is imported by the runner and the CLI
-only, there is no import cycle between modules, and no module imports another of the project
+below it (``ALLOWED``: config <- instruments <- harness <- timing <- emulation <- runner <- cli,
+gpu beside the runner), reporting reads result files and is imported by the runner, gpu and the
+CLI only, there is no import cycle between modules, and no module imports another of the project
 inside a function (the way cycles get dodged).
 """
 
@@ -31,6 +32,7 @@ ALLOWED = {
     "emulation": BASE | {"instruments", "harness", "timing", "emulation"},
     "reporting": {"config", "store", "reporting"},
     "runner": BASE | {"instruments", "harness", "timing", "emulation", "reporting", "runner"},
+    # the GPU checks: beside the runner (neither imports the other), below the CLI
     "gpu": BASE | {"instruments", "harness", "timing", "emulation", "reporting", "gpu"},
     "cli": BASE | {"instruments", "harness", "timing", "emulation", "reporting", "runner", "gpu",
                    "sweeps", "cli"},
@@ -82,6 +84,12 @@ def _resolve(name: str) -> str | None:
 
 def test_there_is_something_to_check():
     assert len(FILES) > 60 and "experiments.harness.launch" in MODULES
+
+
+def test_every_package_of_experiments_has_its_layer():
+    parts = {_part(m) for m in MODULES if m.startswith("experiments.")}
+    assert parts - {"experiments"} <= set(ALLOWED), sorted(parts - set(ALLOWED))
+    assert {"timing", "gpu"} <= parts
 
 
 def test_no_function_level_imports_of_project_modules():

@@ -390,11 +390,12 @@ def test_figures_draw_each_declared_plot_of_each_sweep(results: Path, tables):
 
 
 def test_reads_results_only():
-    """docs/design.md#layout-and-dependency-direction: reporting imports no harness, emulation,
-    runner or CLI code."""
+    """docs/design.md#layout-and-dependency-direction: reporting imports no harness, time model,
+    emulation, runner, GPU check or CLI code."""
     tree = ast.parse(Path(nb.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    forbidden = ("experiments.harness", "experiments.emulation", "experiments.runner",
-                 "experiments.cli", "torch", "upipe", "baselines")
+    forbidden = ("experiments.harness", "experiments.timing", "experiments.emulation",
+                 "experiments.runner", "experiments.gpu", "experiments.cli", "torch", "upipe",
+                 "baselines")
     assert not [m for m in imported if m and m.startswith(forbidden)]

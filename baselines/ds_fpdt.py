@@ -63,6 +63,7 @@ from baselines.rfa_zigzag import check_half_precision, import_problem, requireme
 from upipe.kernels import kernel_device_type
 from upipe.layout import SeqLayout
 from upipe.module import ContextParallelAttention
+from upipe.options import MethodOption
 from upipe.registry import register_method
 from upipe.rope import rope_tables
 
@@ -110,6 +111,11 @@ class DSFPDTAttention(ContextParallelAttention):
     documents_unsupported = (
         "DeepSpeed's FPDT_Attention takes no document boundaries (dense flash-attn per chunk, "
         "RoPE at global positions); use 'fpdt'")
+
+    declared_options = (
+        MethodOption("chunk_size", int, "global tokens per sequence chunk", tag="c",
+                     tokens=True),
+    )
 
     def __init__(self, *args, chunk_size: int = DEFAULT_CHUNK_SIZE, offload: bool = True,
                  **kwargs):

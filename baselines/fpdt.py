@@ -51,6 +51,7 @@ from upipe.kernels import attention_backward, attention_forward
 from upipe.layout import SeqLayout
 from upipe.merge import merge_attention
 from upipe.module import ContextParallelAttention, replicate_kv_heads
+from upipe.options import MethodOption
 from upipe.registry import register_method
 from upipe.rope import apply_rope, apply_rope_inverse, rope_tables
 
@@ -318,6 +319,11 @@ class FPDTAttention(ContextParallelAttention):
     context manager entered around host allocations, e.g. a tracker's ``host``) and
     ``pin_memory`` (pin host buffers; CUDA only).
     """
+
+    declared_options = (
+        MethodOption("chunk_size", int, "global tokens per sequence chunk, a multiple of the "
+                     "CP degree", tag="c", tokens=True),
+    )
 
     def __init__(self, *args, chunk_size: int = DEFAULT_CHUNK, offload: bool = True, **kwargs):
         self.chunk_size, self.offload = chunk_size, offload  # options() runs in super().__init__

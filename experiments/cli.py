@@ -72,7 +72,6 @@ from experiments.cli_args import (
     size,
 )
 from experiments.config import (
-    METHOD_OPTIONS,
     PRESETS,
     PROCESS_GROUP_TIMEOUT_S,
     STACKS,
@@ -80,8 +79,8 @@ from experiments.config import (
     MiB,
     Status,
     format_size,
-    takes_option,
 )
+from experiments.config.options import declared
 from experiments.gpu.time_validation_gpu import NoGPU, validate_gpu
 from experiments.harness.interrupts import Terminated, terminating_signals_raise
 from experiments.harness.launch import exit_without_finalizing
@@ -110,7 +109,7 @@ def _methods() -> dict[str, dict]:
         cls = get_method(name)
         reason = cls.unavailable_reason(device_type)
         out[name] = {"available": reason is None, "reason": reason, "device": device_type,
-                     "options": [o for o in METHOD_OPTIONS if takes_option(cls, o)]
+                     "options": list(declared(name))
                      + (["ring_degree"] if cls.supports_mesh else [])}
     return out
 

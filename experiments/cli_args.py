@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import os
 import re
 from pathlib import Path
@@ -36,12 +35,12 @@ from experiments.config import (
     paper_stack,
     parse_overrides,
     parse_size,
-    takes_option,
 )
+from experiments.config.options import default, every_option
 from experiments.runner.plan import DEFAULT_STACKS, PlanSpec
 from experiments.timing.profile import ProfileError, profile_for, shipped_profiles
 from upipe.kernels import KERNELS
-from upipe.registry import available_methods, get_method
+from upipe.options import MethodOption
 
 # emulation defaults: one node of the paper (8x H100 80 GB, DGX H100 host RAM)
 EMULATED_WORLD = 8
@@ -98,28 +97,42 @@ def seconds(text: str) -> float:
     return _number(text, float, "a number of seconds", lambda v: v > 0, "positive")
 
 
-def option_defaults(name: str) -> dict[str, object]:
-    """method -> its constructor's default for the cell option ``name`` (``METHOD_OPTIONS``),
-    for every registered method that takes it: what the option's flag says it defaults to,
-    read from the code so that the help cannot drift from it."""
-    return {m: inspect.signature(get_method(m)).parameters[name].default
-            for m in available_methods() if takes_option(get_method(m), name)}
+def _shown_default(method: str, opt: MethodOption) -> str:
+    """What ``method`` does when option ``opt`` is not set, for a help text: its
+    constructor's default (read from the code, so the help cannot drift from it), or the
+    declaration's ``unset`` where that default is None."""
+    value = default(method, opt.name)
+    if value is None:
+        return opt.unset or "unset"
+    if opt.kind is bool:
+        return "on" if value else "off"
+    return format_size(value) if opt.tokens else str(value)
 
 
-def _on_off(value) -> str:
-    return "on" if value else "off"
-
-
-def _tokens_or_unchunked(value) -> str:
-    return "unchunked" if value is None else format_size(value)
-
-
-def _default_text(defaults: dict[str, object], show) -> str:
+def _default_text(shown: dict[str, str]) -> str:
     """The methods' defaults for a help text: one value when they agree, else per method."""
-    shown = {m: show(v) for m, v in defaults.items()}
     if len(set(shown.values())) == 1:
         return next(iter(shown.values()))
     return ", ".join(f"{m} {v}" for m, v in shown.items())
+
+
+def add_option_args(p: argparse.ArgumentParser) -> None:
+    """One flag per option the registered methods declare (``--heads-per-stage``,
+    ``--chunk-size``, ``--overlap/--no-overlap``), its help built from their declarations: a
+    method's new option gets its flag without a line here."""
+    for name, by in every_option().items():
+        helps: dict[str, list[str]] = {}
+        for method, opt in by.items():
+            helps.setdefault(opt.help, []).append(method)
+        shown = {m: _shown_default(m, opt) for m, opt in by.items()}
+        text = ("; ".join(f"{', '.join(ms)}: {h}" for h, ms in helps.items())
+                + f" (default: {_default_text(shown)})")
+        opt, flag = next(iter(by.values())), "--" + name.replace("_", "-")
+        if opt.kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            p.add_argument(flag, type=size if opt.tokens else opt.kind, default=None,
+                           choices=opt.choices or None, help=text)
 
 
 def add_progress_arg(p: argparse.ArgumentParser) -> None:
@@ -143,21 +156,10 @@ def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
     p.add_argument("--stack", default=None,
                    help=f"memory stack: {', '.join(STACKS)} (default: the paper's for the "
                         "method: torchtitan for torch-cp, megatron-ds for ds-fpdt, else alst)")
-    p.add_argument("--heads-per-stage", type=int, default=None,
-                   help="UPipe's U: heads per stage, a positive multiple of the Ulysses degree "
-                        "dividing the heads (default: the Ulysses degree)")
-    overlap, chunk = option_defaults("overlap"), option_defaults("chunk_size")
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"{', '.join(overlap)}: run the stages' all-to-alls beside the attention "
-                        "kernels; off: the paper's blocking schedule (default: "
-                        f"{_default_text(overlap, _on_off)})")
+    add_option_args(p)
     p.add_argument("--ring-degree", type=int, default=None,
                    help="hybrids (usp, upipe): ring axis of a (ring, ulysses) mesh; "
                         "Ulysses degree = nproc / ring degree (default 1)")
-    p.add_argument("--chunk-size", type=size, default=None,
-                   help=f"{', '.join(chunk)}: global tokens per chunk (64K): FPDT's sequence "
-                        "chunks, UPipe's chunked attention backward (plain Ulysses mesh); "
-                        f"default: {_default_text(chunk, _tokens_or_unchunked)}")
     p.add_argument("--doc-len", type=size, default=None,
                    help="packed documents: tokens per document (4K); the sequence is cut into "
                         "seq-len // doc-len documents, the last one holding the remainder, and "
@@ -308,9 +310,9 @@ def cell_from_args(a: argparse.Namespace, *, emulated: bool = False,
     default_world = EMULATED_WORLD if emulated else int(os.environ.get("WORLD_SIZE", 4))
     nproc, ring_degree = world_from_args(a, default_world)
     cell = Cell(method=a.method, model=a.model, seq_len=a.seq_len, nproc=nproc,
-                stack=a.stack or paper_stack(a.method), heads_per_stage=a.heads_per_stage,
-                ring_degree=ring_degree, chunk_size=a.chunk_size, doc_len=a.doc_len,
-                overlap=getattr(a, "overlap", None),
+                stack=a.stack or paper_stack(a.method),
+                options={name: getattr(a, name, None) for name in every_option()},
+                ring_degree=ring_degree, doc_len=a.doc_len,
                 dtype=a.dtype or ("bf16" if emulated else "fp32"),
                 kernel=a.kernel, overrides=parse_overrides(a.override),
                 budget_mib=a.budget_mib, warmup=getattr(a, "warmup", 1),

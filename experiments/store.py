@@ -19,17 +19,19 @@ import os
 import tempfile
 from pathlib import Path
 
+from experiments.config.options import number_options
 from experiments.config.status import Status
 
 # What every row and every search summary carries; a file without one of these is not a result.
 # A row is its cell's identity (``harness.launch.describe``) plus what happened.
-ROW_FIELDS = ("cell_id", "method", "heads_per_stage", "ring_degree", "chunk_size", "model",
-              "seq_len", "nproc", "stack", "status", "mode")
+ROW_FIELDS = ("cell_id", "method", "ring_degree", "model", "seq_len", "nproc", "stack", "status",
+              "mode")
 SEARCH_FIELDS = ("method", "model", "nproc", "status", "mode", "max_seq_len",
                  "first_failing_seq_len")
-# A row's numbers (its cell's sizes and what was measured or emulated): a number or null, never
-# text, which would reach a table's arithmetic and fail there without naming the file.
-ROW_NUMBERS = ("heads_per_stage", "ring_degree", "chunk_size", "seq_len", "nproc", "budget_mib",
+# A row's numbers (its cell's sizes, its methods' integer options (``number_options``) and what
+# was measured or emulated): a number or null, never text, which would reach a table's
+# arithmetic and fail there without naming the file.
+ROW_NUMBERS = ("ring_degree", "seq_len", "nproc", "budget_mib",
                "doc_len", "time_median_s", "time_p20_s", "time_p80_s", "step_time_s",
                "tokens_per_s_per_gpu", "mfu", "model_tflops_per_step", "time_compute_s",
                "time_comm_exposed_s", "time_offload_exposed_s", "time_overhead_s",
@@ -109,7 +111,7 @@ def read_row(path: Path) -> dict:
     the cell fields it carries are those of the folder's ``cell.json`` (when there is one)."""
     path = Path(path)
     row = _checked(path, read_json(path), ROW_FIELDS, "row")
-    for name in ROW_NUMBERS:
+    for name in ROW_NUMBERS + number_options():
         value = row.get(name)
         if value is not None and (type(value) is bool or not isinstance(value, (int, float))):
             raise BadResultFile(path, f"{name} must be a number or null, got {value!r}")

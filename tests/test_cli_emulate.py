@@ -24,12 +24,13 @@ from experiments.config import (
     SearchSpec,
     Sweep,
     paper_stack,
-    takes_option,
 )
+from experiments.config.options import declared, every_option
 from experiments.harness.launch import run_cell
 from experiments.runner.sweep_runner import SweepRunner
 from experiments.sweeps import SWEEPS, emulated_sweeps, get_sweep, paper_sweeps
 from experiments.timing.profile import load_profile
+from upipe.options import MethodOption
 from upipe.registry import available_methods, get_method
 
 TINY = ["--model", "tiny", "--world", "4", "--emulate-device", "cpu", "--exact"]
@@ -230,7 +231,7 @@ def test_sweep_validates_scale_and_hardware():
 
 
 def test_measured_rows_say_so():
-    row = run_cell(Cell("upipe", heads_per_stage=3))  # invalid: a row without a launch
+    row = run_cell(Cell("upipe", options={"heads_per_stage": 3}))  # invalid: a row without a launch
     assert (row["status"], row["mode"]) == ("invalid", "measured")
 
 
@@ -400,15 +401,44 @@ def _help(capsys, command: str) -> str:
 
 @pytest.mark.parametrize("command", ["run", "emulate", "max-context"])
 def test_help_states_the_defaults_of_the_code(capsys, command):
-    """--overlap's help states UPipe's own default (a cell leaves it unset: the method's), and
-    --chunk-size's names every method that takes a chunk size, UPipe's chunked backward too."""
+    """Each method option's flag comes from the methods' declarations: --overlap's help states
+    UPipe's own default (a cell leaves it unset: the method's), and --chunk-size's names every
+    method that declares a chunk size, UPipe's chunked backward too."""
     text = _help(capsys, command)
-    overlap = text.split("--overlap, --no-overlap")[1].split("--ring-degree")[0]
+    overlap = text.split("--overlap, --no-overlap")[1].split(" --")[0]
     default = inspect.signature(get_method("upipe")).parameters["overlap"].default
-    assert Cell("upipe").overlap is None
+    assert Cell("upipe").option("overlap") is None
     assert f"(default: {'on' if default else 'off'})" in overlap, overlap
-    chunk = text.rsplit("--chunk-size CHUNK_SIZE", 1)[1].split("--doc-len")[0]  # not usage's
-    takers = [m for m in available_methods() if takes_option(get_method(m), "chunk_size")]
+    chunk = text.rsplit("--chunk-size CHUNK_SIZE", 1)[1].split(" --")[0]  # not usage's
+    takers = [m for m in available_methods() if "chunk_size" in declared(m)]
     assert "upipe" in takers
     for method in takers:
-        assert method in chunk.split(":")[0], chunk
+        assert method in chunk, chunk
+    assert "upipe unchunked" in chunk and "fpdt 64K" in chunk, chunk  # defaults from the code
+    for name in every_option():
+        assert f"--{name.replace('_', '-')}" in text, name
+
+
+def test_a_new_option_of_one_method_needs_no_line_outside_it(monkeypatch, capsys):
+    """Declaring an option in the method class is all it takes: torch-cp's constructor has
+    ``rotate_method``; once declared it is a flag, validated by its kind and choices, in the
+    cell's options, its id and its row, with the default read from the constructor."""
+    if "torch-cp" not in available_methods():
+        pytest.skip("torch-cp not registered")
+    cls = get_method("torch-cp")
+    monkeypatch.setattr(cls, "declared_options", (MethodOption(
+        "rotate_method", str, "how the ring passes K/V", tag="rot",
+        choices=("allgather", "alltoall")),))
+    text = _help(capsys, "emulate")
+    assert "--rotate-method {allgather,alltoall}" in text
+    assert "torch-cp: how the ring passes K/V (default: allgather)" in text, text
+    a = parser().parse_args(["emulate", "--method", "torch-cp", "--rotate-method", "alltoall"])
+    cell = cell_from_args(a, emulated=True)
+    assert dict(cell.options) == {"rotate_method": "alltoall"}
+    assert cell.cell_id().startswith("torch-cp-rotalltoall-tiny-")
+    assert cell.to_dict()["rotate_method"] == "alltoall"
+    with pytest.raises(ValueError, match=r"rotate_method of 'torch-cp' must be one of "
+                                         r"\['allgather', 'alltoall'\], got 'ring'"):
+        Cell("torch-cp", stack="native", options={"rotate_method": "ring"}).validate()
+    with pytest.raises(ValueError, match="rotate_method applies to torch-cp only, not 'upipe'"):
+        Cell("upipe", options={"rotate_method": "alltoall"}).validate()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import pickle
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +21,7 @@ from experiments.config import (
     parse_size,
     resolve_model,
 )
+from experiments.config.options import every_option
 from experiments.runner.search import search_max_context
 from experiments.sweeps import SWEEPS, cpu_sweeps, get_sweep
 from upipe.registry import available_methods
@@ -89,7 +93,7 @@ def test_overrides_are_typed_and_checked():
     ({"kernel": "cudnn-v9"}, "kernel"),
 ])
 def test_cell_validation_names_field_and_rule(fields, msg):
-    cell = Cell(**({"method": "upipe"} | fields))
+    cell = Cell.from_dict({"method": "upipe"} | fields)
     with pytest.raises(ValueError, match=msg):
         cell.validate()
 
@@ -105,12 +109,22 @@ def test_cell_validation_names_field_and_rule(fields, msg):
     ({"method": "upipe", "nproc": 8, "ring_degree": 2, "heads_per_stage": 2}, r"heads_per_stage"),
     # chunk_size: FPDT's and UPipe's (its chunked backward) only, positive
     ({"method": "ulysses", "chunk_size": 1024}, r"chunk_size applies to .*only, not 'ulysses'"),
-    ({"method": "upipe", "chunk_size": 0}, r"chunk_size must be positive"),
+    ({"method": "upipe", "chunk_size": 0}, r"chunk_size must be a positive number of tokens"),
     ({"method": "upipe", "nproc": 8, "ring_degree": 2, "chunk_size": 1024},
      r"chunk_size .* needs the plain Ulysses mesh \(ring_degree 1\)"),
     # overlap: UPipe's only, a bool
-    ({"method": "ulysses", "overlap": True}, r"overlap applies to upipe only, not 'ulysses'"),
-    ({"method": "upipe", "overlap": "yes"}, r"overlap must be true, false or unset, got 'yes'"),
+    ({"method": "ulysses", "overlap": True}, r"overlap applies to upipe only, not 'ulysses' "
+                                             r"\(its options: none\)"),
+    ({"method": "upipe", "overlap": "yes"}, r"overlap of 'upipe' must be true or false, got "
+                                            "'yes'"),
+    # each option of its kind: a bool is no number of heads, text no number of tokens
+    ({"method": "upipe", "heads_per_stage": True}, r"heads_per_stage of 'upipe' must be an "
+                                                    "integer, got True"),
+    ({"method": "fpdt", "chunk_size": "64K"}, r"chunk_size of 'fpdt' must be an integer"),
+    # an option no method declares: named, with the method's own
+    ({"method": "upipe", "heads_per_stag": 8}, r"heads_per_stag is no option of any registered "
+                                               r"method, not 'upipe' \(its options: "
+                                               r"heads_per_stage, chunk_size, overlap\)"),
     # zigzag: two chunks per rank
     ({"method": "zigzag-ring", "seq_len": 4100},
      r"seq_len \(4100\) must be divisible by 2 x the CP degree \(8\)"),
@@ -121,15 +135,15 @@ def test_cell_validation_of_method_options(fields, msg):
     if missing:
         pytest.skip(f"method(s) {missing} not registered")
     with pytest.raises(ValueError, match=msg):
-        Cell(**fields).validate()
+        Cell.from_dict(fields).validate()
 
 
 @needs("fpdt")
 def test_chunk_size_must_split_over_the_ranks():
     with pytest.raises(ValueError, match=r"chunk_size \(1022\) must be divisible by the CP "
                                          r"degree \(4\)"):
-        Cell("fpdt", chunk_size=1022).validate()
-    Cell("fpdt", chunk_size=1024, seq_len=3072).validate()
+        Cell("fpdt", options={"chunk_size": 1022}).validate()
+    Cell("fpdt", options={"chunk_size": 1024}, seq_len=3072).validate()
 
 
 @needs("usp", "zigzag-ring", "ring")
@@ -138,15 +152,51 @@ def test_method_rules_come_from_the_method():
     Cell("ring", nproc=3, seq_len=3072).validate()  # 16 heads over 3 ranks: fine for a ring
     Cell("zigzag-ring", nproc=3, seq_len=3072).validate()
     Cell("usp", nproc=6, ring_degree=3, seq_len=3072).validate()  # Ulysses over 2 ranks
-    Cell("upipe", nproc=8, ring_degree=2, heads_per_stage=4).validate()  # U % 4 over 4 ranks
+    # U % 4 over 4 ranks
+    Cell("upipe", nproc=8, ring_degree=2, options={"heads_per_stage": 4}).validate()
     with pytest.raises(ValueError, match=r"n_heads \(16\) must be divisible"):
         Cell("ulysses", nproc=6, seq_len=3072).validate()
 
 
-def test_method_options_feed_model_and_validation():
-    assert Cell("upipe").method_options() == {}
-    assert Cell("upipe", heads_per_stage=8).method_options() == {"heads_per_stage": 8}
-    assert Cell("fpdt", chunk_size=1024).method_options() == {"chunk_size": 1024}
+def test_options_are_one_read_only_mapping_and_unset_is_none():
+    assert dict(Cell("upipe").options) == {}
+    cell = Cell("upipe", options={"heads_per_stage": 8, "overlap": None})
+    assert dict(cell.options) == {"heads_per_stage": 8}  # None: the method's default, dropped
+    assert cell == Cell("upipe", options={"heads_per_stage": 8})
+    assert cell.option("heads_per_stage") == 8 and cell.option("chunk_size") is None
+    with pytest.raises(TypeError):
+        cell.options["heads_per_stage"] = 4  # type: ignore[index]
+    assert pickle.loads(pickle.dumps(cell)) == cell  # cells travel to rank processes
+    with pytest.raises(ValueError, match="options must be a mapping"):
+        Cell("upipe", options=[("heads_per_stage", 8)])  # type: ignore[arg-type]
+
+
+def test_the_dict_form_is_flat_and_round_trips():
+    """A cell's dict (cell.json, a row's identity, a sweep's declaration) writes the options
+    beside the fields: the three that were fields once always (null when unset), in their
+    committed places; from_dict reads both that and an ``options`` key."""
+    cell = Cell("upipe", options={"heads_per_stage": 8, "overlap": True}, extra={"rep": 1})
+    d = cell.to_dict()
+    assert "options" not in d and (d["heads_per_stage"], d["overlap"], d["chunk_size"]) == (
+        8, True, None)
+    keys = list(d)
+    assert keys.index("stack") < keys.index("heads_per_stage") < keys.index("ring_degree")
+    assert keys[-1] == "extra"
+    assert Cell.from_dict(d) == cell and Cell.from_dict(d).extra == {"rep": 1}
+    assert Cell.from_dict({"method": "upipe", "options": {"heads_per_stage": 8},
+                           "overlap": True}) == Cell("upipe", options={"heads_per_stage": 8,
+                                                                       "overlap": True})
+    plain = Cell("ulysses").to_dict()
+    assert (plain["heads_per_stage"], plain["chunk_size"], plain["overlap"]) == (None,) * 3
+
+
+def test_no_option_is_named_as_a_cell_field_and_each_name_has_one_kind():
+    """A flat dict tells fields from options by name, and one flag serves every method that
+    declares a name: so names must not clash and a name means one kind of value."""
+    fields_ = {f.name for f in dataclasses.fields(Cell)}
+    for name, by in every_option().items():
+        assert name not in fields_, name
+        assert len({(o.kind, o.tokens) for o in by.values()}) == 1, (name, by)
 
 
 def test_cell_ids_of_committed_results_do_not_change():
@@ -156,22 +206,37 @@ def test_cell_ids_of_committed_results_do_not_change():
                iters=2)
     assert old.cell_id() == "ulysses-tiny-2K-p4-alst-fp32-473210fc"
     usp = Cell("usp", ring_degree=2)
-    fpdt = Cell("fpdt", chunk_size=1024)
+    fpdt = Cell("fpdt", options={"chunk_size": 1024})
     assert usp.cell_id().startswith("usp-R2-tiny-4K-p4-alst-fp32-")
     assert fpdt.cell_id().startswith("fpdt-c1K-tiny-4K-p4-alst-fp32-")
-    assert fpdt.cell_id() != Cell("fpdt", chunk_size=2048).cell_id()
+    assert fpdt.cell_id() != Cell("fpdt", options={"chunk_size": 2048}).cell_id()
     assert Cell.from_dict(usp.to_dict()) == usp
 
 
 def test_cell_id_is_stable_and_distinct():
-    a = Cell("upipe", heads_per_stage=8)
-    assert a.cell_id() == Cell("upipe", heads_per_stage=8).cell_id()
+    a = Cell("upipe", options={"heads_per_stage": 8})
+    assert a.cell_id() == Cell("upipe", options={"heads_per_stage": 8}).cell_id()
     assert a.cell_id().startswith("upipe-U8-tiny-4K-p4-alst-fp32-")
     others = [dataclasses.replace(a, **kw) for kw in (
-        {"heads_per_stage": 4}, {"budget_mib": 64.0}, {"overrides": (("n_layers", "2"),)},
-        {"iters": 3})]
+        {"options": {"heads_per_stage": 4}}, {"budget_mib": 64.0},
+        {"overrides": (("n_layers", "2"),)}, {"iters": 3})]
     assert len({c.cell_id() for c in [a, *others]}) == 5
     assert Cell.from_dict(a.to_dict()) == a
+
+
+def test_every_committed_cell_keeps_its_id_and_its_dict():
+    """Every cell.json under results/ read back gives its folder's name as its id and the same
+    dict (less the fields added after it was written): the options' move into one mapping left
+    every committed cell, its row and a resumed sweep as they were."""
+    paths = sorted(Path(__file__).parents[1].glob("results/*/runs/*/cell.json"))
+    assert len(paths) > 100
+    for path in paths:
+        d = json.loads(path.read_text())
+        cell = Cell.from_dict(d)
+        assert cell.cell_id() == path.parent.name, path
+        again = cell.to_dict()
+        assert {k: again[k] for k in d} == d and [k for k in again if k in d] == list(d), path
+        assert set(again) - set(d) <= {"dp", "doc_len", "overlap"}, path
 
 
 @needs(*SWEEP_METHODS)
@@ -191,7 +256,8 @@ def test_paper_tables_compare_the_papers_methods():
     """docs/design.md#the-comparison: every method of the comparison, each on its stack, searched
     for its max context; Table 4 adds the two-node hybrids (8 x 2)."""
     def variants(name):
-        return {(c.method, c.stack, c.ring_degree, c.chunk_size) for c in get_sweep(name).cells()}
+        return {(c.method, c.stack, c.ring_degree, c.option("chunk_size"))
+                for c in get_sweep(name).cells()}
 
     t3 = variants("table3_llama3_8b_h100x8")
     assert {("torch-cp", "torchtitan", 1, None), ("zigzag-ring", "alst", 1, None),
@@ -220,11 +286,11 @@ def test_sweep_expansion_and_searches():
     assert {c.extra["rep"] for c in cells} == {0, 1}
     assert len({c.cell_id() for c in cells}) == 8
     searches = sweep.search_cells()
-    assert [(c.method, c.heads_per_stage, c.seq_len) for c in searches] == [
+    assert [(c.method, c.option("heads_per_stage"), c.seq_len) for c in searches] == [
         ("ulysses", None, 4096), ("upipe", 8, 4096)]
     sized = Sweep("s", "sizes", "cpu", base={"nproc": 4, "seq_len": "8K"},
                   axes={"variant": [{"method": "fpdt", "chunk_size": "1K"}]})
-    assert (sized.cells()[0].seq_len, sized.cells()[0].chunk_size) == (8192, 1024)
+    assert (sized.cells()[0].seq_len, sized.cells()[0].option("chunk_size")) == (8192, 1024)
     bad = Sweep("b", "bad", "cpu", base={"nproc": 4},
                 axes={"variant": [{"method": "upipe", "heads_per_stage": 6}]})
     assert len(bad.validate()) == 1

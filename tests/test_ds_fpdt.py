@@ -86,7 +86,7 @@ def _real_run(cell_dict: dict) -> dict:
 def _cell(method: str, n_layers: int) -> Cell:
     options = {"chunk_size": 512} if method == "ds-fpdt" else {}
     return Cell(method=method, model="tiny", seq_len=2048, nproc=4, stack="alst", dtype="fp32",
-                warmup=1, iters=0, overrides=(("n_layers", str(n_layers)),), **options)
+                warmup=1, iters=0, overrides=(("n_layers", str(n_layers)),), options=options)
 
 
 def _growth(dist_pool, method: str) -> dict[str, int]:
@@ -128,7 +128,7 @@ def test_emulated_fpdt_runs_fa3_and_its_host_copies_run_beside_the_compute():
     (``ds_fpdt_portable.on_side_stream``): priced as side copies. What is left on the compute
     stream is the stack's --checkpoint-in-cpu block inputs: one (L, dim) bf16 copy per layer
     each way, to the byte."""
-    cell = Cell(method="ds-fpdt", model="tiny", nproc=4, seq_len=4096, chunk_size=1024,
+    cell = Cell(method="ds-fpdt", model="tiny", nproc=4, seq_len=4096, options={"chunk_size": 1024},
                 stack="megatron-ds", dtype="bf16", kernel="fa3")
     cfg = cell.validate()
     work = Counter()

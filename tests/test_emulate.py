@@ -73,8 +73,9 @@ def test_emulation_equals_the_real_run(dist_pool, method, stack, options):
     # (ours and DeepSpeed's) need 4096 for more than two of them (its prefetch reaches its
     # steady state at three). Three layers: a first, an offloaded middle and a last block.
     seq_len = 4096 if method in ("fpdt", "ds-fpdt") else 2048
-    cell = Cell(method=method, model="tiny", seq_len=seq_len, nproc=4, stack=stack,
-                dtype="fp32", warmup=1, iters=0, overrides=(("n_layers", "3"),), **options)
+    cell = Cell.from_dict(dict(method=method, model="tiny", seq_len=seq_len, nproc=4,
+                               stack=stack, dtype="fp32", warmup=1, iters=0,
+                               overrides=(("n_layers", "3"),)) | options)
     real = dist_pool(4).run(_real_run, cell.to_dict())[0]  # rank 0, as the emulator plays
     # memory only (count=False): the same allocations, a third fewer dispatch layers
     emulated = emulate_cell(cell, Hardware(device="cpu"), exact=True, count=False)
@@ -100,8 +101,8 @@ FIT_CASES = [
 def test_fit_predicts_the_exact_emulation(method, options):
     """tiny with 8 layers at 7K tokens (lattice quantum 1K on 4 ranks), emulated as a GPU (kernel
     models and 512-byte rounding): the fit's samples are 2K-4K tokens at 4 and 5 layers."""
-    cell = Cell(method=method, model="tiny", seq_len=7 * 1024, nproc=4, dtype="bf16",
-                overrides=(("n_layers", "8"),), **options)
+    cell = Cell.from_dict(dict(method=method, model="tiny", seq_len=7 * 1024, nproc=4,
+                               dtype="bf16", overrides=(("n_layers", "8"),)) | options)
     hw = Hardware(gpu_mem_gib=1.0, reserve_gib=0.0)
     exact = emulate_cell(cell, hw, exact=True)
     fit = emulate_cell(cell, hw)
@@ -132,7 +133,7 @@ def test_chunked_upipe_attention_backward_stays_affine_far_past_the_fit_window()
     quantum."""
     q, hw = 65536, Hardware()
     cell = Cell(method="upipe", model="llama3-8b", seq_len=q, nproc=8, dtype="bf16",
-                kernel="fa3", stack="long", chunk_size=q)
+                kernel="fa3", stack="long", options={"chunk_size": q})
     cfg = dataclasses.replace(cell.validate(), n_layers=2)
     peaks = []
     for s in (3 * q, 4 * q, 16 * q):

@@ -204,7 +204,7 @@ def test_a_second_sweep_on_a_directory_in_use_is_refused(tmp_path):
 @pytest.mark.parametrize("content, why", [
     ('{"cell_id": "x", "method": "ulysses", "stat', "not valid JSON"),
     ("[]", "must be a JSON object, got list"),
-    ('{"status": "ok", "method": "ulysses"}', "missing cell_id, heads_per_stage, ring_degree"),
+    ('{"status": "ok", "method": "ulysses"}', "missing cell_id, ring_degree, model"),
     (json.dumps(_row(Cell("ulysses"), "fine")), "status must be one of"),
 ])
 def test_a_bad_run_file_is_named_not_dropped(tmp_path, content, why):
@@ -298,7 +298,7 @@ def test_plot_leaves_unchanged_inputs_byte_identical(tmp_path, sweep, capsys):
 
 @pytest.mark.parametrize("argv, says", [
     (["run", "--method", "upipe", "--heads-per-stage", "0"],
-     "heads_per_stage must be positive, got 0"),
+     "heads_per_stage (0) must be a positive multiple of the CP degree (4)"),
     (["run", "--method", "upipe", "--override", "n_layers=-1"],
      "model.n_layers must be positive, got -1"),
     (["emulate", "--method", "upipe", "--model", "llama3-8b", "--gpus-per-node", "3"],

@@ -50,7 +50,7 @@ def test_methods_without_document_masking_refuse_doc_len(method):
     """Refused by validation, before any process starts: an ``invalid`` row, not a launch."""
     assert REFUSING  # torch-cp, rfa-zigzag and ds-fpdt at least
     cell = Cell(method, stack="native" if method == "torch-cp" else "alst", doc_len=1024,
-                **({"chunk_size": 1024} if method == "ds-fpdt" else {}))
+                options={"chunk_size": 1024} if method == "ds-fpdt" else {})
     dataclasses.replace(cell, doc_len=None).validate()  # fine unpacked
     with pytest.raises(ValueError, match=rf"doc_len .*not supported by '{method}'"):
         cell.validate()

@@ -20,7 +20,7 @@ CPU_PROFILE = str(Path(__file__).parent / "data" / "profile_unit_cpu.json")
 
 def test_configurations_cover_every_mesh_and_heads_per_stage():
     cells, invalid = configurations(PlanSpec("tiny", 4, 4096, methods=("upipe", "usp", "ring")))
-    got = {(c.method, c.ring_degree, c.heads_per_stage) for c in cells}
+    got = {(c.method, c.ring_degree, c.option("heads_per_stage")) for c in cells}
     # tiny: 16 query heads, 4 KV heads; UPipe's U is a multiple of the Ulysses degree (4 / R)
     upipe = {(r, u) for m, r, u in got if m == "upipe"}
     # (U must also divide the 16 heads: no 12 at R = 1, no 6, 10, 12, 14 at R = 2)
@@ -29,10 +29,12 @@ def test_configurations_cover_every_mesh_and_heads_per_stage():
     assert {(r, u) for m, r, u in got if m == "usp"} == {(1, None), (2, None), (4, None)}
     assert {(r, u) for m, r, u in got if m == "ring"} == {(1, None)}
     # UPipe's overlapped stages: once, on the plain Ulysses mesh at the default U
-    overlapped = [(c.method, c.ring_degree, c.heads_per_stage) for c in cells if c.overlap]
+    overlapped = [(c.method, c.ring_degree, c.option("heads_per_stage")) for c in cells
+                  if c.option("overlap")]
     assert overlapped == [("upipe", 1, 4)]
     # beyond the paper: UPipe on the long level with its chunked backward, likewise once
-    long = [(c.method, c.ring_degree, c.heads_per_stage, c.chunk_size) for c in cells
+    long = [(c.method, c.ring_degree, c.option("heads_per_stage"), c.option("chunk_size"))
+            for c in cells
             if c.stack == "long"]
     assert long == [("upipe", 1, 4, plan_mod.LONG_CHUNK)]
     assert invalid == []
@@ -62,7 +64,7 @@ def _fake_emulation(outcome: dict):
     def emulate(cell, hw, exact=False, count=True, bound_first=False):
         kind = outcome[cell.stack]
         row = {"method": cell.method, "stack": cell.stack, "nproc": cell.nproc,
-               "ring_degree": cell.ring_degree, "heads_per_stage": cell.heads_per_stage}
+               "ring_degree": cell.ring_degree, "heads_per_stage": cell.option("heads_per_stage")}
         if kind == "ok":
             return row | {"status": Status.OK, "error": "", "tokens_per_s_per_gpu": 1.0}
         return row | {"status": Status.OOM, "error": f"{kind} peak 9 GiB > budget 8 GiB"}
@@ -103,7 +105,7 @@ def test_more_heads_per_stage_never_keep_less_on_the_device():
         peaks = []
         for u in (2, 4, 16):
             cell = Cell(method="upipe", model="tiny", nproc=4 if ring > 1 else 2, seq_len=4096,
-                        ring_degree=ring, heads_per_stage=u, stack=stack, dtype="bf16")
+                        ring_degree=ring, options={"heads_per_stage": u}, stack=stack, dtype="bf16")
             peaks.append(emulate_cell(cell, Hardware(), exact=True, count=False)[
                 "peak_device_bytes"])
         assert peaks == sorted(peaks), (stack, ring, peaks)
@@ -117,10 +119,10 @@ def test_a_heads_per_stage_over_the_device_spares_the_larger_ones(monkeypatch):
     emulated = []
 
     def emulate(cell, hw, exact=False, count=True, bound_first=False):
-        emulated.append((cell.heads_per_stage, cell.stack))
-        over = cell.heads_per_stage >= 8 and cell.stack == "alst"
+        emulated.append((cell.option("heads_per_stage"), cell.stack))
+        over = cell.option("heads_per_stage") >= 8 and cell.stack == "alst"
         row = {"method": cell.method, "stack": cell.stack, "heads_per_stage":
-               cell.heads_per_stage, "ring_degree": cell.ring_degree}
+               cell.option("heads_per_stage"), "ring_degree": cell.ring_degree}
         if over:
             return row | {"status": Status.OOM, "error": "device peak 9 GiB > budget 8 GiB"}
         return row | {"status": Status.OK, "error": "", "tokens_per_s_per_gpu": 1.0}

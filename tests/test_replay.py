@@ -196,8 +196,8 @@ def test_a_replayed_step_measures_what_a_dispatched_one_does(monkeypatch, method
             hooks.append(self)
 
     monkeypatch.setattr(fake_step, "CallReplay", Spy)
-    cell = Cell(method=method, model="tiny", nproc=4, seq_len=4096, stack="alst",
-                dtype="bf16", **options)
+    cell = Cell.from_dict(dict(method=method, model="tiny", nproc=4, seq_len=4096,
+                               stack="alst", dtype="bf16") | options)
     cfg = dataclasses.replace(cell.validate(), n_layers=2)
     replayed = fake_step.measure_fake(cell, cfg, Hardware())
     direct = fake_step.measure_fake(cell, cfg, Hardware(), replay=False)

@@ -30,7 +30,7 @@ def needs(*methods: str):
 
 
 def test_invalid_cell_is_a_row_without_a_launch():
-    row = run_cell(Cell("upipe", heads_per_stage=3, **BASE))
+    row = run_cell(Cell("upipe", options={"heads_per_stage": 3}, **BASE))
     assert row["status"] == "invalid" and "heads_per_stage" in row["error"]
     assert "wall_s" not in row
 
@@ -65,7 +65,8 @@ def test_hybrid_and_fpdt_cells_run_end_to_end():
     assert usp["status"] == "ok", usp["error"]
     assert usp["ring_degree"] == 2 and usp["tokens_per_s_per_gpu"] > 0
     assert usp["kernel"] == "auto" and usp["kernel_ran"] == "sdpa"  # what auto ran on the CPU
-    fpdt = run_cell(Cell("fpdt", chunk_size=256, **(base | {"stack": "ac"})), timeout_s=300)
+    fpdt = run_cell(Cell("fpdt", options={"chunk_size": 256}, **(base | {"stack": "ac"})),
+                    timeout_s=300)
     assert fpdt["status"] == "ok", fpdt["error"]
     assert fpdt["chunk_size"] == 256 and fpdt["peak_host_bytes"] > 0
 

@@ -143,7 +143,7 @@ def test_upipe_overlap_work_per_block_window():
     each KV block's K/V (backward also dK/dV) block; every other stage's all-to-alls overlap.
     Overlap keeps the forward's last stage for the backward (keep_last_stage follows it): its
     Q and its block's K, V are not sent again. Without overlap all of them block."""
-    cells = {ov: Cell("upipe", "tiny", seq_len=2048, nproc=2, stack="ac", overlap=ov)
+    cells = {ov: Cell("upipe", "tiny", seq_len=2048, nproc=2, stack="ac", options={"overlap": ov})
              for ov in (False, True)}
     work = {ov: dict(measure_fake(c, c.validate(), Hardware(device="cpu")).work)
             for ov, c in cells.items()}
@@ -574,7 +574,7 @@ def test_the_fake_steps_kernels_are_a_real_steps(method, nproc, extra):
     runs), counted in its second step, equals the fake step's count, replayed calls included.
     The ``ac`` stack: the ALST offload's host copies are kernels on neither side, but on a CPU
     the real run cannot tell them from device ops."""
-    cell = Cell(method=method, model="tiny", nproc=nproc, seq_len=256, stack="ac", **extra)
+    cell = Cell(method=method, model="tiny", nproc=nproc, seq_len=256, stack="ac", options=extra)
     cfg = cell.validate()
     fake = measure_fake(cell, cfg, Hardware(device="cpu"))
     with fake_world(cell.world):

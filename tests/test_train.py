@@ -68,7 +68,7 @@ def test_other_methods_train_like_single_device(dist_pool, reference_losses, met
     their attention is exact, so the step is the single-device step up to round-off."""
     if method not in available_methods():
         pytest.skip(f"method {method!r} not registered")
-    cell = dataclasses.replace(BASE, method=method, nproc=4, stack="alst", **options)
+    cell = Cell.from_dict(BASE.to_dict() | dict(method=method, nproc=4, stack="alst") | options)
     for rank_losses in dist_pool(4).run(_losses, cell):
         torch.testing.assert_close(rank_losses, reference_losses["alst"], rtol=1e-5, atol=0)
 
@@ -79,7 +79,8 @@ def test_megatron_ds_stack_trains_like_single_device(dist_pool, reference_losses
                                                      options):
     """The megatron-ds level (reentrant checkpointing under FSDP2, every block input offloaded)
     changes where bytes live, not the step: the alst reference's losses, same tolerance."""
-    cell = dataclasses.replace(BASE, method=method, nproc=4, stack="megatron-ds", **options)
+    cell = Cell.from_dict(BASE.to_dict() | dict(method=method, nproc=4, stack="megatron-ds")
+                          | options)
     for rank_losses in dist_pool(4).run(_losses, cell):
         torch.testing.assert_close(rank_losses, reference_losses["alst"], rtol=1e-5, atol=0)
 

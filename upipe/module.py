@@ -22,6 +22,7 @@ from upipe.documents import Documents, RingDocuments, documents
 from upipe.kernels import check_kernel
 from upipe.layout import SeqLayout, unshard_sequence
 from upipe.norm import norm_params
+from upipe.options import MethodOption
 from upipe.reference import resolve_head_dim
 from upipe.rope import apply_rope, rope_tables
 
@@ -99,6 +100,10 @@ class ContextParallelAttention(nn.Module):
     """
 
     registry_name: ClassVar[str] = ""
+    #: the constructor's own keyword options a configuration may set from outside Python (a
+    #: benchmark cell, its flags, its row), in the order names and tables show them
+    #: (``upipe.options``); what :meth:`options` reports and ``check_config`` checks
+    declared_options: ClassVar[tuple[MethodOption, ...]] = ()
     layout: ClassVar[str] = "contiguous"
     supports_mesh: ClassVar[bool] = False
     #: the subset of :data:`PROJECTION_FEATURES` this method computes; the all-heads methods

@@ -57,6 +57,7 @@ from upipe.documents import RingDocuments, documents
 from upipe.layout import SeqLayout
 from upipe.module import ContextParallelAttention, check_ulysses_heads
 from upipe.norm import norm_params
+from upipe.options import MethodOption
 from upipe.projections import OutputGrad, Projection, input_norm_backward, projections
 from upipe.registry import register_method
 from upipe.ring import SequenceAttention
@@ -434,6 +435,16 @@ class UPipeAttention(ContextParallelAttention):
 
     supports_mesh = True
     fuses_input_norm = True
+    declared_options = (
+        MethodOption("heads_per_stage", int, "UPipe's U: heads per stage, a positive multiple "
+                     "of the Ulysses degree dividing the heads", tag="U",
+                     unset="the Ulysses degree"),
+        MethodOption("chunk_size", int, "global tokens per chunk of UPipe's chunked attention "
+                     "backward (plain Ulysses mesh)", tag="c", tokens=True,
+                     unset="unchunked"),
+        MethodOption("overlap", bool, "run the stages' all-to-alls beside the attention "
+                     "kernels; off: the paper's blocking schedule", tag="ov"),
+    )
 
     def __init__(self, *args, heads_per_stage: int | None = None, overlap: bool = False,
                  chunk_size: int | None = None, keep_last_stage: bool | None = None, **kwargs):

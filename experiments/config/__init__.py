@@ -17,7 +17,7 @@ This layer imports nothing else from ``experiments`` (only ``upipe``'s registry 
 names, for validation).
 """
 
-from experiments.config.cell import METHOD_OPTIONS, WORKLOADS, Cell, takes_option
+from experiments.config.cell import WORKLOADS, Cell
 from experiments.config.hardware import DEFAULT_RESERVE_GIB, METHOD_RESERVE_GIB, Hardware
 from experiments.config.hf_config import SUPPORTED_MODEL_TYPES, hf_overrides, model_from_hf_config
 from experiments.config.limits import DEFAULT_TIMEOUT_S, ERROR_TAIL_CHARS, PROCESS_GROUP_TIMEOUT_S
@@ -37,9 +37,8 @@ __all__ = [
     "DEFAULT_RESERVE_GIB", "METHOD_RESERVE_GIB", "DEFAULT_TIMEOUT_S", "DTYPES",
     "EMULATED_GRANULARITY", "EMULATED_LIMIT", "EMULATED_START", "ERROR_TAIL_CHARS", "GiB",
     "Hardware", "KiB",
-    "METHOD_OPTIONS", "MiB", "ModelConfig", "PLOTS", "PRESETS", "PROCESS_GROUP_TIMEOUT_S",
+    "MiB", "ModelConfig", "PLOTS", "PRESETS", "PROCESS_GROUP_TIMEOUT_S",
     "SCALES", "STACKS", "SUPPORTED_MODEL_TYPES", "SearchSpec", "StackConfig", "Status", "Sweep",
     "THROUGHPUT_PLOTS", "WORKLOADS", "Cell", "format_size", "hf_overrides",
     "model_from_hf_config", "paper_stack", "parse_overrides", "parse_size", "resolve_model",
-    "takes_option",
 ]

@@ -2,24 +2,51 @@
 
 Everything a cell runs is one frozen, self-validating ``Cell``
 (docs/conventions.md#one-frozen-cell): method, model preset (+ overrides), sequence length, ranks,
-stack, heads per stage, dtype, kernel, budget. Validation names the offending field and the rule and
-happens before any process starts, so a sweep's dry run checks every cell and no rank ever hangs on
-bad input.
+stack, the method's own options, dtype, kernel, budget. Validation names the offending field and
+the rule and happens before any process starts, so a sweep's dry run checks every cell and no rank
+ever hangs on bad input.
+
+A cell's dict form (``to_dict``: cell.json, a row's identity, a sweep's declaration) is flat: the
+fields and the method's options side by side, as a user writes them
+(``{"method": "upipe", "heads_per_stage": 8}``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from experiments.config.model import ModelConfig, resolve_model
+from experiments.config.options import (
+    COMMITTED_COLUMNS,
+    HASHED_UNSET,
+    declared,
+    every_option,
+    mark,
+)
+from experiments.config.options import check as check_options
 from experiments.config.sizes import format_size
 from experiments.config.stack import DTYPES, STACKS
 from upipe.kernels import check_kernel
 from upipe.registry import available_methods, get_method
+
+
+class Options(dict):
+    """A cell's options: a dict that cannot be changed once made (a frozen cell's), and that
+    pickles (``types.MappingProxyType`` does not, and cells travel to rank processes)."""
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("a cell's options are read-only: make a new cell "
+                        "(dataclasses.replace(cell, options=...))")
+
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
+
+    def __reduce__(self):
+        return type(self), (dict(self),)
 
 
 @dataclass(frozen=True)
@@ -38,13 +65,13 @@ class Cell:
     """ranks per CP group = the CP degree; world = dp x nproc (FSDP2 shards over the world)"""
     stack: str = "alst"
     """memory-stack level (``STACKS``): none, ac, offload, alst, native"""
-    heads_per_stage: int | None = None
-    """UPipe's U (a multiple of the Ulysses degree); None: the method's default"""
+    options: Mapping[str, object] = field(default_factory=dict, hash=False)
+    """the method's own constructor options this cell sets (its ``declared_options``, e.g.
+    UPipe's ``heads_per_stage``, FPDT's ``chunk_size``); an unset one (or None) takes the
+    method's default. Read-only once made"""
     ring_degree: int = 1
     """hybrids (usp, upipe): ranks on the ring axis of a (ring, ulysses) mesh; Ulysses degree =
     nproc / ring_degree"""
-    chunk_size: int | None = None
-    """fpdt, ds-fpdt: global tokens per chunk; None: the method's default"""
     dtype: str = "fp32"
     """parameter/compute dtype; bf16 keeps fp32 reductions"""
     kernel: str = "auto"
@@ -71,11 +98,21 @@ class Cell:
     """tokens per packed document: the sequence is cut into seq_len // doc_len documents, the
     last one holding the remainder; attention stays inside each document, RoPE positions
     restart and no label crosses a boundary. None: one unpacked sequence"""
-    overlap: bool | None = None
-    """upipe: run the stages' all-to-alls beside the neighbouring stages' attention kernels
-    (``upipe.untied``); None: the method's default"""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """free-form labels carried into the row (e.g. the sweep's ``rep``); not part of the id"""
+
+    def __post_init__(self):
+        if not isinstance(self.options, Mapping):
+            raise ValueError(f"options must be a mapping of option names to values, got "
+                             f"{self.options!r}")
+        # None is "unset", as a flag not given: dropped, so the two are one cell
+        kept = {k: v for k, v in self.options.items() if v is not None}
+        object.__setattr__(self, "options", Options(kept))
+
+    def option(self, name: str):
+        """The value this cell sets for the method's option ``name``, else None (the method's
+        default)."""
+        return self.options.get(name)
 
     def validate(self) -> ModelConfig:
         """Raise ValueError naming the field and the rule; returns the resolved model.
@@ -98,12 +135,6 @@ class Cell:
             raise ValueError(f"budget_mib must be positive, got {self.budget_mib}")
         if self.ring_degree < 1:
             raise ValueError(f"ring_degree must be >= 1, got {self.ring_degree}")
-        if self.chunk_size is not None and self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
-        if self.heads_per_stage is not None and self.heads_per_stage < 1:
-            raise ValueError(f"heads_per_stage must be positive, got {self.heads_per_stage}")
-        if self.overlap is not None and not isinstance(self.overlap, bool):
-            raise ValueError(f"overlap must be true, false or unset, got {self.overlap!r}")
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {list(WORKLOADS)}, got {self.workload!r}")
         if self.dp != 1 and self.workload != "step":
@@ -112,14 +143,9 @@ class Cell:
                              f"applies to the training step), got {self.dp}")
         cls = get_method(self.method)
         self._check_documents(cls)
-        options = self.method_options()
-        for name in options:
-            if not takes_option(cls, name):
-                takers = [m for m in available_methods() if takes_option(get_method(m), name)]
-                raise ValueError(f"{name} applies to {', '.join(takers) or 'no registered method'}"
-                                 f" only, not {self.method!r}")
+        check_options(self.method, dict(self.options))
         cls.check_config(model.n_heads, model.n_kv_heads, cp=self.nproc,
-                         ring_degree=self.ring_degree, seq_len=self.seq_len, **options)
+                         ring_degree=self.ring_degree, seq_len=self.seq_len, **self.options)
         return model
 
     def _check_documents(self, cls: type) -> None:
@@ -143,22 +169,43 @@ class Cell:
         """Ranks of the job: dp x nproc (what is launched, emulated and FSDP-sharded over)."""
         return self.dp * self.nproc
 
-    def method_options(self) -> dict:
-        """The method's constructor options this cell sets (unset ones take the method default);
-        what the model passes to every attention module and what validation checks."""
-        opts = {name: getattr(self, name) for name in METHOD_OPTIONS}
-        return {k: v for k, v in opts.items() if v is not None}
-
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        """The flat dict form: every field but ``options``, and the options beside them. The
+        options that were fields once (``COMMITTED_COLUMNS``) are always there, null when
+        unset, at the places committed cell.json files have them; later ones follow when
+        set."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name != "options"}
         d["overrides"] = [list(kv) for kv in self.overrides]
-        return d
+        d["extra"] = dict(self.extra)
+        d |= {name: self.option(name) for name in COMMITTED_COLUMNS}
+        ordered = {k: d.pop(k) for k in _DICT_ORDER}
+        extra = ordered.pop("extra")
+        later = {k: v for k, v in self.options.items() if k not in ordered}
+        return ordered | d | later | {"extra": extra}
 
     @classmethod
     def from_dict(cls, d: dict) -> Cell:
-        d = dict(d)
-        d["overrides"] = tuple(tuple(kv) for kv in d.get("overrides", ()))
-        return cls(**d)
+        """A cell from its dict form: the keys that are fields are fields, the others the
+        method's options (``validate`` names one the method does not take)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        fields_ = {k: v for k, v in d.items() if k in names and k != "options"}
+        options = dict(d.get("options") or {}) | {k: v for k, v in d.items() if k not in names}
+        fields_["overrides"] = tuple(tuple(kv) for kv in d.get("overrides", ()))
+        return cls(**fields_, options=options)
+
+    def option_marks(self) -> list[str]:
+        """The short marks of the options this cell sets (``U8``, ``c64K``, ``ov``), in the
+        order its method declares them; one it does not take (an invalid cell's) after, marked
+        as a method that does take it marks it."""
+        own = declared(self.method) if self.method in available_methods() else {}
+        others = every_option()
+        order = [k for k in own if k in self.options] + [k for k in self.options if k not in own]
+        out = []
+        for k in order:
+            opt = own.get(k) or next(iter(others.get(k, {}).values()), None)
+            out.append(mark(opt, self.options[k]) if opt else f"{k}{self.options[k]}")
+        return out
 
     def cell_id(self) -> str:
         """A readable, unique directory name for this cell (the hash covers every field).
@@ -172,22 +219,19 @@ class Cell:
         for name, default in _LATER_FIELDS.items():
             if d[name] == default:
                 d.pop(name)
+        for name in COMMITTED_COLUMNS:  # unset: in the hash as null only where it always was
+            if d[name] is None and name not in HASHED_UNSET:
+                d.pop(name)
         digest = hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
-        u = "" if self.heads_per_stage is None else f"-U{self.heads_per_stage}"
         r = "" if self.ring_degree == 1 else f"-R{self.ring_degree}"
-        c = "" if self.chunk_size is None else f"-c{format_size(self.chunk_size)}"
+        opts = "".join(f"-{m}" for m in self.option_marks())
         rep = f"-r{self.extra['rep']}" if "rep" in self.extra else ""
         scope = "" if self.workload == "step" else f"-{self.workload}"
         dp = "" if self.dp == 1 else f"-D{self.dp}"
         docs = "" if self.doc_len is None else f"-d{format_size(self.doc_len)}"
-        ov = {None: "", True: "-ov", False: "-noov"}[self.overlap]
-        return (f"{self.method}{u}{r}{c}{ov}-{self.model}-{format_size(self.seq_len)}{docs}"
+        return (f"{self.method}{r}{opts}-{self.model}-{format_size(self.seq_len)}{docs}"
                 f"-p{self.nproc}{dp}-{self.stack}-{self.dtype}{scope}{rep}-{digest}")
 
-
-# Method-specific constructor options a cell can set; each applies to the methods whose
-# constructor takes a keyword of that name.
-METHOD_OPTIONS = ("heads_per_stage", "chunk_size", "overlap")
 
 # What a cell runs: a training step of the whole model, or one attention layer (forward and
 # backward), the benchmark of one method's attention alone.
@@ -195,8 +239,12 @@ WORKLOADS = ("step", "attention")
 
 # Cell fields added after the first committed results, with their defaults: they enter a cell's
 # id only when they differ from these (see cell_id), so ids stay stable as fields are added.
-_LATER_FIELDS = {"ring_degree": 1, "chunk_size": None, "workload": "step", "dp": 1,
-                 "doc_len": None, "overlap": None}
+_LATER_FIELDS = {"ring_degree": 1, "workload": "step", "dp": 1, "doc_len": None}
+# The key order of a cell's dict form, as committed cell.json files have it (the options that
+# were fields at their places; the dict is also a row's first columns).
+_DICT_ORDER = ("method", "model", "seq_len", "nproc", "stack", "heads_per_stage", "ring_degree",
+               "chunk_size", "dtype", "kernel", "overrides", "budget_mib", "warmup", "iters",
+               "lr", "seed", "workload", "dp", "doc_len", "overlap", "extra")
 
 
 def check_independent_of_method(*, seq_len: int, nproc: int, dtype: str, kernel: str,
@@ -212,8 +260,3 @@ def check_independent_of_method(*, seq_len: int, nproc: int, dtype: str, kernel:
         raise ValueError(f"seq_len ({seq_len}) must be >= 2 and divisible by {nproc_is} "
                          f"({nproc})")
     check_kernel(kernel)
-
-
-def takes_option(method_cls: type, name: str) -> bool:
-    """Whether the method's constructor accepts the keyword ``name`` (e.g. heads_per_stage)."""
-    return name in inspect.signature(method_cls).parameters

@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from experiments.config.cell import Cell
 from experiments.config.hardware import Hardware
 from experiments.config.limits import DEFAULT_TIMEOUT_S
+from experiments.config.options import token_options
 from experiments.config.search import SearchSpec
 from experiments.config.sizes import parse_size
 
 # Cell fields given in tokens: a declaration may write them as "128K" or "1M"
-SIZE_FIELDS = ("seq_len", "chunk_size", "doc_len")
+SIZE_FIELDS = frozenset({"seq_len", "doc_len"})
 PLOTS = ("max_context", "memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses",
          "memory_ladder", "heads_per_stage", "memory_wall")
 THROUGHPUT_PLOTS = ("throughput_vs_seq", "throughput_vs_ulysses")  # need step times
@@ -101,8 +102,9 @@ class Sweep:
         """Every run cell (x repeats): the grid's, short sequences first so results arrive
         early, then ``extra_cells``."""
         rep = [{"rep": r} if self.repeats > 1 else {} for r in range(self.repeats)]
-        grid = [Cell(**f, extra=e) for f in self._products(self.axes) for e in rep]
-        extra = [Cell(**_sizes(self.base | f), extra=e) for f in self.extra_cells for e in rep]
+        grid = [Cell.from_dict(f | {"extra": e}) for f in self._products(self.axes) for e in rep]
+        extra = [Cell.from_dict(_sizes(self.base | f) | {"extra": e}) for f in self.extra_cells
+                 for e in rep]
         return sorted(grid, key=lambda c: c.seq_len) + extra
 
     def search_cells(self) -> list[Cell]:
@@ -112,7 +114,7 @@ class Sweep:
         axes = {k: v for k, v in self.axes.items() if k in self.search_axes}
         seen, out = set(), []
         for f in self._products(axes):
-            cell = Cell(**(f | self.search_base | {"seq_len": self.search.start}))
+            cell = Cell.from_dict(f | self.search_base | {"seq_len": self.search.start})
             if self.search_methods is not None and cell.method not in self.search_methods:
                 continue
             if cell not in seen:
@@ -142,6 +144,8 @@ class Sweep:
 
 
 def _sizes(fields_: dict) -> dict:
-    """Cell fields with the token counts of ``SIZE_FIELDS`` parsed ("128K" -> 131072)."""
-    return {k: parse_size(v) if k in SIZE_FIELDS and isinstance(v, str) else v
+    """Cell fields and options with their token counts parsed ("128K" -> 131072): the fields
+    of ``SIZE_FIELDS`` and the options a method counts in tokens."""
+    sizes = SIZE_FIELDS | token_options()
+    return {k: parse_size(v) if k in sizes and isinstance(v, str) else v
             for k, v in fields_.items()}

@@ -36,12 +36,12 @@ tests/test_emulate.py checks predictions against exact emulations of the target.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from experiments.config import Cell, Hardware, takes_option
+from experiments.config import Cell, Hardware
+from experiments.config.options import declared, default
 from experiments.emulation.fake_step import Measurement, emulated_gpu, measure_fake
 from experiments.timing.work_fit import predict_work
 from upipe.registry import get_method
@@ -61,10 +61,9 @@ ROLES = ("first", "mid_first", "mid", "mid_last", "last")
 
 def sequence_chunk(cell: Cell) -> int | None:
     """The cell's sequence chunk (its method's default when unset), or None: not chunked."""
-    cls = get_method(cell.method)
-    if not takes_option(cls, "chunk_size"):
+    if "chunk_size" not in declared(cell.method):
         return None
-    return cell.chunk_size or inspect.signature(cls).parameters["chunk_size"].default
+    return cell.option("chunk_size") or default(cell.method, "chunk_size")
 
 
 def _first_quantum(cell: Cell, q: int, dim: int) -> int:

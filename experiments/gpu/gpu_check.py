@@ -77,7 +77,8 @@ def compare(cell: Cell) -> dict:
     alloc = real["allocator_peak_allocated_bytes"]
     return {
         "method": cell.method, "nproc": cell.nproc, "seq_len": cell.seq_len,
-        "ring_degree": cell.ring_degree, "chunk_size": cell.chunk_size, "model": cell.model,
+        "ring_degree": cell.ring_degree, "chunk_size": cell.option("chunk_size"),
+        "model": cell.model,
         "overrides": dict(cell.overrides), "dtype": cell.dtype, "stack": cell.stack,
         "status": emu["status"] if real["status"] == Status.OK else real["status"],
         "allocator_peak_allocated_bytes": alloc,

@@ -54,7 +54,7 @@ def build_attention(cell: Cell, cfg: ModelConfig, device: torch.device) -> nn.Mo
     with torch.device(device):
         module = build_method(cell.method, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                               causal=True, rope_theta=cfg.rope_theta, kernel=cell.kernel,
-                              **where, **cell.method_options())
+                              **where, **cell.options)
     return module.to(TORCH_DTYPES[cell.dtype])
 
 

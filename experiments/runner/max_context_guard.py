@@ -86,7 +86,7 @@ def entries() -> list[Entry]:
                 mesh = f"-{world // 2}x2" if v else ""
                 out.append(Entry(f"{method}{mesh}-{model}-{label}", cell, spec))
         long = Cell(method="upipe", model=model, nproc=world, seq_len=spec.start, stack=LONG,
-                    chunk_size=LONG_CHUNK, dtype="bf16")
+                    options={"chunk_size": LONG_CHUNK}, dtype="bf16")
         out.append(Entry(f"upipe-{LONG}-{model}-{label}", long, spec))
     # 4K tokens, not longer: each probe is a 4-rank step on 2 cores (about 10 s at 4K, 20 s at
     # 8K), and the guard runs in every CI run

@@ -33,8 +33,9 @@ import multiprocessing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from experiments.config import Cell, Hardware, Status, resolve_model, takes_option
+from experiments.config import Cell, Hardware, Status, resolve_model
 from experiments.config.cell import check_independent_of_method
+from experiments.config.options import declared
 from experiments.emulation.emulate import device_lower_bound, emulate_cell, kernel_column
 from experiments.emulation.fit import sequence_chunk
 from experiments.harness.launch import unrun
@@ -124,12 +125,13 @@ def _variants(spec: PlanSpec, method: str) -> list[Cell]:
     cfg = resolve_model(spec.model, spec.overrides)
     cells = []
     for ring in _meshes(method, spec.cp):
+        own = declared(method)
         us = [None]
-        if takes_option(get_method(method), "heads_per_stage"):
+        if "heads_per_stage" in own:
             uly = spec.cp // ring
             us = list(range(uly, cfg.n_heads + 1, uly))
         options = [{"heads_per_stage": u} for u in us]
-        if takes_option(get_method(method), "overlap") and ring == 1 and spec.cp > 1:
+        if "overlap" in own and ring == 1 and spec.cp > 1:
             options.append({"heads_per_stage": us[0], "overlap": True})
         if getattr(get_method(method), "fuses_input_norm", False) and ring == 1 and (
                 LONG in spec.stacks):
@@ -138,8 +140,8 @@ def _variants(spec: PlanSpec, method: str) -> list[Cell]:
             stack = opts.pop("stack", "alst")
             cell = Cell(method=method, model=spec.model, overrides=spec.overrides,
                         seq_len=spec.seq_len, nproc=spec.cp, dp=spec.dp, ring_degree=ring,
-                        dtype=spec.dtype, kernel=spec.kernel, stack=stack,
-                        extra={"plan_model": spec.label or spec.model}, **opts)
+                        dtype=spec.dtype, kernel=spec.kernel, stack=stack, options=opts,
+                        extra={"plan_model": spec.label or spec.model})
             try:
                 cell.validate()
             except ValueError:
@@ -193,11 +195,11 @@ def plan_configuration(alst: Cell, hw: Hardware, stacks: tuple[str, ...],
         cell = Cell.from_dict(alst.to_dict() | {"stack": stack})
         blocking = [s for s in LADDER[stack] if s in rows and _over_device(rows[s])]
         if stack in (over or {}):
+            also = ", as overlapped stages do" if alst.option("overlap") else ""
             rows[stack] = unrun(cell, None, Status.SKIPPED,
                                 f"not emulated: {over[stack]} heads per stage do not fit the "
                                 "device on this stack and mesh, and more heads per stage keep "
-                                "more on it" + (", as overlapped stages do" if alst.overlap
-                                                else ""), "emulated")
+                                f"more on it{also}", "emulated")
             rows[stack]["plan_inferred_from"] = f"heads_per_stage={over[stack]}"
             rows[stack] |= kernel_column(cell, cell.validate(), hw)
         elif blocking:
@@ -244,15 +246,16 @@ def _cost(cell: Cell) -> tuple[bool, int, bool]:
     their stacks, no other configuration above 20 s); then UPipe's head stages times the ring
     steps each runs. UPipe's overlapped stages right after their blocking twins (last, they
     would leave one worker alone at the end)."""
-    stages = 1
-    if cell.heads_per_stage:
-        stages = resolve_model(cell.model, cell.overrides).n_heads // cell.heads_per_stage
-    return sequence_chunk(cell) is not None, stages * cell.ring_degree, not cell.overlap
+    stages, u = 1, cell.option("heads_per_stage")
+    if u:
+        stages = resolve_model(cell.model, cell.overrides).n_heads // u
+    return sequence_chunk(cell) is not None, stages * cell.ring_degree, not cell.option("overlap")
 
 
 def _family(cell: Cell) -> tuple:
     """What configurations that differ only in UPipe's heads per stage share."""
-    return cell.method, cell.ring_degree, cell.overlap, cell.chunk_size, cell.stack
+    return (cell.method, cell.ring_degree, cell.option("overlap"), cell.option("chunk_size"),
+            cell.stack)
 
 
 def _over_by_u(cell: Cell, over_at: dict[tuple, int]) -> dict[str, int]:
@@ -262,10 +265,11 @@ def _over_by_u(cell: Cell, over_at: dict[tuple, int]) -> dict[str, int]:
     never falls as U grows (tests/test_plan.py checks it on exact emulations). Overlapped stages
     hold one more stage's buffers than the blocking schedule at the same U: where that does not
     fit (at U or below), neither do they."""
-    if not cell.heads_per_stage:
+    u_cell = cell.option("heads_per_stage")
+    if not u_cell:
         return {}
-    fam, u_cell = _family(cell), cell.heads_per_stage
-    twin = (cell.method, cell.ring_degree, None, None, "alst") if cell.overlap else None
+    fam = _family(cell)
+    twin = (cell.method, cell.ring_degree, None, None, "alst") if cell.option("overlap") else None
     out: dict[str, int] = {}
     for (f, stack), u in over_at.items():
         if (f == fam and u < u_cell) or (f == twin and u <= u_cell):
@@ -276,12 +280,13 @@ def _over_by_u(cell: Cell, over_at: dict[tuple, int]) -> dict[str, int]:
 def _record_over(cell: Cell, rows: list[dict], over_at: dict[tuple, int]) -> None:
     """Note the stacks on which ``cell`` (a UPipe configuration) was emulated over the
     device."""
-    if not cell.heads_per_stage:
+    u = cell.option("heads_per_stage")
+    if not u:
         return
     for row in rows:
         if _over_device(row) and "plan_inferred_from" not in row:
             key = (_family(cell), row["stack"])
-            over_at[key] = min(over_at.get(key, cell.heads_per_stage), cell.heads_per_stage)
+            over_at[key] = min(over_at.get(key, u), u)
 
 
 def _done(fn, *args) -> concurrent.futures.Future:

@@ -120,6 +120,9 @@ def run_search(executor, base: Cell, spec: SearchSpec, on_probe: Probe | None = 
 PEAK_KEYS = ("peak_device_bytes", "peak_host_bytes", "peak_model_bytes", "peak_attention_bytes",
              "peak_other_bytes")
 EMULATED_KEYS = ("peak_phase", "device_budget_bytes", "host_budget_bytes", "emulation")
+# A summary's first keys: the searched cell's identity, in the order committed summaries have
+# it (the options that were cell fields among them: ``config.options.COMMITTED_COLUMNS``); the
+# options a method declared later follow where set.
 IDENTITY = ("method", "heads_per_stage", "ring_degree", "chunk_size", "overlap", "model",
             "nproc", "dp", "stack", "dtype", "budget_mib", "doc_len")
 
@@ -132,7 +135,9 @@ def summarize(base: Cell, res: dict, hardware: Hardware | None = None) -> dict:
     columns."""
     passing = [p for p in res["probes"] if p.get("status") == PASS]
     best = max(passing, key=lambda p: p["seq_len"]) if passing else {}
-    out = {k: getattr(base, k) for k in IDENTITY}
+    cell = base.to_dict()
+    out = {k: cell[k] for k in IDENTITY}
+    out |= {k: v for k, v in base.options.items() if k not in out}
     out |= {k: v for k, v in res.items() if k != "probes"}
     out |= {k: best.get(k) for k in PEAK_KEYS}
     out["mode"] = "measured" if hardware is None else "emulated"

@@ -61,12 +61,11 @@ def _headline(row: dict) -> str:
 
 
 def _label(cell: Cell) -> str:
-    u = "" if cell.heads_per_stage is None else f":U={cell.heads_per_stage}"
     r = "" if cell.ring_degree == 1 else f":{cell.nproc // cell.ring_degree}x{cell.ring_degree}"
-    c = "" if cell.chunk_size is None else f":c={format_size(cell.chunk_size)}"
+    opts = "".join(f":{m}" for m in cell.option_marks())
     dp = "" if cell.dp == 1 else f":dp={cell.dp}"
     d = "" if cell.doc_len is None else f":doc={format_size(cell.doc_len)}"
-    return f"{cell.method}{u}{r}{c}{dp}{d} {format_size(cell.seq_len)} {cell.stack}"
+    return f"{cell.method}{r}{opts}{dp}{d} {format_size(cell.seq_len)} {cell.stack}"
 
 
 def sweep_executor(sweep: Sweep, timeout_s: float | None = None, progress: bool = False):

@@ -21,25 +21,13 @@ from pathlib import Path
 
 from experiments.config.options import number_options
 from experiments.config.status import Status
+from experiments.row import NUMBERS, REQUIRED, Row, unknown_keys
 
 # What every row and every search summary carries; a file without one of these is not a result.
-# A row is its cell's identity (``harness.launch.describe``) plus what happened.
-ROW_FIELDS = ("cell_id", "method", "ring_degree", "model", "seq_len", "nproc", "stack", "status",
-              "mode")
+# A row is typed in experiments/row.py: its required keys, its numbers, the keys it may have.
+ROW_FIELDS = REQUIRED
 SEARCH_FIELDS = ("method", "model", "nproc", "status", "mode", "max_seq_len",
                  "first_failing_seq_len")
-# A row's numbers (its cell's sizes, its methods' integer options (``number_options``) and what
-# was measured or emulated): a number or null, never text, which would reach a table's
-# arithmetic and fail there without naming the file.
-ROW_NUMBERS = ("ring_degree", "seq_len", "nproc", "budget_mib",
-               "doc_len", "time_median_s", "time_p20_s", "time_p80_s", "step_time_s",
-               "tokens_per_s_per_gpu", "mfu", "model_tflops_per_step", "time_compute_s",
-               "time_comm_exposed_s", "time_offload_exposed_s", "time_overhead_s",
-               "peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
-               "peak_attention_bytes", "peak_other_bytes", "attention_peak_bytes",
-               "tracked_peak_device_bytes", "device_memory_bytes", "device_budget_bytes",
-               "host_budget_bytes", "rank_flops_per_step", "comm_bytes_per_step", "wall_s",
-               "emulation_s")
 CELL_FILE = "cell.json"  # beside each row.json: the cell's resolved config (Cell.to_dict)
 
 # The process's umask, read once at import: os.umask can only be read by setting it, so reading
@@ -107,14 +95,14 @@ def _checked(path: Path, obj, fields: tuple[str, ...], what: str) -> dict:
 
 def read_row(path: Path) -> dict:
     """A run's ``runs/<cell_id>/row.json``, checked to be a row (``ROW_FIELDS``, a known status,
-    ``ROW_NUMBERS`` numbers or null) and its folder's: its ``cell_id`` is the folder's name and
-    the cell fields it carries are those of the folder's ``cell.json`` (when there is one)."""
+    numbers or null, only the columns ``experiments.row.Row`` declares: ``row_problem``) and its
+    folder's: its ``cell_id`` is the folder's name and the cell fields it carries are those of
+    the folder's ``cell.json`` (when there is one)."""
     path = Path(path)
     row = _checked(path, read_json(path), ROW_FIELDS, "row")
-    for name in ROW_NUMBERS + number_options():
-        value = row.get(name)
-        if value is not None and (type(value) is bool or not isinstance(value, (int, float))):
-            raise BadResultFile(path, f"{name} must be a number or null, got {value!r}")
+    why = row_problem(row, _labels(path.with_name(CELL_FILE)))
+    if why:
+        raise BadResultFile(path, why)
     folder = path.parent.name
     if row["cell_id"] != folder:
         raise BadResultFile(path, f"the row of cell {row['cell_id']!r} in the folder of cell "
@@ -133,6 +121,42 @@ def read_row(path: Path) -> dict:
             raise BadResultFile(path, f"a row must carry its cell's fields, but these differ "
                                       f"from {cell_path}: {', '.join(differ)}")
     return row
+
+
+def row_problem(row: dict, labels: tuple[str, ...] = ()) -> str | None:
+    """What makes ``row`` no :class:`experiments.row.Row`, or None: a key it does not declare
+    (``labels``: the cell's own extra labels), or a number (its ``NUMBERS`` and the methods'
+    integer options) that is text or a bool."""
+    unknown = unknown_keys(row, labels)
+    if unknown:
+        return (f"{', '.join(map(repr, unknown))} is no column of a row (experiments/row.py "
+                "declares them)")
+    for name in NUMBERS + number_options():
+        value = row.get(name)
+        if value is not None and (type(value) is bool or not isinstance(value, (int, float))):
+            return f"{name} must be a number or null, got {value!r}"
+    return None
+
+
+def _labels(cell_path: Path) -> tuple[str, ...]:
+    """The extra labels of the cell in ``cell_path`` (none when it cannot be read: read_row
+    then says so itself)."""
+    try:
+        extra = read_json(cell_path).get("extra") if cell_path.is_file() else None
+    except (BadResultFile, AttributeError):
+        return ()
+    return tuple(extra) if isinstance(extra, dict) else ()
+
+
+def write_row(path: Path, row: Row, labels: tuple[str, ...] = ()) -> None:
+    """Write a run's row, refusing one that ``read_row`` would refuse (a producer's misspelt
+    or undeclared column fails where it is written, not in a later rebuild)."""
+    missing = [f for f in ROW_FIELDS if f not in row]
+    why = (f"a row must have {', '.join(ROW_FIELDS)}; missing {', '.join(missing)}" if missing
+           else row_problem(row, labels))
+    if why:
+        raise ValueError(f"{path}: {why}")
+    write_json(path, row)
 
 
 def read_search(path: Path) -> dict:

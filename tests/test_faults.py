@@ -204,7 +204,7 @@ def test_a_second_sweep_on_a_directory_in_use_is_refused(tmp_path):
 @pytest.mark.parametrize("content, why", [
     ('{"cell_id": "x", "method": "ulysses", "stat', "not valid JSON"),
     ("[]", "must be a JSON object, got list"),
-    ('{"status": "ok", "method": "ulysses"}', "missing cell_id, ring_degree, model"),
+    ('{"status": "ok", "method": "ulysses"}', "missing cell_id, model, seq_len"),
     (json.dumps(_row(Cell("ulysses"), "fine")), "status must be one of"),
 ])
 def test_a_bad_run_file_is_named_not_dropped(tmp_path, content, why):

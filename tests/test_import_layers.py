@@ -20,17 +20,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("upipe", "baselines", "experiments")
 
 # experiments' parts -> the parts each may import (itself included)
-BASE = {"config", "store", "provenance"}
+BASE = {"config", "row", "store", "provenance"}
 ALLOWED = {
     "config": {"config"},
-    "store": {"config"},
+    "row": {"config"},
+    "store": {"config", "row"},
     "provenance": set(),
     "sweeps": {"config", "sweeps"},
     "instruments": {"config", "instruments"},
     "harness": BASE | {"instruments", "harness"},
     "timing": BASE | {"instruments", "harness", "timing"},
     "emulation": BASE | {"instruments", "harness", "timing", "emulation"},
-    "reporting": {"config", "store", "reporting"},
+    "reporting": {"config", "row", "store", "reporting"},
     "runner": BASE | {"instruments", "harness", "timing", "emulation", "reporting", "runner"},
     # the GPU checks: beside the runner (neither imports the other), below the CLI
     "gpu": BASE | {"instruments", "harness", "timing", "emulation", "reporting", "gpu"},

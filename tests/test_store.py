@@ -21,8 +21,9 @@ from experiments.cli import main
 from experiments.config import Cell, Sweep
 from experiments.harness.launch import describe
 from experiments.reporting.tables import ROWS, load_rows, write_tables
+from experiments.row import NUMBERS, unknown_keys
 from experiments.runner.sweep_runner import SweepRunner
-from experiments.store import BadResultFile, read_row, write_json
+from experiments.store import ROW_FIELDS, BadResultFile, read_row, write_json, write_row
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"model": "tiny", "nproc": 2, "stack": "alst", "warmup": 0, "iters": 1, "seq_len": 256}
@@ -105,3 +106,36 @@ def test_result_files_get_the_umask(tmp_path, umask, mode):
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
     assert stat.S_IMODE(path.stat().st_mode) == mode
     assert json.loads(path.read_text()) == {"a": 1}
+
+
+def test_the_row_is_typed_once_and_every_committed_row_is_one():
+    """experiments/row.py declares every column; the required keys and the numbers are read
+    from its types, and every row.json under results/ has only declared columns."""
+    assert set(ROW_FIELDS) == {"cell_id", "method", "model", "seq_len", "nproc", "ring_degree",
+                               "stack", "status", "mode"}
+    assert {"tokens_per_s_per_gpu", "peak_device_bytes", "budget_mib"} <= set(NUMBERS)
+    assert not {"host_pinned", "status", "times_s", "heads_per_stage"} & set(NUMBERS)
+    paths = sorted(ROOT.glob("results/*/runs/*/row.json"))
+    assert len(paths) > 100
+    for path in paths:
+        read_row(path)  # raises BadResultFile naming an undeclared column or a text number
+
+
+def test_a_row_with_an_undeclared_column_is_refused_where_written_and_read(tmp_path):
+    cell = Cell("ulysses", extra={"rep": 0})
+    row = describe(cell, None) | {"status": "ok", "mode": "measured", "tokens_per_sec": 1.0}
+    path = tmp_path / "runs" / cell.cell_id() / "row.json"
+    with pytest.raises(ValueError, match="'tokens_per_sec' is no column of a row"):
+        write_row(path, row, tuple(cell.extra))
+    assert not path.exists()
+    with pytest.raises(ValueError, match="heads_per_stage must be a number or null, got '8'"):
+        write_row(path, describe(cell, None) | {"status": "ok", "mode": "measured",
+                                                "heads_per_stage": "8"}, ("rep",))
+    good = describe(cell, None) | {"status": "ok", "mode": "measured"}
+    assert "rep" in good and unknown_keys(good) == ["rep"]  # a label of the cell's own
+    write_row(path, good, tuple(cell.extra))
+    write_json(path.with_name("cell.json"), cell.to_dict())
+    assert read_row(path) == good
+    write_json(path, row)  # written past the check: read_row names it
+    with pytest.raises(BadResultFile, match="'tokens_per_sec' is no column"):
+        read_row(path)

@@ -37,6 +37,7 @@ from experiments.harness.flops import step_flops
 from experiments.harness.launch import describe, kernel_ran, method_kernel_refusal, unrun
 from experiments.harness.train import packed_cu_seqlens
 from experiments.provenance import provenance
+from experiments.row import Row
 from experiments.timing.profile import Profile, profile_for
 from experiments.timing.time_model import price, step_time
 from upipe.kernels import cudnn_dtype_reason, cudnn_shape_reason, kernel_unavailable_reason
@@ -133,7 +134,7 @@ def time_columns(cell: Cell, cfg: ModelConfig, profile: Profile | None, m: Measu
 
 
 def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
-                 count: bool = True, bound_first: bool = False) -> dict:
+                 count: bool = True, bound_first: bool = False) -> Row:
     """The row of ``cell`` emulated on ``hw`` (statuses as ``run_cell``'s: ok, oom over the
     device or host budget, invalid, skipped, error). ``count=False``: memory only (FLOPs and
     bytes sent are None), for searches that need only the status. ``bound_first``: a cell whose

@@ -56,6 +56,7 @@ from experiments.harness.interrupts import TERMINATING
 from experiments.harness.measure import measure_cell
 from experiments.harness.train import TORCH_DTYPES
 from experiments.provenance import provenance
+from experiments.row import Row
 from upipe.kernels import kernel_unavailable_reason, machine_auto_kernel
 from upipe.registry import get_method
 
@@ -74,7 +75,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def describe(cell: Cell, cfg: ModelConfig | None) -> dict:
+def describe(cell: Cell, cfg: ModelConfig | None) -> Row:
     """The row's identity and config columns (flat, CSV-friendly); ``world_size`` is the job's
     dp x nproc ranks."""
     d = cell.to_dict()
@@ -87,7 +88,7 @@ def describe(cell: Cell, cfg: ModelConfig | None) -> dict:
     return d | extra
 
 
-def unrun(cell: Cell, cfg: ModelConfig | None, status: str, error: str, mode: str) -> dict:
+def unrun(cell: Cell, cfg: ModelConfig | None, status: str, error: str, mode: str) -> Row:
     """The row of a cell that did not run (invalid, skipped): its identity, why, and how it
     would have run (``mode``)."""
     return describe(cell, cfg) | {"status": status, "error": error, "mode": mode}
@@ -297,7 +298,7 @@ def kernel_ran(cell: Cell, cfg: ModelConfig, device_type: str,
     return machine_auto_kernel(torch.cuda.current_device(), q.dtype, cfg.head_dim)
 
 
-def run_cell(cell: Cell, timeout_s: float | None = None, progress: bool = False) -> dict:
+def run_cell(cell: Cell, timeout_s: float | None = None, progress: bool = False) -> Row:
     """Run ``cell`` once; always returns a row (see the module docstring for the statuses),
     with ``mode`` ``measured`` (``experiments.emulation.emulate_cell``'s rows say
     ``emulated``). ``progress``: rank 0 prints a line per step on stderr."""

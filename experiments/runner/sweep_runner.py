@@ -34,7 +34,7 @@ from experiments.reporting.tables import write_tables
 from experiments.runner.executor import Emulator, Launcher
 from experiments.runner.lock import ResultsInUse, results_lock
 from experiments.runner.search import print_probe, run_search, summarize
-from experiments.store import CELL_FILE, BadResultFile, read_row, set_aside, write_json
+from experiments.store import CELL_FILE, BadResultFile, read_row, set_aside, write_json, write_row
 
 
 def _is_writer() -> bool:
@@ -159,7 +159,7 @@ class SweepRunner:
         if _is_writer():
             d = self.dir / "runs" / cell.cell_id()
             write_json(d / CELL_FILE, cell.to_dict())
-            write_json(d / "row.json", row)
+            write_row(d / "row.json", row, tuple(cell.extra))
             write_tables(self.dir)
         return row
 

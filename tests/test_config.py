@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import pickle
 from pathlib import Path
@@ -24,7 +25,7 @@ from experiments.config import (
 from experiments.config.options import every_option
 from experiments.runner.search import search_max_context
 from experiments.sweeps import SWEEPS, cpu_sweeps, get_sweep
-from upipe.registry import available_methods
+from upipe.registry import available_methods, get_method
 
 
 def needs(*methods: str):
@@ -197,6 +198,8 @@ def test_no_option_is_named_as_a_cell_field_and_each_name_has_one_kind():
     for name, by in every_option().items():
         assert name not in fields_, name
         assert len({(o.kind, o.tokens) for o in by.values()}) == 1, (name, by)
+        for method in by:  # a declaration names a keyword its constructor takes
+            assert name in inspect.signature(get_method(method)).parameters, (method, name)
 
 
 def test_cell_ids_of_committed_results_do_not_change():

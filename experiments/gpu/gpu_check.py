@@ -48,8 +48,10 @@ SETS = {"paper": CELLS, "beyond": BEYOND_CELLS}
 
 
 def _cell(method: str, nproc: int, seq_len: int, extra: dict) -> Cell:
-    return Cell(method=method, model="llama3-8b", nproc=nproc, seq_len=seq_len, dtype="bf16",
-                overrides=(("n_layers", "4"),), warmup=1, iters=0, **extra)
+    # extra: cell fields and the method's options side by side (Cell.from_dict)
+    return Cell.from_dict(dict(method=method, model="llama3-8b", nproc=nproc, seq_len=seq_len,
+                               dtype="bf16", overrides=(("n_layers", "4"),), warmup=1,
+                               iters=0) | extra)
 
 
 def _clean_allocator() -> None:

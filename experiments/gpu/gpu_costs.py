@@ -123,8 +123,10 @@ def bench(fn: Callable, device: torch.device, reps: int = 5, min_s: float = 2e-3
 
 
 def _cell(method, nproc, seq_len, extra, n_layers: int, model: str) -> Cell:
-    return Cell(method=method, model=model, nproc=nproc, seq_len=seq_len, dtype="bf16",
-                overrides=(("n_layers", str(n_layers)),), warmup=1, iters=0, **extra)
+    # extra: cell fields and the method's options side by side (Cell.from_dict)
+    return Cell.from_dict(dict(method=method, model=model, nproc=nproc, seq_len=seq_len,
+                               dtype="bf16", overrides=(("n_layers", str(n_layers)),), warmup=1,
+                               iters=0) | extra)
 
 
 def _busy(intervals: list[tuple[float, float]]) -> float:

@@ -60,6 +60,9 @@ CASES = [
     # beyond the paper: the long level (first input offloaded, residual FFN tiled in place,
     # UPipe's fused input norm) with UPipe's chunked attention backward (8 chunks of 256)
     ("upipe", "long", {"chunk_size": 256}),
+    # selective recomputation: the attention's saved tensors kept on the device, or offloaded
+    ("ulysses", "alst-attn", {}),
+    ("upipe", "alst-attn-host", {}),
 ]
 
 

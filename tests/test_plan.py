@@ -76,10 +76,11 @@ def _fake_emulation(outcome: dict):
     # lighter level)
     ({"alst": "device", "megatron-ds": "ok", "torchtitan": "ok"},
      {"alst", "megatron-ds", "torchtitan"}),
-    # alst fits, offload does not: ac (needs offload and native) and none (needs ac) are not
+    # alst fits, offload does not: ac (needs offload and native) and none (needs ac) are not;
+    # the selective levels (alst's own, keeping more) are
     ({"alst": "ok", "offload": "device", "native": "ok", "megatron-ds": "device",
-      "torchtitan": "device"},
-     {"alst", "offload", "native", "megatron-ds", "torchtitan"}),
+      "torchtitan": "device", "alst-attn": "device", "alst-attn-host": "ok"},
+     {"alst", "offload", "native", "megatron-ds", "torchtitan", "alst-attn", "alst-attn-host"}),
     # over the host budget only says nothing of the device: the ladder goes on
     ({s: "host" for s in LADDER}, set(LADDER)),
 ])

@@ -44,6 +44,15 @@ class StackConfig:
     gradient written in place, fp32 weight-gradient accumulators; every norm with a fused
     kernel's memory (apex's fused LayerNorm: the input saved, one output, one input gradient).
     Without ``tiled``."""
+    keep_attention: bool = False
+    """with ``checkpoint``, selective recomputation: each block's attention (and the norm
+    before it) runs outside the checkpoint, so what the attention saves for its backward is
+    kept and the recomputed block forward skips it (its kernels and its collectives); the MLP
+    is checkpointed from the attention's residual sum. What is kept stays on the device, or
+    with ``keep_on_host`` goes to host memory as the offloaded block inputs do"""
+    keep_on_host: bool = False
+    """with ``keep_attention`` and ``offload``: the kept tensors in host memory (pinned and
+    copied back in the backward, as ``offload``'s block inputs), in blocks that offload"""
 
 
 STACKS: dict[str, StackConfig] = {
@@ -98,6 +107,12 @@ STACKS: dict[str, StackConfig] = {
     # offloaded, the residual FFN tiled in place, the attention's pre-norm fused.
     "long": StackConfig(True, True, True, True, offload_first=True, residual_ffn=True,
                         fuse_norm=True),
+    # Beyond the paper (issue 34): ALST with selective recomputation, the attention's saved
+    # tensors kept on the device (alst-attn) or in host memory (alst-attn-host), so that the
+    # recomputed forward skips the attention, the largest part of a long-context step.
+    "alst-attn": StackConfig(True, True, True, True, keep_attention=True),
+    "alst-attn-host": StackConfig(True, True, True, True, keep_attention=True,
+                                  keep_on_host=True),
 }
 
 DTYPES = ("fp32", "bf16")

@@ -126,14 +126,21 @@ class Block(nn.Module):
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:
         return self.feed_forward(self.ffn_norm(h))
 
-    def _forward(self, x: torch.Tensor, cu_seqlens: list[int] | None) -> torch.Tensor:
+    def _attend(self, x: torch.Tensor, cu_seqlens: list[int] | None) -> torch.Tensor:
+        """x + attention(norm(x)): the block's first half."""
         if self.stack.fuse_norm and getattr(self.attention, "fuses_input_norm", False):
-            h = x + self.attention(x, cu_seqlens=cu_seqlens, input_norm=self.attention_norm)
-        else:  # (no local for the attention's output: it would live through the MLP)
-            h = x + self.attention(self._per_token(self.attention_norm, x), cu_seqlens=cu_seqlens)
+            return x + self.attention(x, cu_seqlens=cu_seqlens, input_norm=self.attention_norm)
+        # (no local for the attention's output: it would live through the MLP)
+        return x + self.attention(self._per_token(self.attention_norm, x), cu_seqlens=cu_seqlens)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """h + mlp(norm(h)): the block's second half."""
         if self.stack.residual_ffn:
             return tiled_residual(self._ffn, h)
         return h + self._per_token(self.feed_forward, self._per_token(self.ffn_norm, h))
+
+    def _forward(self, x: torch.Tensor, cu_seqlens: list[int] | None) -> torch.Tensor:
+        return self._mlp(self._attend(x, cu_seqlens))
 
     @property
     def reentrant(self) -> bool:
@@ -149,6 +156,16 @@ class Block(nn.Module):
         # argument: both checkpoints keep it as is and pass it again to the recomputation.
         ctx = (offload_saved_inputs(self.host_context, self.pin_memory) if self.offload
                else contextlib.nullcontext())
+        if self.stack.keep_attention:
+            # Selective recomputation: the first half runs once, its saved tensors (the norm's
+            # input, the attention's input and whatever the method saves for its backward)
+            # kept, on the host where the stack says so; the second half is checkpointed from
+            # h, which is what this block's checkpoint saves (and offloads) instead of x.
+            kept = ctx if self.stack.keep_on_host else contextlib.nullcontext()
+            with kept:
+                h = self._attend(x, cu_seqlens)
+            with ctx:
+                return checkpoint(self._mlp, h, use_reentrant=self.reentrant)
         with ctx:
             return checkpoint(self._forward, x, cu_seqlens, use_reentrant=self.reentrant)
 

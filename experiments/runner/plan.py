@@ -47,6 +47,11 @@ LADDER: dict[str, tuple[str, ...]] = {
     "none": ("ac",),
     # more offloaded than alst but their MLP untiled: neither bounds the other, emulated alone
     "megatron-ds": (), "torchtitan": (),
+    # selective recomputation (issue 34): alst keeping the attention's saved tensors, on the
+    # device or in host memory. Either holds on the device what alst holds and more (the
+    # attention's backward needs its saved tensors back on the device, and the MLP's recompute
+    # is alst's), so alst over the device rules both out.
+    "alst-attn": ("alst",), "alst-attn-host": ("alst",),
 }
 
 # Beyond the paper: the ``long`` level (config.stack) with UPipe's chunked attention backward,

@@ -25,6 +25,7 @@ from experiments.sweeps import (
     bench_attention,
     long_context,
     memory_ladder,
+    selective_recompute,
     table3_llama3_8b_h100x8,
     table4_qwen3_32b_h100x16,
     time_validation_cpu,
@@ -38,7 +39,7 @@ PAPER_KERNEL = "fa3"
 
 _MODULES = (table3_llama3_8b_h100x8, table4_qwen3_32b_h100x16, memory_ladder,
             ablation_heads_per_stage, bench_attention, time_validation_cpu, upipe_overlap,
-            long_context, two_node_llama3_8b_h100x16)
+            long_context, two_node_llama3_8b_h100x16, selective_recompute)
 
 
 def emulated_twin(paper: Sweep) -> Sweep:

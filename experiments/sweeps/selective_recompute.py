@@ -1,0 +1,36 @@
+"""Selective recomputation (beyond the paper): memory turned into speed. Ulysses and UPipe on
+ALST, which recomputes every block whole, against the same stack keeping the attention's saved
+tensors on the device (``alst-attn``) or in host memory (``alst-attn-host``), so the recompute
+skips the attention (``experiments/config/stack.py``, docs/design.md#the-memory-stack).
+
+Paper scale (emulated): Llama3-8B on one 8-GPU node from 1M tokens, where the paper's UPipe
+runs at 30-55 GiB of 73 and no faster than Ulysses. CPU scale: the tiny preset on 4 gloo
+ranks, measured. The plot is the memory ladder (device and host bytes by level); the
+tokens/s are in the tables.
+"""
+
+from experiments.config import Sweep
+
+METHODS = [{"method": "ulysses"}, {"method": "upipe"}]
+STACKS = ["alst", "alst-attn", "alst-attn-host"]
+
+SWEEPS = [
+    Sweep(
+        name="selective_recompute_llama3_8b_h100x8",
+        description="Selective recomputation: Llama3-8B, 8x H100, Ulysses and UPipe on ALST "
+                    "with the attention recomputed, kept on the device or kept in host memory",
+        scale="paper",
+        base={"model": "llama3-8b", "nproc": 8, "dtype": "bf16", "warmup": 1, "iters": 2},
+        axes={"variant": METHODS, "stack": STACKS, "seq_len": ["1M", "2M", "3M", "4M", "5M"]},
+        plots=("memory_ladder",),
+    ),
+    Sweep(
+        name="selective_recompute_llama3_8b_h100x8-cpu",
+        description="CPU counterpart: tiny preset, 4 gloo ranks, the same methods and levels",
+        scale="cpu",
+        base={"model": "tiny", "nproc": 4, "dtype": "fp32", "warmup": 1, "iters": 2},
+        axes={"variant": METHODS, "stack": STACKS, "seq_len": ["2K", "4K"]},
+        plots=("memory_ladder",),
+        timeout_s=900,
+    ),
+]

@@ -93,8 +93,12 @@ def chunked_attention_backward(
     """
     spans = chunk_spans(q.shape[1], chunk)
     dq = torch.empty_like(q)
+    # each key chunk's views, made once: a causal backward visits chunk j from every query chunk
+    # i >= j, and under the emulator's fake tensors every slice is a dispatched op
+    kv_chunks = [(k[:, a:b], v[:, a:b], dk_acc[:, a:b], dv_acc[:, a:b]) for a, b in spans]
     for i, (qa, qb) in enumerate(spans):
         dq_acc = None
+        q_chunk = None
         for j, (ka, kb) in enumerate(spans[:i + 1] if causal else spans):
             blocks = ((0, qb - qa, 0, kb - ka),) if docs is None else docs.blocks(
                 [(qa, qb - qa)], [(ka, kb - ka)])
@@ -105,8 +109,11 @@ def chunked_attention_backward(
                 shape = (q.shape[0], qb - qa, *q.shape[2:])
                 dq_acc = (torch.empty if docs is None else torch.zeros)(
                     shape, dtype=accumulator_dtype(q.dtype), device=q.device)
-            _block(dout[:, qa:qb], q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], out[:, qa:qb],
-                   lse[:, :, qa:qb], dq_acc, dk_acc[:, ka:kb], dv_acc[:, ka:kb], blocks,
+            if q_chunk is None:
+                q_chunk = (dout[:, qa:qb], q[:, qa:qb], out[:, qa:qb], lse[:, :, qa:qb])
+            dout_i, q_i, out_i, lse_i = q_chunk
+            k_j, v_j, dk_j, dv_j = kv_chunks[j]
+            _block(dout_i, q_i, k_j, v_j, out_i, lse_i, dq_acc, dk_j, dv_j, blocks,
                    causal and i == j, scale, kernel, first and docs is None)
         if dq_acc is None:  # no key visible to these queries (packed documents only)
             dq[:, qa:qb] = 0

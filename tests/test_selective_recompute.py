@@ -25,7 +25,8 @@ METHODS = [("ulysses", {}), ("ds-ulysses", {}), ("ring", {}), ("zigzag-ring", {}
            ("usp", {"ring_degree": 2}), ("usp-ulysses", {}),
            ("upipe", {}), ("upipe", {"heads_per_stage": 4, "overlap": True}),
            ("upipe", {"ring_degree": 2}), ("fpdt", {"chunk_size": 32}),
-           ("ds-fpdt", {"chunk_size": 32}), ("torch-cp", {})]
+           ("ds-fpdt", {"chunk_size": 32}), ("torch-cp", {}),
+           ("upipe", {"doc_len": 48}), ("zigzag-ring", {"doc_len": 48})]  # packed documents
 
 
 def _losses_and_grads(cells: list[Cell]) -> list[tuple[list[float], list[torch.Tensor]]]:

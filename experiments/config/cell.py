@@ -64,7 +64,8 @@ class Cell:
     nproc: int = 4
     """ranks per CP group = the CP degree; world = dp x nproc (FSDP2 shards over the world)"""
     stack: str = "alst"
-    """memory-stack level (``STACKS``): none, ac, offload, alst, native"""
+    """memory-stack level (``STACKS``: the ladder none, ac, offload, alst; the paper's own
+    native, torchtitan, megatron-ds; beyond it long, alst-attn, alst-attn-host)"""
     options: Mapping[str, object] = field(default_factory=dict, hash=False)
     """the method's own constructor options this cell sets (its ``declared_options``, e.g.
     UPipe's ``heads_per_stage``, FPDT's ``chunk_size``); an unset one (or None) takes the

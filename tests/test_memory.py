@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -428,6 +429,36 @@ def test_fake_equals_real_gloo(dist_pool):
         assert all(r == real[0] for r in real), (method, real)  # every rank is symmetric
         (fake,) = dist_pool(s.cp, fake=True).run(measure_fake, method, s)
         assert fake == real[0], (method, s)
+
+
+def _reduce_scatter_then_allocate() -> tuple[float, int, int]:
+    """One gloo reduce-scatter under a tracker whose settle timeout is 5 s, the send buffer
+    dropped, then one allocation: (seconds taken, live bytes, peak bytes)."""
+    world = dist.get_world_size()
+    with MemoryTracker(settle_timeout_s=5.0) as mt:
+        t0 = time.monotonic()
+        out = torch.zeros(64)
+        send = torch.ones(64 * world)
+        dist.reduce_scatter_single(out, send)
+        del send
+        kept = torch.empty(16)
+        took = time.monotonic() - t0
+        live, peak = mt.current_bytes, mt.peak_bytes
+    del out, kept
+    return took, live, peak
+
+
+def test_a_reduce_scatter_settles_without_waiting_on_itself(dist_pool):
+    """Gloo runs a reduce-scatter's own split and copy through the dispatcher inside ``wait()``,
+    while its Work holds the collective's tensors: the tracker settles the collective's buffers
+    before the next allocation, not at those ops, so it never waits out its timeout (5 s here;
+    FSDP2 reduce-scatters every gradient) and the dropped send buffer is gone before the
+    allocation is counted."""
+    runs = dist_pool(2).run(_reduce_scatter_then_allocate)
+    for took, live, peak in runs:
+        assert took < 2.5, f"the tracker waited {took:.1f} s on a finished reduce-scatter"
+        assert live == 64 * 4 + 16 * 4  # out and kept; the send buffer is freed
+        assert peak == 64 * 4 + 2 * 64 * 4  # out and send, before kept: never all three
 
 
 # ---------------------------------------------------------------------------------------------

@@ -218,14 +218,17 @@ class MemoryTracker(TorchDispatchMode):
 
     @property
     def current_bytes(self) -> int:
+        self._settle_comm()
         return self.current[DEVICE] + self.current[HOST]
 
     @property
     def current_device_bytes(self) -> int:
+        self._settle_comm()
         return self.current[DEVICE]
 
     @property
     def current_host_bytes(self) -> int:
+        self._settle_comm()
         return self.current[HOST]
 
     @property
@@ -312,6 +315,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         """Restart every peak from the current live bytes; phase peaks restart empty."""
+        self._settle_comm()
         self.peak = dict(self.current)
         self.peak_bytes = self.current_bytes
         self.peak_by_category = defaultdict(int, self.current_by_category)
@@ -334,7 +338,9 @@ class MemoryTracker(TorchDispatchMode):
 
     def _context_changed(self) -> None:
         """A phase, category or kind opens or closes: logged (a call during which one does
-        cannot be replayed under a single context)."""
+        cannot be replayed under a single context). A new phase starts from the live bytes, so
+        a collective's buffers are settled first."""
+        self._settle_comm()
         if self._log is not None:
             self._log.append(("context",))
 
@@ -397,8 +403,6 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self._comm_aliases:
-            self._settle_comm()
         if func is _DEVICE_QUERY:
             return func(*args, **kwargs)
         if self.settle_comm and func.namespace == "c10d" and func._opname not in _P2P_OPS:
@@ -474,8 +478,13 @@ class MemoryTracker(TorchDispatchMode):
     # program may already have dropped a send buffer that the comm thread still holds, so raw
     # real-run peaks vary run to run and exceed emulated ones. To measure what the program
     # holds, each collective gets fresh aliases (same storage) of its tensors, and before the
-    # next op the tracker waits until it holds the only reference to them again, i.e. the
-    # backend has let go. A Work the program keeps (async ops not yet waited) times out after
+    # next allocation (or resize that grows, phase change, peak reset, read of the live bytes)
+    # the tracker waits until it holds the only reference to them again, i.e. the backend has
+    # let go: the bytes are then freed before anything that could raise a peak is counted.
+    # Not before the next op: gloo runs a reduce-scatter's own split and copy through the
+    # dispatcher inside ``wait()`` on the calling thread (FSDP2 reduce-scatters every gradient),
+    # while its Work still holds the aliases, so a wait there waited on itself for the full
+    # timeout. A Work the program keeps (async ops not yet waited) times out after
     # ``settle_timeout_s`` and its buffers stay counted, as they are really held. The waits stall
     # async overlap: time runs untracked.
     #
@@ -493,8 +502,9 @@ class MemoryTracker(TorchDispatchMode):
         return alias
 
     def _settle_comm(self) -> None:
-        self._settle(self._comm_aliases)
-        self._comm_aliases.clear()
+        if self._comm_aliases:
+            self._settle(self._comm_aliases)
+            self._comm_aliases.clear()
 
     def _settle(self, aliases: list[torch.Tensor]) -> None:
         """Wait (up to ``settle_timeout_s``) until the tracker holds the only reference to
@@ -519,6 +529,7 @@ class MemoryTracker(TorchDispatchMode):
         self._add_storage(s, op, t)
 
     def _add_storage(self, s, op: str, t: torch.Tensor | None) -> None:
+        self._settle_comm()  # what a collective's backend has let go of is gone before this
         key = id(s)
         desc = op if t is None else f"{op}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
         kind = self._kind_stack[-1]
@@ -564,6 +575,8 @@ class MemoryTracker(TorchDispatchMode):
     def _resize(self, alloc: Allocation, s) -> None:
         """Count the change of a tracked storage's size (rounded like its allocation was)."""
         nbytes = self._counted(alloc.kind, s.nbytes())
+        if nbytes > alloc.nbytes:
+            self._settle_comm()
         if nbytes != alloc.nbytes:
             if self._log is not None:
                 self._log.append(("resize", id(s), nbytes - alloc.nbytes))

@@ -18,7 +18,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from test_emulate import KEYS, _real_run
+from cell_runs import KEYS, _real_run
 
 from experiments.cli import parser
 from experiments.cli_args import cell_from_args, world_from_args

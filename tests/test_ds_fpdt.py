@@ -12,11 +12,11 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+from cell_runs import emulated_on_cpu, real_run
 
 import baselines.ds_fpdt  # noqa: F401  registers "ds-fpdt" in this process
 from baselines.ds_fpdt import DSFPDTAttention
 from experiments.config import Cell, Hardware
-from experiments.emulation.emulate import emulate_cell
 from experiments.emulation.fake_step import measure_fake
 from experiments.instruments.memory import MemoryTracker
 from upipe import build_method
@@ -75,14 +75,6 @@ def test_host_bytes_are_fpdts_chunks_and_the_patches_are_scoped(dist_pool):
 KEYS = ("tracked_peak_device_bytes", "peak_host_bytes")
 
 
-def _real_run(cell_dict: dict) -> dict:
-    from experiments.harness.measure import measure_cell
-
-    cell = Cell.from_dict(cell_dict)
-    row = measure_cell(cell, cell.validate())
-    return {k: row[k] for k in KEYS}
-
-
 def _cell(method: str, n_layers: int) -> Cell:
     options = {"chunk_size": 512} if method == "ds-fpdt" else {}
     return Cell(method=method, model="tiny", seq_len=2048, nproc=4, stack="alst", dtype="fp32",
@@ -91,12 +83,13 @@ def _cell(method: str, n_layers: int) -> Cell:
 
 def _growth(dist_pool, method: str) -> dict[str, int]:
     """Peak bytes at 6 layers less at 3, real (gloo, rank 0) and emulated (CPU device), which
-    must agree to the byte."""
+    must agree to the byte. (Ulysses at 3 layers is also a cell of tests/test_emulate.py: run
+    once per session, ``cell_runs``.)"""
     out = {}
     for n in (3, 6):
         cell = _cell(method, n)
-        real = dist_pool(4).run(_real_run, cell.to_dict())[0]
-        emulated = emulate_cell(cell, Hardware(device="cpu"), exact=True, count=False)
+        real = {k: v for k, v in real_run(dist_pool, cell).items() if k in KEYS}
+        emulated = emulated_on_cpu(cell)
         assert emulated["status"] == "ok", emulated["error"]
         assert {k: emulated[k] for k in KEYS} == real, (method, n)
         out = {k: real[k] - out.get(k, 0) for k in KEYS}

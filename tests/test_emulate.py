@@ -18,6 +18,7 @@ import dataclasses
 
 import pytest
 import torch
+from cell_runs import KEYS, emulated_on_cpu, real_run
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -25,19 +26,6 @@ from experiments.config import Cell, Hardware
 from experiments.emulation.emulate import emulate_cell
 from experiments.emulation.fake_step import measure_fake
 from experiments.instruments.memory import MemoryTracker
-
-KEYS = ("tracked_peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
-        "peak_attention_bytes", "peak_other_bytes")
-
-
-def _real_run(cell_dict: dict) -> dict:
-    """One rank of the real gloo run (runs in the DistPool's worker processes)."""
-    from experiments.harness.measure import measure_cell
-
-    cell = Cell.from_dict(cell_dict)
-    row = measure_cell(cell, cell.validate())
-    return {k: row[k] for k in KEYS}
-
 
 CASES = [
     # every method on the paper's stack ...
@@ -79,9 +67,9 @@ def test_emulation_equals_the_real_run(dist_pool, method, stack, options):
     cell = Cell.from_dict(dict(method=method, model="tiny", seq_len=seq_len, nproc=4,
                                stack=stack, dtype="fp32", warmup=1, iters=0,
                                overrides=(("n_layers", "3"),)) | options)
-    real = dist_pool(4).run(_real_run, cell.to_dict())[0]  # rank 0, as the emulator plays
+    real = real_run(dist_pool, cell)  # rank 0, as the emulator plays (once per session)
     # memory only (count=False): the same allocations, a third fewer dispatch layers
-    emulated = emulate_cell(cell, Hardware(device="cpu"), exact=True, count=False)
+    emulated = emulated_on_cpu(cell)
     assert emulated["status"] == "ok", emulated["error"]
     assert {k: emulated[k] for k in KEYS} == real
 

@@ -4,9 +4,10 @@ tensors on the device (``alst-attn``) or in host memory (``alst-attn-host``), so
 skips the attention (``experiments/config/stack.py``, docs/design.md#the-memory-stack).
 
 Paper scale (emulated): Llama3-8B on one 8-GPU node from 1M tokens, where the paper's UPipe
-runs at 30-55 GiB of 73 and no faster than Ulysses. CPU scale: the tiny preset on 4 gloo
-ranks, measured. The plot is the memory ladder (device and host bytes by level); the
-tokens/s are in the tables.
+runs at 30-55 GiB of 73 and no faster than Ulysses, and Qwen3-32B on two nodes (16 GPUs, the
+paper's Table 4 setting; UPipe also on its 8 x 2 mesh with a ring over the nodes). CPU scale:
+the tiny presets on 4 gloo ranks, measured. The plot is the memory ladder (device and host bytes
+by level); the tokens/s are in the tables (docs/results.md, ``reporting.selective_table``).
 """
 
 from experiments.config import Sweep
@@ -25,11 +26,33 @@ SWEEPS = [
         plots=("memory_ladder",),
     ),
     Sweep(
+        name="selective_recompute_qwen3_32b_h100x16",
+        description="Selective recomputation: Qwen3-32B, 16x H100 (2 nodes), Ulysses and UPipe "
+                    "(also 8x2) on ALST with the attention recomputed, kept on the device or "
+                    "kept in host memory",
+        scale="paper",
+        base={"model": "qwen3-32b", "nproc": 16, "dtype": "bf16", "warmup": 1, "iters": 2},
+        axes={"variant": METHODS + [{"method": "upipe", "ring_degree": 2}], "stack": STACKS,
+              "seq_len": ["1M", "2M", "3M", "4M"]},
+        plots=("memory_ladder",),
+    ),
+    Sweep(
         name="selective_recompute_llama3_8b_h100x8-cpu",
         description="CPU counterpart: tiny preset, 4 gloo ranks, the same methods and levels",
         scale="cpu",
         base={"model": "tiny", "nproc": 4, "dtype": "fp32", "warmup": 1, "iters": 2},
         axes={"variant": METHODS, "stack": STACKS, "seq_len": ["2K", "4K"]},
+        plots=("memory_ladder",),
+        timeout_s=900,
+    ),
+    Sweep(
+        name="selective_recompute_qwen3_32b_h100x16-cpu",
+        description="CPU counterpart: tiny-wide preset (16 heads, 2 KV), 4 gloo ranks, the same "
+                    "levels, UPipe's mesh as 2x2",
+        scale="cpu",
+        base={"model": "tiny-wide", "nproc": 4, "dtype": "fp32", "warmup": 1, "iters": 2},
+        axes={"variant": METHODS + [{"method": "upipe", "ring_degree": 2}], "stack": STACKS,
+              "seq_len": ["2K", "4K"]},
         plots=("memory_ladder",),
         timeout_s=900,
     ),

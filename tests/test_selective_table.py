@@ -1,0 +1,62 @@
+"""docs/results.md's selective-recomputation tables come from the committed rows
+(``experiments.reporting.selective_table``): up to date, and rendered as the rows say."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from experiments.reporting import selective_table
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 2**30
+
+
+def test_the_committed_tables_are_up_to_date():
+    assert not selective_table.stale(ROOT / "results", ROOT / "docs" / "results.md"), (
+        f"docs/results.md's selective-recomputation tables are stale: run "
+        f"`{selective_table.COMMAND}` and commit docs/results.md")
+
+
+def _row(method, stack, seq_len, status, tok, dev_gib, host_gib, ring=1):
+    return {"method": method, "stack": stack, "seq_len": seq_len, "status": status,
+            "tokens_per_s_per_gpu": tok, "peak_device_bytes": dev_gib * GiB,
+            "peak_host_bytes": host_gib * GiB, "device_budget_bytes": 70 * GiB,
+            "host_budget_bytes": 256 * GiB, "ring_degree": ring, "nproc": 8, "world_size": 8,
+            "model": "llama3-8b", "kernel": "fa3", "hardware_profile": "h100-sxm"}
+
+
+def test_a_small_sweep_renders_each_level_and_the_fastest_that_fits(tmp_path):
+    """One sweep's rows: a length where a kept level fits and is fastest, one where it runs
+    out of host memory and one level has no row, and a mesh variant where only a kept level
+    fits."""
+    name = "selective_recompute_llama3_8b_h100x8-emulated"
+    rows = [
+        _row("upipe", "alst", 2**20, "ok", 400.0, 30.0, 30.0),
+        _row("upipe", "alst-attn", 2**20, "oom", 500.0, 120.0, 30.0),
+        _row("upipe", "alst-attn-host", 2**20, "ok", 500.0, 31.0, 125.0),
+        _row("upipe", "alst", 3 * 2**20, "ok", 150.0, 48.0, 90.0),
+        _row("upipe", "alst-attn-host", 3 * 2**20, "oom", 180.0, 54.0, 369.0),
+        _row("upipe", "alst", 2**20, "oom", 420.0, 71.0, 30.0, ring=2),
+        _row("upipe", "alst-attn-host", 2**20, "ok", 520.0, 60.0, 120.0, ring=2),
+    ]
+    (tmp_path / name).mkdir()
+    pd.DataFrame(rows).to_csv(tmp_path / name / "rows.csv", index=False)
+    lines = [line for line in selective_table.render(tmp_path).splitlines()
+             if line.startswith("| upipe")]
+    assert lines == [
+        "| upipe | 1M | 400 tok/s; 30.0 / 30 GiB | oom (device); 120.0 / 30 GiB "
+        "| 500 tok/s; 31.0 / 125 GiB | alst-attn-host, 1.250 |",
+        "| upipe | 3M | 150 tok/s; 48.0 / 90 GiB | — | oom (host); 54.0 / 369 GiB | alst, 1.000 |",
+        "| upipe 4x2 | 1M | oom (device); 71.0 / 30 GiB | — | 520 tok/s; 60.0 / 120 GiB "
+        "| alst-attn-host, alst does not fit |",
+    ]
+    assert "70.00 GiB of device and 256 GiB of host memory per rank" in (
+        selective_table.render(tmp_path))
+
+
+def test_without_rows_the_section_is_empty(tmp_path):
+    text = selective_table.render(tmp_path)
+    assert text.startswith(selective_table.BEGIN) and text.endswith(selective_table.END)
+    assert "|" not in text

@@ -12,7 +12,6 @@ between two markers in ``README.md``; ``./run_all.sh`` rewrites it after the res
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pandas as pd
 from experiments.reporting.paper_tables import PAPER_MAX_CONTEXT, SEQ_LEN_TOKENS, TABLES
 from experiments.reporting.plots import format_tokens
 from experiments.reporting.reproduction import SWEEPS, mesh, overlapped, throughput
-from experiments.reporting.sections import section, write_section
+from experiments.reporting.sections import is_stale, section_main
 
 BEGIN, END = "<!-- readme-headline:begin -->", "<!-- readme-headline:end -->"
 COMMAND = "python -m experiments.reporting.readme_headline"
@@ -78,24 +77,14 @@ def render(results: Path) -> str:
 
 def stale(results: Path, readme: Path) -> bool:
     """Whether ``readme``'s committed section differs from ``render(results)``."""
-    text = readme.read_text() if readme.exists() else ""
-    return section(text, BEGIN, END) != render(results)
+    return is_stale(readme, render(results), BEGIN, END)
 
 
 def main(argv: list[str] | None = None) -> int:
     """The CLI: rewrite the section, or with ``--check`` exit 1 when it is stale."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--results", type=Path, default=ROOT / "results", help="results root")
-    p.add_argument("--readme", type=Path, default=ROOT / "README.md", help="the README to write")
-    p.add_argument("--check", action="store_true", help="exit 1 when the section is stale")
-    args = p.parse_args(argv)
-    if not args.check:
-        write_section(args.readme, render(args.results), BEGIN, END)
-        print(f"wrote the headline table in {args.readme}")
-    elif stale(args.results, args.readme):
-        print(f"{args.readme}: the headline table is stale. Run: {COMMAND}", file=sys.stderr)
-        return 1
-    return 0
+    return section_main(argv, description=__doc__.splitlines()[0], results=ROOT / "results",
+                        doc=ROOT / "README.md", render=render, begin=BEGIN, end=END,
+                        what="the headline table", command=COMMAND)
 
 
 if __name__ == "__main__":

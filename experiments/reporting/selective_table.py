@@ -14,14 +14,13 @@ fastest level that fits with its tokens/s over the paper's level (``alst``). Ren
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import pandas as pd
 
 from experiments.reporting.plots import format_tokens
-from experiments.reporting.sections import section, write_section
+from experiments.reporting.sections import is_stale, section_main
 
 BEGIN, END = "<!-- selective-table:begin -->", "<!-- selective-table:end -->"
 COMMAND = "python -m experiments.reporting.selective_table"
@@ -115,26 +114,14 @@ def render(results: Path) -> str:
 
 def stale(results: Path, doc: Path) -> bool:
     """Whether ``doc``'s committed section differs from ``render(results)``."""
-    text = doc.read_text() if doc.exists() else ""
-    return section(text, BEGIN, END) != render(results)
+    return is_stale(doc, render(results), BEGIN, END)
 
 
 def main(argv: list[str] | None = None) -> int:
     """The CLI: rewrite the section, or with ``--check`` exit 1 when it is stale."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--results", type=Path, default=ROOT / "results", help="results root")
-    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "results.md",
-                   help="the document to write")
-    p.add_argument("--check", action="store_true", help="exit 1 when the section is stale")
-    args = p.parse_args(argv)
-    if not args.check:
-        write_section(args.doc, render(args.results), BEGIN, END)
-        print(f"wrote the selective-recomputation tables in {args.doc}")
-    elif stale(args.results, args.doc):
-        print(f"{args.doc}: the selective-recomputation tables are stale. Run: {COMMAND}",
-              file=sys.stderr)
-        return 1
-    return 0
+    return section_main(argv, description=__doc__.splitlines()[0], results=ROOT / "results",
+                        doc=ROOT / "docs" / "results.md", render=render, begin=BEGIN, end=END,
+                        what="the selective-recomputation tables", command=COMMAND)
 
 
 if __name__ == "__main__":

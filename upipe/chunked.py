@@ -98,7 +98,7 @@ def chunked_attention_backward(
     kv_chunks = [(k[:, a:b], v[:, a:b], dk_acc[:, a:b], dv_acc[:, a:b]) for a, b in spans]
     for i, (qa, qb) in enumerate(spans):
         dq_acc = None
-        q_chunk = None
+        dout_i, q_i, out_i, lse_i = dout[:, qa:qb], q[:, qa:qb], out[:, qa:qb], lse[:, :, qa:qb]
         for j, (ka, kb) in enumerate(spans[:i + 1] if causal else spans):
             blocks = ((0, qb - qa, 0, kb - ka),) if docs is None else docs.blocks(
                 [(qa, qb - qa)], [(ka, kb - ka)])
@@ -109,9 +109,6 @@ def chunked_attention_backward(
                 shape = (q.shape[0], qb - qa, *q.shape[2:])
                 dq_acc = (torch.empty if docs is None else torch.zeros)(
                     shape, dtype=accumulator_dtype(q.dtype), device=q.device)
-            if q_chunk is None:
-                q_chunk = (dout[:, qa:qb], q[:, qa:qb], out[:, qa:qb], lse[:, :, qa:qb])
-            dout_i, q_i, out_i, lse_i = q_chunk
             k_j, v_j, dk_j, dv_j = kv_chunks[j]
             _block(dout_i, q_i, k_j, v_j, out_i, lse_i, dq_acc, dk_j, dv_j, blocks,
                    causal and i == j, scale, kernel, first and docs is None)

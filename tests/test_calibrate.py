@@ -167,11 +167,13 @@ def test_out_creates_missing_folders_as_every_writer_does(tmp_path, monkeypatch,
 @pytest.mark.slow  # about 4 s on 2 cores (docs/testing.md)
 def test_a_grid_by_heads_and_narrow_widths_round_trips(monkeypatch, tmp_path):
     """The CUDA grid's shape on CPU ranks: attention timed per heads per call gives tables by
-    heads, narrow products give ``matmul_narrow``, the eager step gives ``host_op_s``; the
-    profile loads and the time model reads each (the rates are the CPU's)."""
+    heads, grouped-query calls (CPU sdpa standing in for a kernel sharing K/V) give
+    ``attention_gqa`` by group, narrow products give ``matmul_narrow``, the eager step gives
+    ``host_op_s``; the profile loads and the time model reads each (the rates are the CPU's)."""
     quick = cal.GRIDS["cpu", True]
     grid = dataclasses.replace(quick, heads=(1, 2), max_head_tokens=512**2,
-                               narrow_widths=(8, 16), narrow_m=128, narrow_k=32)
+                               narrow_widths=(8, 16), narrow_m=128, narrow_k=32,
+                               gqa_groups=(2,), gqa_kernels=("sdpa",))
     monkeypatch.setitem(cal.GRIDS, ("cpu", True), grid)
     raw = calibrate(nproc=2, device="cpu", quick=True, dtypes=("fp32",))
     write_profile(raw, tmp_path / "p.json")
@@ -183,6 +185,14 @@ def test_a_grid_by_heads_and_narrow_widths_round_trips(monkeypatch, tmp_path):
     assert [s for s, _ in by_heads["2"]] == [128, 256]
     assert profile.attention_rate("sdpa", "fp32", "fwd_causal", 32, 256, heads=2) == \
         pytest.approx(dict(by_heads["2"])[256])
+    # group 2: two query heads over one K/V head, causal passes only, at the heads it divides
+    gqa = raw["attention_gqa"]["sdpa"]["fp32"]
+    assert set(gqa) == {"fwd_causal", "bwd_causal"}
+    assert set(gqa["fwd_causal"]["value"]["32"]) == {"2"}
+    by_group = gqa["bwd_causal"]["value"]["32"]["2"]
+    assert set(by_group) == {"2"} and [s for s, _ in by_group["2"]] == [128, 256]
+    assert profile.attention_rate("sdpa", "fp32", "bwd_causal", 32, 256, heads=2, group=2) == \
+        pytest.approx(dict(by_group["2"])[256])
     narrow = raw["matmul_narrow"]["fp32"]["value"]
     assert [w for w, _ in narrow["out"]] == [8, 16] == [w for w, _ in narrow["inner"]]
     assert profile.matmul_rate("fp32", 128, 8, 32) <= dict(narrow["out"])[8]

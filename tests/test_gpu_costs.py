@@ -82,5 +82,5 @@ def test_merge_into_refuses_a_folder_without_the_runs_csvs(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         gpu_costs.main(["--out", str(tmp_path / "none"), "--merge-into", str(profile)])
     assert e.value.code == 2
-    assert "lacks attention.csv, matmul.csv, dispatch.csv" in capsys.readouterr().err
+    assert "holds none of attention.csv, matmul.csv, dispatch.csv" in capsys.readouterr().err
     assert profile.read_text() == (PROFILE_DIR / "h200.json").read_text()  # untouched

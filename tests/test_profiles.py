@@ -326,6 +326,54 @@ def test_a_bad_table_by_heads_is_refused(tmp_path, entry, match):
         load_profile(_write(tmp_path, prof))
 
 
+def _gqa(by_group: dict) -> dict:
+    """``_by_heads`` with ``attention_gqa.sdpa.bf16.fwd`` = ``by_group`` at head dim 128."""
+    prof = _by_heads()
+    prof["attention_gqa"] = {"sdpa": {"bf16": {"fwd": _c({"128": by_group})}}}
+    return prof
+
+
+def test_attention_rate_by_gqa_group_interpolates_from_group_one(tmp_path):
+    """Group 1 is the plain table (2, 8, 32 heads: 1e14, 3e14, 5e14 at 1024); groups 4 and 8
+    measured at 8 heads (4e14, 6e14) and group 4 also at 32 heads (8e14)."""
+    p = load_profile(_write(tmp_path, _gqa({"4": {"8": [[1024, 4e14]], "32": [[1024, 8e14]]},
+                                            "8": {"8": [[1024, 6e14]]}})))
+
+    def rate(heads, group, seq=1024):
+        return p.attention_rate("sdpa", "bf16", "fwd", 128, seq, heads, group)
+
+    assert rate(8, 1) == 3e14 and rate(8, 4) == 4e14 and rate(8, 8) == 6e14
+    # group 2 half way between group 1 (3e14) and group 4 (4e14) in log2(group)
+    assert rate(8, 2) == pytest.approx(3.5e14)
+    # beyond the largest measured group: held at it
+    assert rate(8, 16) == 6e14
+    # heads interpolate inside each group's own table: 16 heads, group 4: 6e14 (8 -> 32)
+    assert rate(16, 4) == pytest.approx(6e14)
+    # a group table holds flat beyond its heads (group 8 has only 8 heads)
+    assert rate(32, 8) == 6e14
+    # 4 heads at group 4: group 4's table held flat below 8 heads (4e14)
+    assert rate(4, 4) == 4e14
+    # other passes and kernels without gqa tables: every group at group 1's rate
+    assert p.attention_rate("sdpa", "bf16", "bwd", 128, 2048, 8, 4) == pytest.approx(2e14)
+
+
+def test_a_profile_without_gqa_rates_prices_every_group_at_group_one(tmp_path):
+    p = load_profile(_write(tmp_path, _by_heads()))
+    for g in (1, 2, 4, 8):
+        assert p.attention_rate("sdpa", "bf16", "fwd", 128, 1024, 8, g) == 3e14
+
+
+@pytest.mark.parametrize("by_group,match", [
+    ({"1": {"8": [[1024, 1e14]]}}, r"attention_gqa\.sdpa\.bf16\.fwd: groups must be at least 2"),
+    ([[1024, 1e14]], r"attention_gqa\.sdpa\.bf16\.fwd: must map head dims to"),
+    ({"four": {"8": [[1024, 1e14]]}}, r"attention_gqa\.sdpa\.bf16\.fwd: .*must be integers"),
+    ({"4": {"8": []}}, r"attention_gqa\.sdpa\.bf16\.fwd\.128\.4\.8: must be a non-empty"),
+])
+def test_a_bad_gqa_table_is_refused(tmp_path, by_group, match):
+    with pytest.raises(ProfileError, match=match):
+        load_profile(_write(tmp_path, _gqa(by_group)))
+
+
 def _narrow(sides: dict) -> dict:
     prof = _minimal()
     prof["matmul_narrow"] = {"bf16": _c(sides)}

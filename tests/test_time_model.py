@@ -66,15 +66,15 @@ def test_attention_price_by_kernel_pass_head_dim_and_key_length(cuda):
     # fwd_causal, head dim 128: [[1024, 5e13], [4096, 2e14]] -> 1.25e14 at 2048
     flops = attention_flops(1, 8, 2048, 2048, 128, "fwd_causal")
     assert flops == 4 * 8 * 2048 * 2048 * 128 / 2
-    key = ("attention", "fa3", "bf16", "fwd_causal", 128, (2048, 8))
+    key = ("attention", "fa3", "bf16", "fwd_causal", 128, (2048, 8, 1))
     t = price(Counter({key: flops}), cuda, True)
     assert t.attention == pytest.approx(flops / 1.25e14)
     # bwd_causal has no table: the bwd rate (1e14, flat); head dim 100 takes the nearest (128)
-    key = ("attention", "sdpa", "bf16", "bwd_causal", 100, (4096, 8))
+    key = ("attention", "sdpa", "bf16", "bwd_causal", 100, (4096, 8, 1))
     t = price(Counter({key: 1e14}), cuda, True)
     assert t.attention == pytest.approx(1.0)
     # head dim 16 has its own table: 1e13
-    t = price(Counter({("attention", "sdpa", "fp32", "fwd", 16, (1024, 2)): 1e13}), cuda, True)
+    t = price(Counter({("attention", "sdpa", "fp32", "fwd", 16, (1024, 2, 1)): 1e13}), cuda, True)
     assert t.attention == pytest.approx(1.0)
 
 
@@ -108,7 +108,7 @@ def test_an_unknown_work_key_is_refused(cuda):
 
 def test_a_kernel_the_profile_has_no_rates_for_is_named(cuda):
     with pytest.raises(ProfileError, match="'math'"):
-        price(Counter({("attention", "math", "bf16", "fwd", 128, (1024, 2)): 1.0}), cuda, True)
+        price(Counter({("attention", "math", "bf16", "fwd", 128, (1024, 2, 1)): 1.0}), cuda, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def test_ulysses_work_per_block_window():
     windows = dict(m.work)
     assert [w for w, _ in m.work][:5] == [("forward", None), *[("forward", i) for i in range(4)]]
     fwd = windows[("forward", 1)]
-    assert fwd["attention", "sdpa", "fp32", "fwd_causal", 16, (2048, 8)] == attention_flops(
+    assert fwd["attention", "sdpa", "fp32", "fwd_causal", 16, (2048, 8, 4)] == attention_flops(
         1, 8, 2048, 2048, 16, "fwd_causal")
     assert fwd["comm_calls", "blocking", "all_to_all", "intra"] == 4
     assert fwd["comm_calls", "fsdp", "all_gather", "intra"] == 1
@@ -318,11 +318,11 @@ def test_the_work_fit_sizes_a_cover_key_as_its_kernels_key():
     """A kernel an async collective ran beside (``("cover", n, *key)``) is predicted as the
     kernel's own key: its key length followed as a fraction of S, its FLOPs quadratic."""
     xs = (2048, 3072, 4096)
-    samples = [Counter({("cover", 3, "attention", "fa3", "bf16", "fwd", 128, (x // 4, 8)):
+    samples = [Counter({("cover", 3, "attention", "fa3", "bf16", "fwd", 128, (x // 4, 8, 1)):
                         float(x * x), ("cover", 3, "kernels"): 2}) for x in xs]
     approximate: list[str] = []
     out = _predict_window(samples, xs, 1 << 20, approximate, "test")
-    assert out == {("cover", 3, "attention", "fa3", "bf16", "fwd", 128, (1 << 18, 8)): 2.0 ** 40,
+    assert out == {("cover", 3, "attention", "fa3", "bf16", "fwd", 128, (1 << 18, 8, 1)): 2.0 ** 40,
                    ("cover", 3, "kernels"): 2}
     assert approximate == []
 
@@ -346,7 +346,7 @@ def test_torch_rings_exchanges_each_run_beside_the_kernels_before_their_wait():
     # much again each (the load-balanced ring): the gather hides behind a quarter of the FLOPs
     first = attention_flops(1, 16, 512, 512, 16, "fwd_causal")
     assert {k[2:]: v for k, v in fwd.items() if k[:3] == ("cover", n, "attention")} == {
-        ("attention", "sdpa", "fp32", "fwd_causal", 16, (512, 16)): first}
+        ("attention", "sdpa", "fp32", "fwd_causal", 16, (512, 16, 1)): first}
     assert sum(v for k, v in fwd.items() if k[0] == "attention") == 4 * first
     bwd = work["backward", 1]
     dkv = sorted(k[4] for k in bwd if k[:3] == ("comm", "async", "all_to_all"))
@@ -427,7 +427,7 @@ def test_attention_price_uses_the_calls_heads(tmp_path):
     p = _edited_cuda(tmp_path, "heads.json", edit)
 
     def seconds(heads, flops):
-        key = ("attention", "sdpa", "bf16", "fwd", 128, (1024, heads))
+        key = ("attention", "sdpa", "bf16", "fwd", 128, (1024, heads, 1))
         return price(Counter({key: flops}), p, True).attention
 
     assert seconds(2, 1e14) == pytest.approx(1.0)
@@ -435,6 +435,24 @@ def test_attention_price_uses_the_calls_heads(tmp_path):
     assert seconds(8, 3e14) == pytest.approx(1.0)
     assert seconds(64, 3e14) == pytest.approx(1.0)  # clamped to the most heads' table
     assert seconds(1, 1e14) == pytest.approx(1.0)
+
+
+def test_attention_price_uses_the_calls_gqa_group(tmp_path):
+    """A call whose K/V heads each serve 4 query heads is priced at the group's rate."""
+    def edit(raw):
+        raw["attention"]["sdpa"]["bf16"]["fwd"] = _src({"128": {"4": [[1024, 2e14]]}})
+        raw["attention_gqa"] = {"sdpa": {"bf16": {"fwd": _src({"128": {"4": {
+            "4": [[1024, 4e14]]}}})}}}
+
+    p = _edited_cuda(tmp_path, "gqa.json", edit)
+
+    def seconds(group):
+        key = ("attention", "sdpa", "bf16", "fwd", 128, (1024, 4, group))
+        return price(Counter({key: 4e14}), p, True).attention
+
+    assert seconds(1) == pytest.approx(2.0)
+    assert seconds(4) == pytest.approx(1.0)
+    assert seconds(2) == pytest.approx(4e14 / 3e14)  # log2 half way: 3e14 FLOP/s
 
 
 def test_kernels_cost_the_host_its_issue_time(tmp_path, cuda):
@@ -530,7 +548,7 @@ def test_an_attention_calls_key_carries_its_key_length_and_heads():
     # batch 2 x 3 heads, 128 queries over 256 keys, head dim 16 (sdpa layout B, H, S, D)
     work = _op_work(lambda: (torch.randn(2, 3, 128, 16), torch.randn(2, 3, 256, 16)),
                     lambda q, k: sdpa(q, k, k))
-    assert work == Counter({("attention", "sdpa", "fp32", "fwd", 16, (256, 6)):
+    assert work == Counter({("attention", "sdpa", "fp32", "fwd", 16, (256, 6, 1)):
                             attention_flops(2, 3, 128, 256, 16, "fwd"), ("kernels",): 1})
 
     def fwd_bwd(q, k):
@@ -540,9 +558,9 @@ def test_an_attention_calls_key_carries_its_key_length_and_heads():
                              torch.randn(2, 3, 128, 16, requires_grad=True)), fwd_bwd)
     attention = {k: v for k, v in work.items() if k[0] == "attention"}
     assert attention == {
-        ("attention", "sdpa", "fp32", "fwd_causal", 16, (128, 6)):
+        ("attention", "sdpa", "fp32", "fwd_causal", 16, (128, 6, 1)):
             attention_flops(2, 3, 128, 128, 16, "fwd_causal"),
-        ("attention", "sdpa", "fp32", "bwd_causal", 16, (128, 6)):
+        ("attention", "sdpa", "fp32", "bwd_causal", 16, (128, 6, 1)):
             attention_flops(2, 3, 128, 128, 16, "bwd_causal"),
     }
 

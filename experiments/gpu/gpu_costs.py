@@ -16,7 +16,7 @@ kernels and host copies, no-op collectives), the allocator cleaned between cells
 - ``timeline``: per profiled cell, the step's wall time, its kernels' summed time and the time
   the GPU was busy (the union of kernel intervals): the rest is the GPU waiting for the host;
 - ``attention``: forward and backward seconds of the flash and cuDNN SDPA kernels (causal, head
-  dim 128) by heads and length;
+  dim 128) by heads, length and, for cuDNN, query heads per K/V head;
 - ``matmul``: seconds of the projections' three products (forward, input and weight gradients)
   by tokens and width;
 - ``memory``: seconds of copy / add kernels by bytes (the per-kernel floor and the bandwidth);
@@ -51,8 +51,6 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from experiments.config import Cell
@@ -283,47 +281,54 @@ def steps(device, n_layers: int, iters: int, small: bool, save=None,
 # -- kernels -----------------------------------------------------------------------------------
 
 
+#: query heads per K/V head timed for the kernels that share K/V natively (cuDNN here): Llama3
+#: has 4 (32 / 8), Qwen3-32B 8 (64 / 8); a UPipe stage's one query head per rank has 1
+GQA_GROUPS = (2, 4, 8)
+
+
 def attention(device, small: bool) -> list[dict]:
-    """Flash (the project's ``sdpa``) and cuDNN SDPA, causal, D = 128, B = 1."""
+    """Flash (the project's ``sdpa``, which repeats K/V to every query head before its call) and
+    cuDNN (``cudnn``, K/V shared natively), causal, D = 128, B = 1, each through
+    ``upipe.kernels``' forward and backward (what the methods call), by query heads per call,
+    length and, for cuDNN, query heads per K/V head (``group``: 1, then ``GQA_GROUPS``)."""
     seqs = (256, 512) if small else (4096, 16384, 32768, 65536, 131072)
     heads = (1, 2, 4) if small else (1, 2, 4, 8, 16, 32)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    groups = (1, *GQA_GROUPS) if device.type == "cuda" else (1,)
     rows = []
     for s in seqs:
         for h in heads:
             if h * s * s > 64 * 32768**2:  # keep every point under ~0.3 s
                 continue
-            q, k, v, do = (torch.randn(1, s, h, 128, device=device, dtype=dtype)
-                           for _ in range(4))
-            fwd = partial(attention_forward, q, k, v, causal=True, kernel="sdpa")
-            out, lse = fwd()
-            bwd = partial(attention_backward, do, q, k, v, out, lse, causal=True, kernel="sdpa")
-            row = {"seq": s, "heads": h, "flash_fwd_s": bench(fwd, device, 3),
-                   "flash_bwd_s": bench(bwd, device, 3)}
-            if device.type == "cuda":
-                row |= _cudnn(q, k, v, do, device)
-            rows.append(row)
-            print(row, flush=True)
-            del q, k, v, do, out, lse, fwd, bwd
-            _clean(device)
+            for g in groups:
+                if h % g:
+                    continue
+                q, do = (torch.randn(1, s, h, 128, device=device, dtype=dtype) for _ in range(2))
+                k, v = (torch.randn(1, s, h // g, 128, device=device, dtype=dtype)
+                        for _ in range(2))
+                row = {"seq": s, "heads": h, "group": g}
+                kernels = (("flash", "sdpa"),) if g == 1 else ()
+                if device.type == "cuda":
+                    kernels += (("cudnn", "cudnn"),)
+                for col, kernel in kernels:
+                    try:
+                        row |= _attention_times(q, k, v, do, kernel, col, device)
+                    except RuntimeError as e:  # a shape the kernel refuses: a row saying so
+                        row[f"{col}_error"] = str(e)[:200]
+                rows.append(row)
+                print(row, flush=True)
+                del q, k, v, do
+                _clean(device)
     return rows
 
 
-def _cudnn(q, k, v, do, device) -> dict:
-    """Forward and backward seconds of PyTorch's cuDNN SDPA backend on (B, S, H, D) inputs
-    (backward: ``autograd.grad`` through a kept forward)."""
-    qh, kh, vh = (t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
-    fwd = partial(F.scaled_dot_product_attention, qh, kh, vh, is_causal=True)
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        try:
-            with torch.no_grad():
-                t_fwd = bench(fwd, device, 3)
-            o = fwd()
-            bwd = partial(torch.autograd.grad, o, (qh, kh, vh), do.transpose(1, 2),
-                          retain_graph=True)
-            return {"cudnn_fwd_s": t_fwd, "cudnn_bwd_s": bench(bwd, device, 3)}
-        except RuntimeError as e:
-            return {"cudnn_error": str(e)[:200]}
+def _attention_times(q, k, v, do, kernel: str, col: str, device) -> dict:
+    """``{col}_fwd_s``, ``{col}_bwd_s``: seconds of ``upipe.kernels``' causal forward and
+    backward with ``kernel`` on (B, S, H, D) q and (B, S, H_kv, D) k, v."""
+    fwd = partial(attention_forward, q, k, v, causal=True, kernel=kernel)
+    out, lse = fwd()
+    bwd = partial(attention_backward, do, q, k, v, out, lse, causal=True, kernel=kernel)
+    return {f"{col}_fwd_s": bench(fwd, device, 3), f"{col}_bwd_s": bench(bwd, device, 3)}
 
 
 def matmul(device, small: bool) -> list[dict]:
@@ -428,44 +433,93 @@ ATTENTION_COLUMNS = {
              "backend), bf16, causal, B = 1, head dim 128, by query heads per call and S_q = "
              "S_k"),
     "cudnn": (("cudnn_fwd_s", "cudnn_bwd_s"),
-              "cudnn_fwd_s / cudnn_bwd_s: PyTorch's cuDNN SDPA backend "
-              "(F.scaled_dot_product_attention under sdpa_kernel(SDPBackend.CUDNN_ATTENTION), "
-              "gpu_costs._cudnn), bf16, causal, B = 1, head dim 128, q, k and v with the query "
-              "heads per call each, by those heads and S_q = S_k; the forward under "
-              "torch.no_grad, the backward torch.autograd.grad through a kept forward"),
+              "upipe.kernels attention_forward / attention_backward, kernel cudnn (PyTorch's "
+              "cuDNN attention ops, K/V shared natively), bf16, causal, B = 1, head dim 128, "
+              "by query heads per call, query heads per K/V head (group) and S_q = S_k"),
 }
+#: what an attention.csv without a ``group`` column (the first H200 run) timed as cudnn
+CUDNN_BEFORE_GQA = (
+    "cudnn_fwd_s / cudnn_bwd_s: PyTorch's cuDNN SDPA backend (F.scaled_dot_product_attention "
+    "under sdpa_kernel(SDPBackend.CUDNN_ATTENTION)), bf16, causal, B = 1, head dim 128, q, k "
+    "and v with the query heads per call each, by those heads and S_q = S_k; the forward under "
+    "torch.no_grad, the backward torch.autograd.grad through a kept forward")
 
 
-def _attention_constants(att: pd.DataFrame, kernel: str, where: str) -> dict | None:
-    """``attention.<kernel>.bf16.{fwd,bwd}_causal`` by heads from attention.csv's columns for
-    ``kernel`` (rows without a time skipped); None when the run has no such times."""
+def _attention_constants(att: pd.DataFrame, kernel: str, where: str,
+                         group: int = 1) -> dict | None:
+    """``attention.<kernel>.bf16.{fwd,bwd}_causal`` by heads (``group`` 1), or its
+    ``attention_gqa`` table of one larger ``group``, from attention.csv's columns for ``kernel``
+    (rows without a time skipped); None when the run has no such times."""
     cols, how = ATTENTION_COLUMNS[kernel]
     if not set(cols) <= set(att.columns):
         return None
+    if "group" in att.columns:
+        att = att[att.group == group]
+    elif group != 1:
+        return None
+    else:
+        how = CUDNN_BEFORE_GQA if kernel == "cudnn" else how
     tables: dict = {"fwd_causal": {}, "bwd_causal": {}}
     for (h, s), r in att.set_index(["heads", "seq"]).sort_index().iterrows():
         for pass_, col in zip(("fwd_causal", "bwd_causal"), cols, strict=True):
-            if pd.isna(r[col]):  # the kernel failed on this shape (cudnn_error)
+            if pd.isna(r[col]):  # the kernel failed on this shape (<kernel>_error)
                 continue
             rate = attention_flops(1, int(h), int(s), int(s), 128, pass_) / r[col]
             tables[pass_].setdefault(str(int(h)), []).append([int(s), float(f"{rate:.4g}")])
     if not all(tables.values()):
         return None
     return {pass_: {"value": {"128": by_heads}, "source": (
-        f"measured: {where}, attention.csv: {how}; FLOPs by profile.attention_flops; median "
-        "of 3 timed calls after two warm-ups")}
+        f"measured: {where}, attention.csv{f' (group {group})' if group > 1 else ''}: {how}; "
+        "FLOPs by profile.attention_flops; median of 3 timed calls after two warm-ups")}
         for pass_, by_heads in tables.items()}
+
+
+def _gqa_constants(att: pd.DataFrame, kernel: str, where: str) -> dict | None:
+    """``attention_gqa.<kernel>.bf16.{fwd,bwd}_causal``: {"128": {group: by heads}} of every
+    group above 1 the run timed, one constant per pass; None when it timed none."""
+    groups = sorted(int(g) for g in att.get("group", pd.Series([1])).unique() if g > 1)
+    per_group = {g: _attention_constants(att, kernel, where, g) for g in groups}
+    per_group = {g: c for g, c in per_group.items() if c is not None}
+    if not per_group:
+        return None
+    _, how = ATTENTION_COLUMNS[kernel]
+    return {pass_: {"value": {"128": {str(g): c[pass_]["value"]["128"]
+                                      for g, c in per_group.items()}},
+                    "source": (f"measured: {where}, attention.csv, groups "
+                               f"{', '.join(map(str, per_group))}: {how}; FLOPs by "
+                               "profile.attention_flops; median of 3 timed calls after two "
+                               "warm-ups")}
+            for pass_ in ("fwd_causal", "bwd_causal")}
 
 
 def profile_constants(folder: Path, where: str) -> dict:
     """The hardware-profile constants (``profile.py``'s schema) that ``kernels/`` of a
-    ``gpu_costs`` run measures: ``attention.sdpa.bf16.{fwd,bwd}_causal`` and, when the run
-    timed cuDNN, ``attention.cudnn.bf16.{fwd,bwd}_causal`` by heads, the bf16 ``matmul_narrow``
-    caps and ``host_op_s``; ``where`` names the run in each source."""
-    att = pd.read_csv(folder / "attention.csv")
-    attention = _attention_constants(att, "sdpa", where)
-    cudnn = _attention_constants(att, "cudnn", where)
-    mm = pd.read_csv(folder / "matmul.csv")
+    ``gpu_costs`` run measures, of the CSVs the folder holds: from ``attention.csv``,
+    ``attention.sdpa.bf16.{fwd,bwd}_causal`` and, when the run timed cuDNN,
+    ``attention.cudnn.bf16.{fwd,bwd}_causal`` by heads and ``attention_gqa.cudnn.bf16`` by
+    group; from ``matmul.csv`` the bf16 ``matmul_narrow`` caps; from ``dispatch.csv``
+    ``host_op_s``. ``where`` names the run in each source."""
+    out: dict = {}
+    if (folder / "attention.csv").is_file():
+        att = pd.read_csv(folder / "attention.csv")
+        out["attention_sdpa_bf16"] = _attention_constants(att, "sdpa", where)
+        out["attention_cudnn_bf16"] = _attention_constants(att, "cudnn", where)
+        out["attention_gqa_cudnn_bf16"] = _gqa_constants(att, "cudnn", where)
+    if (folder / "matmul.csv").is_file():
+        out["matmul_narrow"] = _narrow_constants(pd.read_csv(folder / "matmul.csv"), where)
+    if (folder / "dispatch.csv").is_file():
+        disp = pd.read_csv(folder / "dispatch.csv").set_index("op")
+        out["host_op_s"] = {
+            "value": float(f"{disp.loc['mul_autograd', 'host_issue_s']:.4g}"), "source": (
+                f"measured: {where}, dispatch.csv: host seconds to issue one eager op with "
+                "autograd (x * w, w requiring grad, 1024 floats), 5000 issued back to back "
+                "without synchronising; the op of a training step at the least (module code "
+                "adds to it)")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _narrow_constants(mm: pd.DataFrame, where: str) -> dict:
+    """The bf16 ``matmul_narrow`` caps of matmul.csv's longest products."""
     rows = mm[mm.m == mm.m.max()]
     out_side: dict = {}
     inner: dict = {}
@@ -477,7 +531,7 @@ def profile_constants(folder: Path, where: str) -> dict:
         elif r._2 < r.out:  # the input width w is narrow
             inner.setdefault(r._2, []).append(flops / r.fwd_s)  # (m x w) @ (w x out)
             out_side.setdefault(r._2, []).extend([flops / r.dgrad_s, flops / r.wgrad_s])
-    narrow = {"bf16": {"value": {
+    return {"bf16": {"value": {
         "out": [[w, float(f"{_median_rate(v):.4g}")] for w, v in sorted(out_side.items())],
         "inner": [[w, float(f"{_median_rate(v):.4g}")] for w, v in sorted(inner.items())]},
         "source": (f"measured: {where}, matmul.csv: bf16 torch.mm of a linear layer's three "
@@ -485,25 +539,23 @@ def profile_constants(folder: Path, where: str) -> dict:
                    "gradients), the median rate of the products whose output's narrow side "
                    "(out) or inner dimension (inner) is w wide; 2 m n k FLOPs, median of 5 "
                    "timed repeats after two warm-ups")}}
-    disp = pd.read_csv(folder / "dispatch.csv").set_index("op")
-    host = {"value": float(f"{disp.loc['mul_autograd', 'host_issue_s']:.4g}"), "source": (
-        f"measured: {where}, dispatch.csv: host seconds to issue one eager op with autograd "
-        "(x * w, w requiring grad, 1024 floats), 5000 issued back to back without "
-        "synchronising; the op of a training step at the least (module code adds to it)")}
-    out = {"attention_sdpa_bf16": attention, "matmul_narrow": narrow, "host_op_s": host}
-    return out | ({"attention_cudnn_bf16": cudnn} if cudnn is not None else {})
 
 
 def merge_into_profile(profile_path: Path, folder: Path, where: str) -> None:
-    """Write ``profile_constants(folder)`` into the profile JSON at ``profile_path``."""
+    """Write ``profile_constants(folder)`` (the CSVs the folder holds) into the profile JSON at
+    ``profile_path``."""
     raw = json.loads(profile_path.read_text())
     c = profile_constants(folder, where)
-    raw["attention"]["sdpa"]["bf16"].update(c["attention_sdpa_bf16"])
-    if "attention_cudnn_bf16" in c:
-        raw["attention"].setdefault("cudnn", {}).setdefault("bf16", {}).update(
-            c["attention_cudnn_bf16"])
-    raw["matmul_narrow"] = c["matmul_narrow"]
-    raw["host_op_s"] = c["host_op_s"]
+    for kernel in ("sdpa", "cudnn"):
+        if f"attention_{kernel}_bf16" in c:
+            raw["attention"].setdefault(kernel, {}).setdefault("bf16", {}).update(
+                c[f"attention_{kernel}_bf16"])
+    if "attention_gqa_cudnn_bf16" in c:
+        raw.setdefault("attention_gqa", {}).setdefault("cudnn", {})["bf16"] = c[
+            "attention_gqa_cudnn_bf16"]
+    for field in ("matmul_narrow", "host_op_s"):
+        if field in c:
+            raw[field] = c[field]
     profile_path.write_text(_profile_json(raw))
 
 
@@ -532,12 +584,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --merge-into: the run the sources name (device, date, folder)")
     args = p.parse_args(argv)
     if args.merge_into is not None:
-        missing = [f for f in ("attention.csv", "matmul.csv", "dispatch.csv")
-                   if not (args.out / f).is_file()]
-        if missing or not args.merge_into.is_file():
+        present = [f for f in ("attention.csv", "matmul.csv", "dispatch.csv")
+                   if (args.out / f).is_file()]
+        if not present or not args.merge_into.is_file():
             p.error(f"--merge-into needs the profile JSON ({args.merge_into}) and a run's "
-                    f"kernels folder as --out; {args.out} lacks {', '.join(missing)}"
-                    if missing else f"--merge-into: no profile file {args.merge_into}")
+                    f"kernels folder as --out; {args.out} holds none of attention.csv, "
+                    "matmul.csv, dispatch.csv"
+                    if not present else f"--merge-into: no profile file {args.merge_into}")
         merge_into_profile(args.merge_into, args.out, args.where or str(args.out))
         return 0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

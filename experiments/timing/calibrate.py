@@ -110,12 +110,20 @@ class Grid:
     ("inner"), M = narrow_m, K = narrow_k; empty: not measured"""
     narrow_m: int = 0
     narrow_k: int = 0
+    gqa_groups: tuple[int, ...] = ()
+    """query heads per K/V head timed (causal passes, head counts of ``heads`` divisible by
+    it) for the kernels of ``gqa_kernels``; empty: not measured"""
+    gqa_kernels: tuple[str, ...] = ()
+    """the kernels timed by GQA group: those that take fewer K/V heads than query heads and
+    share each K/V head's tiles among its query heads (upipe.kernels: sdpa and math repeat K/V
+    before their call, so their rate is the equal-heads one)"""
 
 
 def _pow2(lo: int, hi: int, step: int = 1) -> tuple[int, ...]:
     return tuple(2**i for i in range(lo, hi + 1, step))
 
 
+_NATIVE_GQA = ("cudnn", "flash-attn", "fa3")  # the kernels sharing K/V natively
 GRIDS = {  # (device, quick) -> Grid; quick: for tests (seconds on 2 CPU cores)
     ("cpu", False): Grid(_pow2(4, 11), 2048, (16, 32, 64, 128), _pow2(8, 12), 5, 0.6, 2e-3,
                          256 << 20, _pow2(12, 26, 2)),
@@ -124,12 +132,14 @@ GRIDS = {  # (device, quick) -> Grid; quick: for tests (seconds on 2 CPU cores)
     # CUDA: attention to 128K tokens and by heads per call (one head at short lengths leaves
     # SMs idle: 211 vs 343 TFLOP/s forward at 32K on an H200, results/gpu_costs_h200), and the
     # narrow products of a stage's few heads (n = 128: 456 TFLOP/s)
+    # grouped-query calls by group (a GQA call of 4 query heads over one K/V head runs about
+    # 1.17x a call of one head over one on an H100 at 128K, docs/gpu.md)
     ("cuda", False): Grid(_pow2(6, 13), 4096, (64, 128), _pow2(10, 17), 10, 0.5, 5e-3,
-                          1 << 30, _pow2(16, 30, 2), (1, 2, 4, 8, 16), 16 * 2**30,
-                          (128, 256, 512, 1024), 32768, 4096),
+                          1 << 30, _pow2(16, 30, 2), (1, 2, 4, 8, 16), 64 * 2**30,
+                          (128, 256, 512, 1024), 32768, 4096, (2, 4, 8), _NATIVE_GQA),
     ("cuda", True): Grid((256, 1024, 4096), 4096, (128,), (4096, 32768, 131072), 3, 0.2,
                          2e-3, 256 << 20, (1 << 16, 1 << 22, 1 << 26), (1, 4, 16),
-                         16 * 2**30, (128, 512), 32768, 4096),
+                         64 * 2**30, (128, 512), 32768, 4096, (4,), _NATIVE_GQA),
 }
 
 
@@ -177,8 +187,9 @@ def _time(fn: Callable, sync: Callable, grid: Grid) -> float:
 
 def _measure_compute(grid: Grid, device: torch.device, dtypes, kernels, barrier) -> dict:
     """This rank's rates: {("matmul", dtype, x): FLOP/s, ("attention", kernel, dtype, pass, d,
-    s): FLOP/s, ("memory_bandwidth",): bytes/s, ("launch_overhead_s",): s, ("host_copy", name):
-    bytes/s}. ``barrier`` before each point keeps the ranks timing the same thing together."""
+    s, heads, group): FLOP/s, ("memory_bandwidth",): bytes/s, ("launch_overhead_s",): s,
+    ("host_copy", name): bytes/s}. ``barrier`` before each point keeps the ranks timing the
+    same thing together."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out = {}
 
@@ -199,10 +210,13 @@ def _measure_compute(grid: Grid, device: torch.device, dtypes, kernels, barrier)
             if kernel in HALF_ONLY and name == "fp32":
                 continue
             for d in grid.head_dims:
+                groups = (1, *grid.gqa_groups) if kernel in grid.gqa_kernels else (1,)
                 for h in grid.heads or (attention_heads(device.type, d),):
                     for s in grid.seqs:
-                        if not grid.max_head_tokens or h * s * s <= grid.max_head_tokens:
-                            _attention_point(kernel, name, d, s, h, device, timed)
+                        if grid.max_head_tokens and h * s * s > grid.max_head_tokens:
+                            continue
+                        for g in (g for g in groups if h % g == 0):
+                            _attention_point(kernel, name, d, s, h, device, timed, g)
     x = torch.ones(grid.stream_bytes // 4, device=device)
     y = torch.empty_like(x)
     timed(("memory_bandwidth",), partial(y.copy_, x), 2.0 * grid.stream_bytes)  # read + write
@@ -292,17 +306,21 @@ def _tiny_kernels_graph(device) -> tuple:
     return graph, n
 
 
-def _attention_point(kernel: str, dtype: str, d: int, s: int, h: int, device, timed) -> None:
-    """Time the four passes of one (kernel, dtype, head dim, length, heads) point."""
-    q, k, v = (torch.randn(1, s, h, d, dtype=DTYPES[dtype], device=device) for _ in range(3))
-    for causal in (False, True):
+def _attention_point(kernel: str, dtype: str, d: int, s: int, h: int, device, timed,
+                     group: int = 1) -> None:
+    """Time the four passes of one (kernel, dtype, head dim, length, heads) point; with
+    ``group`` > 1, K/V of h / group heads and the causal passes only (a training step's)."""
+    q = torch.randn(1, s, h, d, dtype=DTYPES[dtype], device=device)
+    k, v = (torch.randn(1, s, h // group, d, dtype=DTYPES[dtype], device=device)
+            for _ in range(2))
+    for causal in (False, True) if group == 1 else (True,):
         fwd = partial(attention_forward, q, k, v, causal=causal, kernel=kernel)
         out, lse = fwd()
         bwd = partial(attention_backward, torch.randn_like(out), q, k, v, out, lse,
                       causal=causal, kernel=kernel)
         for pass_, fn in (("fwd", fwd), ("bwd", bwd)):
             pass_ += "_causal" if causal else ""
-            timed(("attention", kernel, dtype, pass_, d, s, h), fn,
+            timed(("attention", kernel, dtype, pass_, d, s, h, group), fn,
                   attention_flops(1, h, s, s, d, pass_))
 
 
@@ -408,11 +426,14 @@ def _compute_fields(rates: dict, src: _Sources, grid: Grid, device: str, dtypes)
                                     f", x), 2*M*x*x FLOPs, key (M x x)^(1/3){tf32}"))
               for name in dtypes}
     tables: dict = {}
+    gqa: dict = {}  # kernel -> dtype -> pass -> head dim -> group -> heads -> [[s, rate]]
     for key, rate in rates.items():
         if key[0] == "attention":
-            _, kernel, dtype, pass_, d, s, h = key
-            by_pass = tables.setdefault(kernel, {}).setdefault(dtype, {})
+            _, kernel, dtype, pass_, d, s, h, g = key
+            by_pass = (tables if g == 1 else gqa).setdefault(kernel, {}).setdefault(dtype, {})
             by_heads = by_pass.setdefault(pass_, {}).setdefault(str(d), {})
+            if g > 1:
+                by_heads = by_heads.setdefault(str(g), {})
             by_heads.setdefault(str(h), []).append([s, rate])
     for by_dtype in tables.values():  # one head count: one table (heads-independent)
         for by_pass in by_dtype.values():
@@ -429,6 +450,12 @@ def _compute_fields(rates: dict, src: _Sources, grid: Grid, device: str, dtypes)
         f"{pass_}, B = 1, {heads}, S_q = S_k = seq_k, FLOPs by profile.attention_flops"))
         for pass_, by_dim in by_pass.items()} for dtype, by_pass in by_dtype.items()}
         for kernel, by_dtype in tables.items()}
+    attention_gqa = {kernel: {dtype: {pass_: _c(by_dim, src.measured(
+        f"upipe.kernels.attention_forward/attention_backward, kernel {kernel}, {dtype}, "
+        f"{pass_}, B = 1, K/V of heads / group heads, groups {list(grid.gqa_groups)}, {heads}, "
+        "S_q = S_k = seq_k, FLOPs by profile.attention_flops"))
+        for pass_, by_dim in by_pass.items()} for dtype, by_pass in by_dtype.items()}
+        for kernel, by_dtype in gqa.items()}
     size = format_size(grid.stream_bytes) + "B"
     if device == "cpu":
         copy = {c: _c(rates["host_copy", c], src.measured(
@@ -453,6 +480,7 @@ def _compute_fields(rates: dict, src: _Sources, grid: Grid, device: str, dtypes)
     return {
         "matmul": matmul, "attention": attention, "host_copy": copy, "host_op_s": host,
         **({"matmul_narrow": narrow} if narrow else {}),
+        **({"attention_gqa": attention_gqa} if attention_gqa else {}),
         "memory_bandwidth": _c(rates["memory_bandwidth",], src.measured(
             f"Tensor.copy_ of a {size} fp32 tensor, bytes read + written / time")),
         "launch_overhead_s": _c(rates["launch_overhead_s",], src.measured(

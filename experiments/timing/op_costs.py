@@ -14,8 +14,10 @@ the tracker's outermost phase) and the transformer block the op ran in (the inne
 window's ``Counter``:
 
     ("matmul", dtype, (m, n, k))                  FLOPs of (m x k) @ (k x n) products
-    ("attention", kernel, dtype, pass, d, (s_k, heads)) FLOPs as ``profile.attention_flops``
-                                                  counts (heads: batch x query heads of a call)
+    ("attention", kernel, dtype, pass, d, (s_k, heads, group))
+                                                  FLOPs as ``profile.attention_flops`` counts
+                                                  (heads: batch x query heads of a call;
+                                                  group: query heads per K/V head in it)
     ("memory",)                                   bytes read + written by memory-bound kernels,
                                                   and C read by accumulating matmuls
                                                   (``addmm_``: C = C + A @ B; one stage's dx
@@ -354,13 +356,15 @@ class StepWork(TorchDispatchMode):
         causal = bool(b.get("is_causal", b.get("causal", False)))
         if layout == "bhsd":
             bsz, h, s_q, d = q.shape
-            s_k = k.shape[2]
+            s_k, h_kv = k.shape[2], k.shape[1]
         else:
             bsz, s_q, h, d = q.shape
-            s_k = k.shape[1]
+            s_k, h_kv = k.shape[1], k.shape[2]
         full = f"{pass_}_causal" if causal else pass_
+        # group: query heads per K/V head as the kernel receives them (1 where K/V were
+        # repeated before the call); a kernel sharing K/V natively runs faster (profile.py)
         w["attention", kernel, DTYPE_NAMES.get(q.dtype, str(q.dtype)), full, d,
-          (s_k, bsz * h)] += attention_flops(bsz, h, s_q, s_k, d, full)
+          (s_k, bsz * h, h // h_kv)] += attention_flops(bsz, h, s_q, s_k, d, full)
 
     def _host_op(self, func, args, ins, outs, kinds) -> None:
         """A copy between host and device (or an op on host tensors only, not priced)."""

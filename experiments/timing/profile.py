@@ -34,6 +34,12 @@ Schema (``value`` of each constant)::
                                        the causal FLOPs, half the dense ones, as the
                                        FlashAttention papers do); kernel in sdpa, flash-attn,
                                        fa3, cudnn, math
+    attention_gqa.<kernel>.<dtype>.<pass> (optional)
+                                       {"<head_dim>": {"<group>": {"<heads>": [[seq_k, FLOP/s],
+                                       ...]}}}: the rates of a call whose K/V heads each serve
+                                       ``group`` query heads (grouped-query attention passed
+                                       to a kernel that shares K/V natively: fewer K/V tiles
+                                       to load per query tile); ``attention`` holds group 1
     memory_bandwidth                   bytes/s that memory-bound kernels reach (read + write)
     launch_overhead_s                  seconds a kernel occupies its stream at the least
     host_op_s (optional)               seconds the host needs to issue one eager op (Python,
@@ -46,7 +52,9 @@ Schema (``value`` of each constant)::
     host_copy.<direction>_<memory>     bytes/s; direction h2d or d2h, memory pinned or pageable
 
 Tables are interpolated linearly in log2(x) and held flat beyond their ends; tables by heads are
-interpolated in log2(heads) between the two nearest, held flat beyond the ends.
+interpolated in log2(heads) between the two nearest, held flat beyond the ends; rates by GQA group
+are interpolated in log2(group) between group 1 (``attention``) and the measured groups, held
+flat beyond the largest (a kernel without ``attention_gqa`` rates runs every group at group 1's).
 """
 
 from __future__ import annotations
@@ -198,28 +206,28 @@ class Profile:
         return rate
 
     def attention_rate(self, kernel: str, dtype: str, pass_: str, head_dim: int,
-                       seq_k: int, heads: int | None = None) -> float:
+                       seq_k: int, heads: int | None = None, group: int = 1) -> float:
         """FLOP/s of an attention call (``pass_`` in PASSES) of ``heads`` (batch x query heads;
-        None: the most a table has), counted as the rate's pass counts them; a causal pass
-        without its own table takes the non-causal one's rate."""
-        by_pass = self._attention(kernel, dtype)
-        if pass_ not in by_pass:
-            pass_ = pass_.removesuffix("_causal")
-        by_dim = by_pass[pass_]
-        # the nearest measured head dim (log distance): rates grow with the head dim
-        dim = min(by_dim, key=lambda d: abs(math.log2(d) - math.log2(head_dim)))
-        table = by_dim[dim]
-        if not isinstance(table, dict):  # one table for every head count
-            return _interp(table, seq_k)
-        counts = sorted(table)
-        h = counts[-1] if heads is None else min(max(heads, counts[0]), counts[-1])
-        i = bisect.bisect_left(counts, h)
-        if counts[i] == h:
-            return _interp(table[h], seq_k)
-        lo, hi = counts[i - 1], counts[i]
-        t = (math.log2(h) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
-        r_lo, r_hi = _interp(table[lo], seq_k), _interp(table[hi], seq_k)
-        return r_lo + t * (r_hi - r_lo)
+        None: the most a table has) whose K/V heads each serve ``group`` query heads, counted
+        as the rate's pass counts them; a causal pass without its own table takes the
+        non-causal one's rate."""
+        rate = _rate_by_heads(_pass_table(self._attention(kernel, dtype), pass_, head_dim),
+                              seq_k, heads)
+        gqa = self._tables.get(("attention_gqa", kernel, dtype))
+        if group <= 1 or gqa is None:
+            return rate
+        by_group = _pass_table(gqa, pass_, head_dim)
+        if by_group is None:
+            return rate
+        # group 1 is the plain table: interpolate in log2(group) between the two nearest
+        points = [(1, rate)] + [(g, _rate_by_heads(t, seq_k, heads))
+                                for g, t in sorted(by_group.items())]
+        g = min(group, points[-1][0])
+        i = next(i for i, (x, _) in enumerate(points) if x >= g)
+        if points[i][0] == g:
+            return points[i][1]
+        (g0, r0), (g1, r1) = points[i - 1], points[i]
+        return r0 + (math.log2(g) - math.log2(g0)) / (math.log2(g1) - math.log2(g0)) * (r1 - r0)
 
     def collective(self, op: str, scope: str) -> tuple[float, float]:
         """(bus bandwidth bytes/s, latency s) of ``op`` within ``scope`` (intra / inter)."""
@@ -320,6 +328,64 @@ def _parsed_tables(profile: Profile) -> dict:
                 if need not in parsed:
                     raise ProfileError(f"attention.{kernel}.{dtype}: lacks the {need!r} pass")
             out[("attention", kernel, dtype)] = parsed
+    return out | _gqa_tables(profile)
+
+
+def _pass_table(by_pass: dict, pass_: str, head_dim: int):
+    """The table of ``pass_`` (the non-causal one's when the causal pass has none; None when
+    neither is there) at the nearest measured head dim (log distance: rates grow with it)."""
+    if pass_ not in by_pass:
+        pass_ = pass_.removesuffix("_causal")
+    by_dim = by_pass.get(pass_)
+    if by_dim is None:
+        return None
+    return by_dim[min(by_dim, key=lambda d: abs(math.log2(d) - math.log2(head_dim)))]
+
+
+def _rate_by_heads(table, seq_k: int, heads: int | None) -> float:
+    """A table's rate at ``seq_k``; by heads: interpolated in log2(heads) between the two
+    nearest counts, held flat beyond the ends (None: the most heads)."""
+    if not isinstance(table, dict):  # one table for every head count
+        return _interp(table, seq_k)
+    counts = sorted(table)
+    h = counts[-1] if heads is None else min(max(heads, counts[0]), counts[-1])
+    i = bisect.bisect_left(counts, h)
+    if counts[i] == h:
+        return _interp(table[h], seq_k)
+    lo, hi = counts[i - 1], counts[i]
+    t = (math.log2(h) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+    r_lo, r_hi = _interp(table[lo], seq_k), _interp(table[hi], seq_k)
+    return r_lo + t * (r_hi - r_lo)
+
+
+def _gqa_tables(profile: Profile) -> dict:
+    """``attention_gqa``'s tables: {("attention_gqa", kernel, dtype): {pass: {head_dim:
+    {group: table by heads}}}}."""
+    out = {}
+    for kernel, by_dtype in profile.values.get("attention_gqa", {}).items():
+        for dtype, by_pass in by_dtype.items():
+            parsed = {}
+            for pass_, by_dim in by_pass.items():
+                field = f"attention_gqa.{kernel}.{dtype}.{pass_}"
+                if pass_ not in PASSES:
+                    raise ProfileError(f"{field}: pass must be one of {list(PASSES)}")
+                if not isinstance(by_dim, dict) or not by_dim or not all(
+                        isinstance(t, dict) and t for t in by_dim.values()):
+                    raise ProfileError(f"{field}: must map head dims to {{group: {{heads: "
+                                       "[[seq_k, FLOP/s], ...]}}}")
+                try:
+                    parsed[pass_] = {int(d): {int(g): _by_heads(t, f"{field}.{d}.{g}")
+                                              for g, t in by_group.items()}
+                                     for d, by_group in by_dim.items()}
+                except ValueError as e:
+                    if isinstance(e, ProfileError):
+                        raise
+                    raise ProfileError(f"{field}: head dims, groups and head counts must be "
+                                       "integers") from None
+                if min(min(g) for g in parsed[pass_].values()) < 2:
+                    raise ProfileError(f"{field}: groups must be at least 2 (group 1 is the "
+                                       f"plain table, attention.{kernel}.{dtype}.{pass_})")
+            out[("attention_gqa", kernel, dtype)] = parsed
     return out
 
 

@@ -115,9 +115,9 @@ def price(work: Counter, profile: Profile, pinned: bool) -> WindowTime:
             nbytes = amount / (2.0 * m * n * k) * (m * k + k * n + m * n) * DTYPE_BYTES[dtype]
             t["matmul"] += max(amount / rate, nbytes / profile.memory_bandwidth)
         elif kind == "attention":
-            _, kernel, dtype, pass_, d, (s_k, heads) = key
+            _, kernel, dtype, pass_, d, (s_k, heads, group) = key
             t["attention"] += amount / profile.attention_rate(kernel, dtype, pass_, d, s_k,
-                                                              heads)
+                                                              heads, group)
         elif kind == "memory":
             t["memory"] += amount / profile.memory_bandwidth
         elif kind == "kernels":

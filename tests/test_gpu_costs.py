@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from experiments.gpu import gpu_costs
-from experiments.timing.profile import PROFILE_DIR
+from experiments.timing.profile import PROFILE_DIR, attention_flops, load_profile
 
 KERNELS = Path(__file__).resolve().parent.parent / "results" / "gpu_costs_h200" / "kernels"
 
@@ -84,3 +84,35 @@ def test_merge_into_refuses_a_folder_without_the_runs_csvs(tmp_path, capsys):
     assert e.value.code == 2
     assert "holds none of attention.csv, matmul.csv, dispatch.csv" in capsys.readouterr().err
     assert profile.read_text() == (PROFILE_DIR / "h200.json").read_text()  # untouched
+
+
+def test_gqa_rows_give_attention_gqa_by_group_and_merge_into_a_loadable_profile(tmp_path):
+    """cuDNN rows of group 4 (four query heads per K/V head) become
+    ``attention_gqa.cudnn.bf16`` at group "4", the group-1 rows the plain table; the merged
+    profile loads and prices a group-4 call at the measured rate."""
+    rows = []
+    for s in (4096, 16384):
+        for h in (4, 8):
+            rows.append({"seq": s, "heads": h, "group": 1, "flash_fwd_s": 2e-3,
+                         "flash_bwd_s": 5e-3, "cudnn_fwd_s": 1e-3, "cudnn_bwd_s": 3e-3})
+            rows.append({"seq": s, "heads": h, "group": 4, "cudnn_fwd_s": 8e-4,
+                         "cudnn_bwd_s": 2.5e-3})
+    pd.DataFrame(rows).to_csv(tmp_path / "attention.csv", index=False)
+    c = gpu_costs.profile_constants(tmp_path, "here")
+    assert set(c) == {"attention_sdpa_bf16", "attention_cudnn_bf16", "attention_gqa_cudnn_bf16"}
+    gqa = c["attention_gqa_cudnn_bf16"]["fwd_causal"]
+    assert set(gqa["value"]["128"]) == {"4"} and set(gqa["value"]["128"]["4"]) == {"4", "8"}
+    assert "group" in gqa["source"] and gqa["source"].startswith("measured: here")
+    plain = c["attention_cudnn_bf16"]["bwd_causal"]["value"]["128"]["8"]
+    assert plain == [[s, float(f"{attention_flops(1, 8, s, s, 128, 'bwd_causal') / 3e-3:.4g}")]
+                     for s in (4096, 16384)]
+    profile = tmp_path / "p.json"
+    profile.write_text((PROFILE_DIR / "h200.json").read_text())
+    gpu_costs.merge_into_profile(profile, tmp_path, "here")
+    p = load_profile(str(profile))
+    want = attention_flops(1, 8, 16384, 16384, 128, "fwd_causal") / 8e-4
+    assert p.attention_rate("cudnn", "bf16", "fwd_causal", 128, 16384, 8, 4) == \
+        pytest.approx(want, rel=1e-3)
+    # matmul and dispatch were not in the folder: the profile keeps its own
+    assert json.loads(profile.read_text())["host_op_s"] == json.loads(
+        (PROFILE_DIR / "h200.json").read_text())["host_op_s"]

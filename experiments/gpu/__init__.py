@@ -6,6 +6,8 @@
     gpu_chunk_bench      UPipe's chunked attention backward against one kernel call
     gpu_costs            what a step's kernels cost on a GPU (the shipped profiles' source)
     kernels_gpu          a training step with PyTorch's cuDNN attention against its flash kernel
+    selective_gpu        selective recomputation's speed-ups over full checkpointing, measured
+                         beside the emulated ones
     time_validation_gpu  the time model against measured steps (``upipe-bench validate-time
                          --device cuda``)
 

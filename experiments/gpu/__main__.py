@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from experiments.gpu import gpu_check, gpu_chunk_bench, gpu_costs, kernels_gpu
+from experiments.gpu import gpu_check, gpu_chunk_bench, gpu_costs, kernels_gpu, selective_gpu
 
 # name -> (the check's main(argv) -> exit code, what it checks)
 CHECKS = {
@@ -17,6 +17,9 @@ CHECKS = {
     "costs": (gpu_costs.main, "what a step's kernels cost on this GPU (gpu_costs)"),
     "kernels": (kernels_gpu.main,
                 "a training step with cuDNN attention against the flash kernel (kernels_gpu)"),
+    "selective": (selective_gpu.main,
+                  "selective recomputation's speed-ups measured beside the emulated ones "
+                  "(selective_gpu)"),
 }
 
 

@@ -49,7 +49,7 @@ class NoGPU(RuntimeError):
     """No CUDA device: the GPU validation cannot run here."""
 
 
-def _predict(cell, profiles: dict) -> dict:
+def predict(cell, profiles: dict) -> dict:
     """The cell emulated once and priced on each profile: predicted step seconds (without
     exposed communication: the measured cells ran on the fake process group) and the peak."""
     cfg = cell.validate()
@@ -92,7 +92,7 @@ def validate_gpu(out: Path, *, quick: bool = False, small: bool = False,
         row = ident | {"cell_id": cell.cell_id()} | row
         if row["status"] == Status.OK:
             try:
-                row |= _predict(cell, profiles)
+                row |= predict(cell, profiles)
             except Exception as e:  # noqa: BLE001 -- the measurement stays; the row says why
                 row["error"] = f"prediction failed: {type(e).__name__}: {e}"[:400]
         for p in profiles:

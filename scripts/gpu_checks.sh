@@ -44,10 +44,10 @@ for p in "$@"; do
     case "$p" in
         tests) part tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests \
             >"$out/gpu_tests.log" 2>&1 ;;
-        attention) part attention 120 python3 -m experiments.gpu costs --out "$out/attention" \
+        attention) part attention 90 python3 -m experiments.gpu costs --out "$out/attention" \
             --skip dispatch,memory,matmul,host_copy,steps,calibrate ;;
-        selective) part selective 240 python3 -m experiments.gpu selective --out "$out" ;;
-        validate) part validate 300 python3 -m experiments.cli validate-time --device cuda \
+        selective) part selective 200 python3 -m experiments.gpu selective --out "$out" ;;
+        validate) part validate 240 python3 -m experiments.cli validate-time --device cuda \
             --quick --out "$out" --no-progress ;;
         *) echo "unknown part $p: tests, attention, selective or validate" >&2; exit 2 ;;
     esac

@@ -81,7 +81,8 @@ from experiments.config import (
     format_size,
 )
 from experiments.config.options import declared
-from experiments.gpu.time_validation_gpu import NoGPU, validate_gpu
+from experiments.gpu.time_validation_gpu import FOLDER as GPU_FOLDER
+from experiments.gpu.time_validation_gpu import NoGPU, reprice, validate_gpu
 from experiments.harness.interrupts import Terminated, terminating_signals_raise
 from experiments.harness.launch import exit_without_finalizing
 from experiments.reporting.plots import draw_plots
@@ -299,7 +300,20 @@ def cmd_calibrate(a) -> int:
     return 0
 
 
+def _named_path(text: str) -> tuple[str, Path]:
+    """NAME=PATH of ``--profile``."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.isidentifier() or not path:
+        raise ValueError(f"--profile: must be NAME=PATH.json (NAME a word), got {text!r}")
+    return name, Path(path)
+
+
 def cmd_validate_time(a) -> int:
+    if (a.reprice or a.profile) and a.device != "cuda":
+        raise ValueError("--reprice and --profile are for --device cuda (a GPU run's cells "
+                         "priced again)")
+    if a.profile and not a.reprice:
+        raise ValueError("--profile prices a finished run's cells: give --reprice too")
     if a.device == "cuda":
         return _validate_time_gpu(a)
     if a.quick:
@@ -333,14 +347,18 @@ def _dry_run(a, sweep, runner: SweepRunner) -> int:
 
 def _validate_time_gpu(a) -> int:
     try:
-        summary = validate_gpu(a.out, quick=a.quick, progress=_progress(a))
+        if a.reprice:
+            more = dict(_named_path(x) for x in a.profile)
+            summary = reprice(a.out / GPU_FOLDER, more, progress=_progress(a))
+        else:
+            summary = validate_gpu(a.out, quick=a.quick, progress=_progress(a))
     except NoGPU as e:
         print(f"upipe-bench validate-time: {e}", file=sys.stderr)
         return 2
     if a.json:
         _print_json(a, summary)
     else:
-        for p in ("shipped", "calibrated"):
+        for p in ("shipped", "calibrated", *(_named_path(x)[0] for x in a.profile)):
             if p in summary:
                 s = summary[p]
                 print(f"{p} profile: {s['cells']} cells, median |error| "
@@ -477,6 +495,12 @@ def parser() -> argparse.ArgumentParser:
                     help="with --device cuda: calibrate on the small grid")
     vt.add_argument("--calibrate", action="store_true",
                     help="measure the profile again even if the directory has one")
+    vt.add_argument("--reprice", action="store_true",
+                    help="with --device cuda: price the finished run in "
+                         "<out>/time_validation_gpu/ again with the code and profiles as they "
+                         "stand (no GPU needed; the measured columns are kept)")
+    vt.add_argument("--profile", action="append", default=[], metavar="NAME=PATH.json",
+                    help="with --reprice: one more profile to price the cells on (repeatable)")
     vt.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_progress_arg(vt)
     vt.set_defaults(fn=cmd_validate_time)

@@ -133,3 +133,42 @@ def test_the_gpu_validation_runs_end_to_end_at_smoke_sizes(monkeypatch, tmp_path
     assert summary["shipped"]["cells"] == 2 and len(summary["ratios"]) == 1
     assert json.loads((folder / "env.json").read_text())["profiles"]["shipped"].endswith(
         "h200.json")
+
+
+def test_reprice_keeps_the_measured_columns_and_prices_every_profile(monkeypatch, tmp_path):
+    """A finished run priced again: the measured columns as they were, each profile's predicted
+    step and error recomputed (the emulator stubbed: a fixed seconds per profile), a row whose
+    cell is no longer declared says so, env.json records the repricing."""
+    folder = tmp_path / tvg.FOLDER
+    folder.mkdir()
+    cells = [tvg.cell_of(m, n, s, e) for m, n, s, e, _ in tvg.STEP_CELLS[:2]]
+    rows = [ident | {"cell_id": cell.cell_id()} for cell, ident in cells]
+    rows.append(rows[0] | {"cell_id": "gone-cell", "method": "ring"})
+    pd.DataFrame(rows).assign(status="ok", step_s=[2.0, 4.0, 1.0], predicted_s_shipped=9.0,
+                              error_shipped=3.5).to_csv(folder / "rows.csv", index=False)
+    write_json(folder / "env.json", {"gpu_name": "NVIDIA H200", "command": "x"})
+    h200 = tvg.load_profile("h200").path
+    (folder / "profile.json").write_text(open(h200).read())
+    seconds = {"shipped": 2.2, "calibrated": 1.8, "extra": 4.0}
+    monkeypatch.setattr(tvg, "predict", lambda cell, profiles: {
+        "emulated_peak_bytes": 1, **{f"predicted_s_{p}": seconds[p] for p in profiles}})
+    summary = tvg.reprice(folder, {"extra": h200}, progress=False)
+    rows = pd.read_csv(folder / "rows.csv")
+    assert rows.step_s.tolist() == [2.0, 4.0, 1.0]
+    assert rows.error_shipped.tolist()[:2] == [pytest.approx(0.1), pytest.approx(-0.45)]
+    assert rows.error_extra.tolist()[:2] == [pytest.approx(1.0), pytest.approx(0.0)]
+    assert "not repriced" in rows.error.iloc[2] and pd.isna(rows.error_shipped.iloc[2])
+    assert set(summary) >= {"shipped", "calibrated", "extra"}
+    env = json.loads((folder / "env.json").read_text())
+    assert env["command"] == "x" and set(env["repriced"]["profiles"]) == set(seconds)
+
+
+def test_reprice_and_profile_are_refused_where_they_mean_nothing(tmp_path, capsys):
+    assert cli.main(["validate-time", "--reprice", "--out", str(tmp_path)]) == 2
+    assert "--reprice and --profile are for --device cuda" in capsys.readouterr().err
+    assert cli.main(["validate-time", "--device", "cuda", "--profile", f"x={tmp_path}/p.json",
+                     "--out", str(tmp_path)]) == 2
+    assert "give --reprice too" in capsys.readouterr().err
+    assert cli.main(["validate-time", "--device", "cuda", "--reprice", "--profile", "p.json",
+                     "--out", str(tmp_path)]) == 2
+    assert "--profile: must be NAME=PATH.json" in capsys.readouterr().err

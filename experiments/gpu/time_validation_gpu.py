@@ -20,10 +20,15 @@ On any single CUDA GPU, in one process:
    predicted), ``predicted_vs_measured.png``, ``profile.json`` and ``env.json``.
 
 Nothing is fitted to the measured steps. Without a CUDA device it says so and exits 2.
+
+``reprice`` (``validate-time --device cuda --reprice``, no GPU needed) prices the measured
+cells of a finished run again with the code and profiles as they stand, and with more profiles
+(a full calibration made on the same GPU): the measured columns stay as they were.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -103,14 +108,66 @@ def validate_gpu(out: Path, *, quick: bool = False, small: bool = False,
             print({k: v for k, v in row.items() if k != "times"}, file=sys.stderr, flush=True)
         write_text(folder / "rows.csv", pd.DataFrame(rows).to_csv(index=False,
                                                                  float_format="%.6g"))
-    table = pd.DataFrame(rows)
-    summary = summarize_gpu_validation(table, list(profiles))
-    write_json(folder / "summary.json", summary)
-    if any(f"error_{p}" in table for p in profiles):
-        plot_gpu_validation(table, list(profiles), folder / "predicted_vs_measured.png")
+    summary = _write_summary(folder, pd.DataFrame(rows), list(profiles))
     write_json(folder / "env.json", {
         "command": "upipe-bench validate-time --device cuda" + (" --quick" if quick else ""),
         "profiles": {p: prof.path for p, prof in profiles.items()},
         "calibration_error": calibration_error,
         "wall_s": round(time.monotonic() - t0, 1), **provenance()})
+    return summary
+
+
+def _write_summary(folder: Path, table: pd.DataFrame, profiles: list[str]) -> dict:
+    """summary.json and the error plot of ``table``'s predictions on ``profiles``."""
+    summary = summarize_gpu_validation(table, profiles)
+    write_json(folder / "summary.json", summary)
+    if any(f"error_{p}" in table for p in profiles):
+        plot_gpu_validation(table, profiles, folder / "predicted_vs_measured.png")
+    return summary
+
+
+def reprice(folder: Path, more: dict[str, Path] | None = None, *, progress: bool = True
+            ) -> dict:
+    """Price a finished run's measured cells (``folder``: its rows.csv, env.json and
+    profile.json) again: on the shipped profile of the run's GPU as it stands now, on the run's
+    own calibration and on each of ``more`` (name -> profile JSON). Each ``STEP_CELLS`` cell is
+    emulated exactly as ``validate_gpu`` does and matched to its row by cell id; the measured
+    columns are kept. Rewrites rows.csv, summary.json and the plot; env.json gains
+    ``repriced`` (the revision, date and profiles). Returns the summary."""
+    rows = pd.read_csv(folder / "rows.csv")
+    env = json.loads((folder / "env.json").read_text())
+    profiles = {}
+    shipped = DATASHEETS.get(env.get("gpu_name"))
+    if shipped:
+        profiles["shipped"] = load_profile(shipped)
+    if (folder / "profile.json").is_file():
+        profiles["calibrated"] = load_profile(str(folder / "profile.json"))
+    for name, path in (more or {}).items():
+        profiles[name] = load_profile(str(path))
+    stale = [c for c in rows.columns if c.startswith(("predicted_s_", "error_"))]
+    rows = rows.drop(columns=stale + ["emulated_peak_bytes"], errors="ignore")
+    by_id = {}
+    for method, nproc, seq_len, extra, _ in STEP_CELLS:
+        cell, _ = cell_of(method, nproc, seq_len, extra)
+        by_id[cell.cell_id()] = cell
+    out = []
+    for row in rows.to_dict("records"):
+        cell = by_id.get(row["cell_id"])
+        if cell is not None and row["status"] == Status.OK:
+            row |= predict(cell, profiles)
+            for p in profiles:
+                row[f"error_{p}"] = row[f"predicted_s_{p}"] / row["step_s"] - 1
+        elif cell is None:
+            row["error"] = "not repriced: no such cell in gpu_costs.STEP_CELLS"
+        out.append(row)
+        if progress:
+            print({k: row.get(k) for k in ("cell_id", *(f"error_{p}" for p in profiles))},
+                  file=sys.stderr, flush=True)
+    table = pd.DataFrame(out)
+    write_text(folder / "rows.csv", table.to_csv(index=False, float_format="%.6g"))
+    summary = _write_summary(folder, table, list(profiles))
+    env["repriced"] = {"profiles": {p: prof.path for p, prof in profiles.items()},
+                       **{k: v for k, v in provenance().items()
+                          if k in ("git_rev", "date_utc", "torch_version")}}
+    write_json(folder / "env.json", env)
     return summary

@@ -40,9 +40,15 @@ GPU_FOLDERS = (
     ("chunked_backward_gpu", "UPipe's chunked attention backward against one kernel call "
      "(beyond the paper)", "measured",
      "python -m experiments.gpu chunked-backward --out results/chunked_backward_gpu"),
-    ("time_validation_gpu", "emulated step time vs measured on one GPU (no paper table)",
-     "measured + emulated",
+    ("time_validation_gpu", "emulated step time vs measured on one GPU, cuDNN (no paper "
+     "table)", "measured + emulated",
      "upipe-bench validate-time --device cuda --quick --out results"),
+    ("time_validation_gpu_sdpa", "emulated step time vs measured on one GPU, the flash kernel "
+     "(no paper table)", "measured + emulated",
+     "upipe-bench validate-time --device cuda --quick --out results (when auto meant sdpa)"),
+    ("selective_recompute_gpu", "selective recomputation's speed-ups on one GPU, measured and "
+     "emulated (beyond the paper)", "measured + emulated",
+     "python -m experiments.gpu selective --out results"),
     ("kernels_gpu", "a training step with PyTorch's cuDNN attention against its flash kernel "
      "(no paper table)", "measured",
      "python -m experiments.gpu kernels --out results/kernels_gpu"),

@@ -132,8 +132,9 @@ GRIDS = {  # (device, quick) -> Grid; quick: for tests (seconds on 2 CPU cores)
     # CUDA: attention to 128K tokens and by heads per call (one head at short lengths leaves
     # SMs idle: 211 vs 343 TFLOP/s forward at 32K on an H200, results/gpu_costs_h200), and the
     # narrow products of a stage's few heads (n = 128: 456 TFLOP/s)
-    # grouped-query calls by group (a GQA call of 4 query heads over one K/V head runs about
-    # 1.17x a call of one head over one on an H100 at 128K, docs/gpu.md)
+    # and grouped-query calls by group (cuDNN on an H200 runs them at the equal-heads rate within
+    # 1% in the median, docs/gpu.md#grouped-query-attention-on-cudnn; measured, not assumed,
+    # for other GPUs and kernels)
     ("cuda", False): Grid(_pow2(6, 13), 4096, (64, 128), _pow2(10, 17), 10, 0.5, 5e-3,
                           1 << 30, _pow2(16, 30, 2), (1, 2, 4, 8, 16), 64 * 2**30,
                           (128, 256, 512, 1024), 32768, 4096, (2, 4, 8), _NATIVE_GQA),

@@ -94,6 +94,7 @@ class RFAZigzagAttention(ZigzagRingAttention):
     """
 
     own_kernel = ("flash-attn", "ring-flash-attn calls flash-attn's kernels itself")
+    p2p_exchange = "ring-flash-attn moves its K/V blocks by batch_isend_irecv"
     documents_unsupported = (
         "ring-flash-attn's varlen zigzag (zigzag_ring_flash_attn_varlen_func) zigzags every "
         "document separately, a layout other than this method's; use 'zigzag-ring'")

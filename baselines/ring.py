@@ -25,6 +25,7 @@ class RingAttention(ContextParallelAttention):
     """Ring attention module; forward(x_local (B, L, dim), cu_seqlens=None) -> (B, L, dim)."""
 
     layout = "contiguous"
+    p2p_exchange = "its K/V blocks travel the ring by batch_isend_irecv (upipe.ring)"
 
     @classmethod
     def check_heads(cls, n_heads: int, n_kv_heads: int, ulysses_degree: int, **options) -> None:

@@ -193,6 +193,9 @@ class TorchCPAttention(ZigzagRingAttention):
                           "PyTorch's flash kernel for fp16/bf16 on CUDA; its cuDNN ring passes "
                           "the full-sequence max_q/max_k to the backward of half-sequence blocks, "
                           "which the cuDNN op checks against its inputs' shapes")
+    p2p_exchange = ("torch's ring rotates K/V with functional collectives (all-to-all or "
+                    "all-gather per step, _templated_ring_attention), not run on gloo with CUDA "
+                    "tensors here")
     documents_unsupported = (
         "torch's SDPA ring (_templated_ring_attention, the paper's PyTorch CP) takes no mask; "
         "PyTorch keeps documents apart only in its flex_attention CP, with block masks; use "

@@ -166,7 +166,7 @@ EMULATE_KEYS = ["status", "method", "model", "seq_len", "doc_len", "nproc", "dp"
 def cmd_run(a) -> int:
     cell = cell_from_args(a)
     rank0 = _init_torchrun()
-    row = Launcher(a.timeout, progress=_progress(a)).run(cell)
+    row = Launcher(a.timeout, progress=_progress(a), shared_gpu=a.shared_gpu).run(cell)
     if rank0:
         if a.json:
             _print_json(a, row)
@@ -300,6 +300,13 @@ def cmd_calibrate(a) -> int:
     return 0
 
 
+def _add_shared_gpu_arg(parser) -> None:
+    parser.add_argument("--shared-gpu", action="store_true",
+                        help="every rank on one GPU with gloo (the multi-rank GPU path without a "
+                             "multi-GPU machine; methods sending K/V by P2P are refused); rows "
+                             "say shared_gpu, their times are no speed result")
+
+
 def _named_path(text: str) -> tuple[str, Path]:
     """NAME=PATH of ``--profile``."""
     name, sep, path = text.partition("=")
@@ -378,7 +385,8 @@ def cmd_sweep(a) -> int:
     status = 0
     for sweep in sweeps:
         runner = SweepRunner(sweep, a.out, retry_failed=a.retry_failed,
-                             progress=not a.no_progress, timeout_s=a.timeout)
+                             progress=not a.no_progress, timeout_s=a.timeout,
+                             shared_gpu=a.shared_gpu)
         if a.dry_run:
             status |= _dry_run(a, sweep, runner)
             continue
@@ -438,6 +446,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run one cell")
     add_cell_args(run)
+    _add_shared_gpu_arg(run)
     run.set_defaults(fn=cmd_run)
     em = sub.add_parser("emulate", help="emulate one cell at paper scale (no GPU needed)")
     add_cell_args(em, dtype="bf16", nproc_default=f"{EMULATED_WORLD}, one node of the paper",
@@ -513,6 +522,7 @@ def parser() -> argparse.ArgumentParser:
                     help="results root; each sweep writes <out>/<name>/ (default results)")
     sw.add_argument("--nproc", type=positive_int, default=None,
                     help="override the sweeps' rank count (a GPU node's GPUs)")
+    _add_shared_gpu_arg(sw)
     sw.add_argument("--retry-failed", action="store_true",
                     help="re-run cells whose row is an error or a timeout (others resume)")
     sw.add_argument("--timeout", type=seconds, default=None,

@@ -107,6 +107,9 @@ class Row(_Identity, total=False):
     load_1m_end: float | None
     threads_per_rank: int
     launcher: str
+    shared_gpu: bool
+    """present (true) when every rank ran on one GPU with gloo (``--shared-gpu``): the row's
+    times are no speed result"""
     hardware_profile: str | None
     emulation: str
     """exact, or fit (``emulation.fit``)"""

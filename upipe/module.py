@@ -122,6 +122,11 @@ class ContextParallelAttention(nn.Module):
     #: a row records as the kernel that ran, and why ``kernel="cudnn"`` is refused; None:
     #: ``kernel=`` is honoured
     own_kernel: ClassVar[tuple[str, str] | None] = None
+    #: how this method moves K/V between CP ranks by point-to-point sends (a ring), or None:
+    #: a launch whose backend carries no P2P on the device's tensors (gloo on CUDA tensors,
+    #: the harness's ``--shared-gpu``) refuses it with this reason. A hybrid's ring axis
+    #: (``ring_degree`` > 1) sends by P2P whatever the method
+    p2p_exchange: ClassVar[str | None] = None
     #: kernels such a method runs instead of its own where a cell names them (DeepSpeed's FPDT:
     #: ``fa3``, as the paper's patched FPDT calls FlashAttention-3)
     own_kernel_choices: ClassVar[frozenset[str]] = frozenset()

@@ -2,8 +2,9 @@
 
 ``run_cell(cell)`` validates the cell (``invalid`` rows never start a process), spawns
 ``cell.world`` ranks (dp x nproc; gloo on CPU; NCCL with one GPU per rank when CUDA is
-present), runs the cell's workload on each (``measure.measure_cell``, or
-``attention_layer.measure_attention``) and returns rank 0's row. A fresh process group per
+present; with ``shared_gpu`` gloo with every rank on one GPU), runs the cell's workload on
+each (``measure.measure_cell``, or ``attention_layer.measure_attention``) and returns rank 0's
+row. A fresh process group per
 cell means an OOM leaves no damaged allocator behind
 (docs/conventions.md#one-process-group-per-cell). Outcomes (``experiments.config.Status``):
 
@@ -119,8 +120,28 @@ def host_inputs_fit(cell: Cell, cfg: ModelConfig) -> str | None:
     return None
 
 
+def shared_gpu_refusal(cell: Cell) -> str | None:
+    """Why ``cell`` cannot run with every rank on one GPU (``--shared-gpu``), or None: its
+    ranks would talk through gloo, which carries all-to-all, all-gather, reduce-scatter,
+    all-reduce and broadcast on CUDA tensors but no P2P, so a method that sends K/V by P2P
+    (``p2p_exchange``, a hybrid's ring axis) is refused; and there must be a GPU."""
+    cls = get_method(cell.method)
+    why = (cls.p2p_exchange if cls.p2p_exchange is not None else
+           "its ring axis moves K/V by batch_isend_irecv (upipe.ring)"
+           if cell.ring_degree > 1 else None)
+    if why is not None:
+        return (f"--shared-gpu: method {cell.method!r} (ring degree {cell.ring_degree}) cannot "
+                f"run with its ranks on one GPU: {why}, and gloo carries no P2P on CUDA tensors "
+                "(it does all-to-all, all-gather, reduce-scatter, all-reduce, broadcast); run "
+                "it on CPU ranks, or with NCCL and one GPU per rank")
+    if not torch.cuda.is_available():
+        return ("--shared-gpu puts every rank on one CUDA GPU, and torch sees none here "
+                "(torch.cuda.is_available() is False); without it the ranks run on the CPU")
+    return None
+
+
 def _rank_main(rank: int, cell: Cell, cfg: ModelConfig, port: int, threads: int, progress: bool,
-               results) -> None:
+               results, shared_gpu: bool = False) -> None:
     # The parent turns Ctrl-C into one line and ends the ranks itself: the ranks ignore it
     # rather than each print a traceback. SIGTERM / SIGHUP were blocked while the parent
     # started the ranks (_spawn), and a child inherits the mask: a rank takes them again.
@@ -131,7 +152,9 @@ def _rank_main(rank: int, cell: Cell, cfg: ModelConfig, port: int, threads: int,
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     torch.set_num_threads(threads)
     backend = "gloo"
-    if torch.cuda.is_available():
+    if shared_gpu:  # every rank on the first GPU; gloo copies CUDA tensors through the host
+        torch.cuda.set_device(0)
+    elif torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
         backend = "nccl"
     else:  # DeepSpeed (tiled MLP, ds-ulysses) would probe for accelerators and warn
@@ -183,7 +206,7 @@ def _raised(text: str) -> dict:
 
 
 def _spawn(cell: Cell, cfg: ModelConfig, timeout_s: float | None, threads: int,
-           progress: bool) -> dict:
+           progress: bool, shared_gpu: bool = False) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     # Ctrl-C (or SIGTERM / SIGHUP: experiments.harness.interrupts) while the ranks start would
@@ -191,7 +214,8 @@ def _spawn(cell: Cell, cfg: ModelConfig, timeout_s: float | None, threads: int,
     # known, and arrives inside the ``try`` that ends them.
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *TERMINATING})
     try:
-        pc = mp.start_processes(_rank_main, (cell, cfg, free_port(), threads, progress, results),
+        pc = mp.start_processes(_rank_main, (cell, cfg, free_port(), threads, progress, results,
+                                             shared_gpu),
                                 nprocs=cell.world, join=False, start_method="spawn")
     except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
@@ -245,12 +269,13 @@ def _in_process(cell: Cell, cfg: ModelConfig, progress: bool) -> dict:
         return {"status": Status.ERROR, "error": traceback.format_exc()[-ERROR_TAIL_CHARS:]}
 
 
-def unavailable_reason(cell: Cell) -> str | None:
+def unavailable_reason(cell: Cell, device_type: str | None = None) -> str | None:
     """Why the cell cannot run on this machine, or None; decided before anything is launched:
     by the method class (e.g. a CUDA-only adapter on a CPU machine), then by the kernel (a
     CUDA-only kernel, flash-attn, fa3 or cudnn, on a CPU machine, without its library, or in
-    a dtype or head dim it refuses; a kernel the method does not take)."""
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    a dtype or head dim it refuses; a kernel the method does not take). ``device_type``: where
+    its ranks run (default: CUDA when torch sees a GPU)."""
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     reason = get_method(cell.method).unavailable_reason(device_type)
     if reason is None:
         reason = method_kernel_refusal(cell)
@@ -298,27 +323,36 @@ def kernel_ran(cell: Cell, cfg: ModelConfig, device_type: str,
     return machine_auto_kernel(torch.cuda.current_device(), q.dtype, cfg.head_dim)
 
 
-def run_cell(cell: Cell, timeout_s: float | None = None, progress: bool = False) -> Row:
+def run_cell(cell: Cell, timeout_s: float | None = None, progress: bool = False,
+             shared_gpu: bool = False) -> Row:
     """Run ``cell`` once; always returns a row (see the module docstring for the statuses),
     with ``mode`` ``measured`` (``experiments.emulation.emulate_cell``'s rows say
-    ``emulated``). ``progress``: rank 0 prints a line per step on stderr."""
+    ``emulated``). ``progress``: rank 0 prints a line per step on stderr. ``shared_gpu``: every
+    rank on one GPU with gloo (``shared_gpu_refusal`` says what cannot); the row says so
+    (``shared_gpu``), and its times are no speed result: the ranks take turns on one GPU and
+    their collectives go through host memory."""
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"timeout must be positive (seconds per launch), got {timeout_s}")
     try:
         cfg = cell.validate()
     except ValueError as e:
         return unrun(cell, None, Status.INVALID, str(e), "measured")
-    reason = unavailable_reason(cell)
+    torchrun = dist.is_initialized()
+    reason = (shared_gpu_refusal(cell) or unavailable_reason(cell, "cuda")) if shared_gpu else \
+        unavailable_reason(cell)
+    if shared_gpu and torchrun and reason is None:
+        reason = ("--shared-gpu starts the ranks itself; under torchrun each rank already has "
+                  "its device and backend")
     if reason is not None:  # nothing to launch: a row saying why
-        return unrun(cell, cfg, Status.SKIPPED, reason, "measured")
+        return unrun(cell, cfg, Status.SKIPPED, reason, "measured") | (
+            {"shared_gpu": True} if shared_gpu else {})
     too_big = host_inputs_fit(cell, cfg)
     if too_big is not None:
         return unrun(cell, cfg, Status.INVALID, too_big, "measured")
-    torchrun = dist.is_initialized()
     threads = threads_per_rank(cell.world)
     t0, load0 = time.monotonic(), os.getloadavg()[0]
     res = (_in_process(cell, cfg, progress) if torchrun
-           else _spawn(cell, cfg, timeout_s, threads, progress))
+           else _spawn(cell, cfg, timeout_s, threads, progress, shared_gpu))
     res.setdefault("error", "")
     # load averages flag other work on the machine during the cell (timing noise)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -326,4 +360,5 @@ def run_cell(cell: Cell, timeout_s: float | None = None, progress: bool = False)
         "kernel_ran": kernel_ran(cell, cfg, device_type),
         "mode": "measured", "wall_s": round(time.monotonic() - t0, 2), "load_1m_start": load0,
         "load_1m_end": os.getloadavg()[0], "threads_per_rank": threads,
-        "launcher": "torchrun" if torchrun else "spawn"}
+        "launcher": "torchrun" if torchrun else "spawn"} | ({"shared_gpu": True} if shared_gpu
+                                                            else {})

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from experiments.config import DEFAULT_TIMEOUT_S, Cell, Hardware
 from experiments.emulation.emulate import emulate_cell, emulation_unavailable
-from experiments.harness.launch import run_cell, unavailable_reason
+from experiments.harness.launch import run_cell, shared_gpu_refusal, unavailable_reason
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,9 @@ class Launcher:
     """wall-clock limit of one launch (seconds)"""
     progress: bool = False
     """rank 0 prints a line per step on stderr"""
+    shared_gpu: bool = False
+    """every rank on one GPU with gloo (``launch.shared_gpu_refusal``; rows say
+    ``shared_gpu``: their times are no speed result)"""
 
     def __post_init__(self):
         if not self.timeout_s > 0:
@@ -34,10 +37,13 @@ class Launcher:
                              f"{self.timeout_s}")
 
     def unavailable(self, cell: Cell) -> str | None:
+        if self.shared_gpu:
+            return shared_gpu_refusal(cell) or unavailable_reason(cell, "cuda")
         return unavailable_reason(cell)
 
     def run(self, cell: Cell) -> dict:
-        return run_cell(cell, timeout_s=self.timeout_s, progress=self.progress)
+        return run_cell(cell, timeout_s=self.timeout_s, progress=self.progress,
+                        shared_gpu=self.shared_gpu)
 
 
 @dataclass(frozen=True)

@@ -68,22 +68,29 @@ def _label(cell: Cell) -> str:
     return f"{cell.method}{r}{opts}{dp}{d} {format_size(cell.seq_len)} {cell.stack}"
 
 
-def sweep_executor(sweep: Sweep, timeout_s: float | None = None, progress: bool = False):
+def sweep_executor(sweep: Sweep, timeout_s: float | None = None, progress: bool = False,
+                   shared_gpu: bool = False):
     """The executor a sweep's cells run on: the emulator on its hardware for an emulated sweep,
-    else a launcher with the sweep's (or the given) timeout."""
+    else a launcher with the sweep's (or the given) timeout, its ranks on one GPU with
+    ``shared_gpu`` (refused for an emulated sweep: nothing is launched)."""
     if sweep.scale == "emulated":
+        if shared_gpu:
+            raise ValueError(f"--shared-gpu: sweep {sweep.name!r} is emulated (one process "
+                             "plays every rank); it is for measured sweeps")
         return Emulator(sweep.hardware, exact=sweep.exact)
-    return Launcher(sweep.timeout_s if timeout_s is None else timeout_s, progress=progress)
+    return Launcher(sweep.timeout_s if timeout_s is None else timeout_s, progress=progress,
+                    shared_gpu=shared_gpu)
 
 
 class SweepRunner:
     """Runs one sweep into ``out_root / sweep.name``."""
 
     def __init__(self, sweep: Sweep, out_root: Path, *, retry_failed: bool = False,
-                 progress: bool = True, timeout_s: float | None = None):
+                 progress: bool = True, timeout_s: float | None = None,
+                 shared_gpu: bool = False):
         self.sweep, self.dir = sweep, Path(out_root) / sweep.name
         self.retry_failed, self.progress = retry_failed, progress
-        self.executor = sweep_executor(sweep, timeout_s, progress)
+        self.executor = sweep_executor(sweep, timeout_s, progress, shared_gpu)
         self.run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         self.counts: dict[str, int] = {}
         self.resumed = False  # whether the last cell's row was resumed rather than run

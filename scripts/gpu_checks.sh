@@ -9,15 +9,16 @@
 #   attention  flash and cuDNN attention by heads, length and GQA group (gpu_costs), OUT/attention
 #   selective  selective recomputation's speed-ups, measured beside emulated (selective_gpu)
 #   validate   the time model against 18 measured steps, quick calibration (validate-time)
+#   profile    the profiled step cells op by op (gpu_costs --only-profiled), OUT/steps
 #
 # Runs with the python3 on PATH from the repository root (the project need not be installed;
 # deepspeed and its pydantic/hjson dependencies must be importable for the ds-ulysses cell). Each
 # part's exit code is printed; the script's is the first failure's (0 when all passed).
 set -uo pipefail
 
-out="${1:?usage: scripts/gpu_checks.sh OUT [tests|attention|selective|validate ...]}"
+out="${1:?usage: scripts/gpu_checks.sh OUT [tests|attention|selective|validate|profile ...]}"
 shift
-(($# > 0)) || set -- tests attention selective validate
+(($# > 0)) || set -- tests attention selective validate profile
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 mkdir -p "$out"
@@ -49,7 +50,10 @@ for p in "$@"; do
         selective) part selective 200 python3 -m experiments.gpu selective --out "$out" ;;
         validate) part validate 240 python3 -m experiments.cli validate-time --device cuda \
             --quick --out "$out" --no-progress ;;
-        *) echo "unknown part $p: tests, attention, selective or validate" >&2; exit 2 ;;
+        profile) part profile 180 python3 -m experiments.gpu costs --out "$out/steps" \
+            --skip dispatch,memory,matmul,attention,host_copy,calibrate --only-profiled ;;
+        *) echo "unknown part $p: tests, attention, selective, validate or profile" >&2
+           exit 2 ;;
     esac
 done
 exit "$status"

@@ -22,6 +22,8 @@ on CPU and CUDA tensors alike. Newer torch's fake backend writes the collectives
 (torch 2.13 does, for all but P2P; torch 2.11, on the lent GPUs, does not): each function is
 probed on tiny CPU tensors when the context opens and wrapped only where the backend leaves its
 output unwritten, so nothing is copied twice. Written by hand: P2P is written by no version.
+torch's functional collectives (its own CP ring, ``torch-cp``) are not wrapped: no GPU check
+measures that method.
 """
 
 from __future__ import annotations

@@ -154,6 +154,18 @@ def compare_with_reference(case: Case, pass_docs: bool = True) -> dict[str, floa
     return out
 
 
+def compare_on_gpu(case: Case, device: int | None = None) -> dict[str, float]:
+    """``compare_with_reference`` with everything on a GPU: ``device``, default this rank's
+    (rank % device count; ``0``: every rank on the first GPU, ``--shared-gpu``'s layout)."""
+    index = dist.get_rank() % torch.cuda.device_count() if device is None else device
+    torch.cuda.set_device(index)
+    torch.set_default_device("cuda")
+    try:
+        return compare_with_reference(case)
+    finally:
+        torch.set_default_device(None)
+
+
 def packed_refusal(method: str, options: dict) -> str:
     """The error ``method`` raises on this rank for packed documents ("" if none)."""
     m = build_method(method, 32, 4, 2, 8, group=dist.group.WORLD, **options)

@@ -27,7 +27,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from cases import Case, compare_with_reference
+from cases import Case, compare_on_gpu, compare_with_reference
 from test_correctness import assert_close_to_reference
 
 # importing registers them (until pyproject's upipe.methods entry points list them)
@@ -261,16 +261,6 @@ def test_fpdt_mapping_matches_reference_with_math_kernels(dist_pool, world, case
 GPU_HEADS = [(8, 8), (8, 2), (12, 4), (4, 1)]
 
 
-def _on_gpu(case: Case) -> dict:
-    """compare_with_reference with everything on this rank's GPU (rank % device count)."""
-    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-    torch.set_default_device("cuda")
-    try:
-        return compare_with_reference(case)
-    finally:
-        torch.set_default_device(None)
-
-
 def _gpu_cases() -> list:
     out = []
     for world, name, (h, hkv) in itertools.product((1, 2), ADAPTERS, GPU_HEADS):
@@ -296,4 +286,4 @@ def test_matches_reference_on_gpu(dist_pool, world, case):
         pytest.skip(f"needs {world} GPUs (one per gloo rank), found {torch.cuda.device_count()}")
     if case.method == "rfa-zigzag" and world == 1:
         pytest.skip("ring-flash-attn sends dK/dV to itself at W=1, which gloo cannot; needs NCCL")
-    assert_close_to_reference(dist_pool(world).run(_on_gpu, case), case)
+    assert_close_to_reference(dist_pool(world).run(compare_on_gpu, case), case)

@@ -11,14 +11,17 @@ training steps on the ALST stack whose losses equal one device's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from cases import Case, compare_with_reference
+from cases import Case, compare_on_gpu
 from test_correctness import assert_close_to_reference
 from test_packed import DOCS
+from test_train import BASE as TRAIN_BASE
+from test_train import STEPS
 
 from experiments.config import Cell, Status
 from experiments.harness.launch import run_cell, shared_gpu_refusal
@@ -80,16 +83,6 @@ def test_an_emulated_sweep_refuses_shared_gpu():
 # on one GPU (gpu-marked: skipped without CUDA)
 
 
-def _on_the_gpu(case: Case) -> dict:
-    """compare_with_reference with this rank's tensors on the one GPU every rank shares."""
-    torch.cuda.set_device(0)
-    torch.set_default_device("cuda")
-    try:
-        return compare_with_reference(case)
-    finally:
-        torch.set_default_device(None)
-
-
 def _gpu_cases() -> list:
     out = []
     methods = [("ulysses", {}), ("upipe", {}), ("upipe", {"overlap": True}),
@@ -111,17 +104,13 @@ def _gpu_cases() -> list:
 @pytest.mark.gpu
 @pytest.mark.parametrize("world,case", _gpu_cases())
 def test_methods_match_the_reference_on_ranks_sharing_one_gpu(dist_pool, world, case):
-    results = dist_pool(world).run(_on_the_gpu, case)
+    results = dist_pool(world).run(functools.partial(compare_on_gpu, device=0), case)
     assert len(results) == world
     assert_close_to_reference(results, case)
 
 
-# FSDP2 + ALST training steps: test_train.py's model, fp32, on the GPU
-OVERRIDES = (("n_layers", "3"), ("dim", "64"), ("n_heads", "8"), ("n_kv_heads", "2"),
-             ("head_dim", "8"), ("ffn_dim", "96"), ("vocab_size", "128"))
-BASE = Cell("upipe", "tiny", seq_len=96, nproc=1, stack="alst", overrides=OVERRIDES,
-            warmup=0, iters=0, lr=1e-3)
-STEPS = 3
+# FSDP2 + ALST training steps: test_train.py's model and steps, fp32, on the GPU
+BASE = dataclasses.replace(TRAIN_BASE, stack="alst")
 
 
 def _gpu_losses(cell: Cell) -> list[float]:

@@ -32,11 +32,9 @@ import torch
 
 from experiments.config import Status
 from experiments.gpu.gpu_costs import cell_of, measure_steps
-from experiments.gpu.time_validation_gpu import NoGPU, predict
+from experiments.gpu.time_validation_gpu import NoGPU, predict, shipped_profile
 from experiments.provenance import provenance
 from experiments.store import write_json, write_text
-from experiments.timing.calibrate import DATASHEETS
-from experiments.timing.profile import load_profile
 
 FOLDER = "selective_recompute_gpu"
 ITERS = 2  # timed steps per cell after a warm-up step
@@ -73,15 +71,12 @@ def speedups(rows: pd.DataFrame) -> pd.DataFrame:
 def run(out: Path, *, small: bool = False, progress: bool = True) -> pd.DataFrame:
     """The check of the module's docstring into ``out / FOLDER``; its speed-ups."""
     if not torch.cuda.is_available() and not small:
-        raise NoGPU("the selective recomputation check needs a CUDA GPU, and torch "
-                           "sees none here (torch.cuda.is_available() is False); --small "
-                           "runs the CPU smoke test")
+        raise NoGPU("the selective recomputation check needs a CUDA GPU, and torch sees none "
+                    "here (torch.cuda.is_available() is False); --small runs the CPU smoke test")
     t0 = time.monotonic()
     folder = out / FOLDER
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = torch.cuda.get_device_name() if device.type == "cuda" else None
-    shipped = DATASHEETS.get(name, "h200" if small else None)
-    profiles = {"shipped": load_profile(shipped)} if shipped else {}
+    profiles = shipped_profile(device, small)
     rows = []
     for method in METHODS:
         for seq_len in LENGTHS:

@@ -66,6 +66,15 @@ def predict(cell, profiles: dict) -> dict:
     return out
 
 
+def shipped_profile(device: torch.device, small: bool) -> dict:
+    """{"shipped": the shipped profile of this GPU} (``calibrate.DATASHEETS``; {} for a GPU
+    without one); ``small``, the CPU smoke test: the ``h200`` profile."""
+    name = torch.cuda.get_device_name() if device.type == "cuda" else None
+    if DATASHEETS.get(name) or small:
+        return {"shipped": load_profile(DATASHEETS.get(name, "h200"))}
+    return {}
+
+
 def validate_gpu(out: Path, *, quick: bool = False, small: bool = False,
                  progress: bool = True) -> dict:
     """The validation of the module's docstring into ``out / FOLDER``; its summary. ``small``:
@@ -78,10 +87,7 @@ def validate_gpu(out: Path, *, quick: bool = False, small: bool = False,
     t0 = time.monotonic()
     folder = out / FOLDER
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    profiles = {}
-    name = torch.cuda.get_device_name() if device.type == "cuda" else None
-    if DATASHEETS.get(name) or small:  # the smoke test prices on the H200's
-        profiles["shipped"] = load_profile(DATASHEETS.get(name, "h200"))
+    profiles = shipped_profile(device, small)
     calibration_error = None
     if device.type == "cuda":
         try:  # fp32 too: the chunked loss's logits products run in fp32

@@ -307,28 +307,56 @@ def _parsed_tables(profile: Profile) -> dict:
                                "...]")
         out[("matmul_narrow", dtype)] = {side: _table(t, f"{field}.{side}")
                                          for side, t in sides.items()}
-    for kernel, by_dtype in profile.values["attention"].items():
+    attention = _attention_tree(profile.values, "attention", _by_dim)
+    for (_, kernel, dtype), parsed in attention.items():
+        for need in ("fwd", "bwd"):
+            if need not in parsed:
+                raise ProfileError(f"attention.{kernel}.{dtype}: lacks the {need!r} pass")
+    return out | attention | _attention_tree(profile.values, "attention_gqa", _by_dim_and_group)
+
+
+def _attention_tree(values: dict, name: str, parse) -> dict:
+    """A profile's tree ``name`` (kernel -> dtype -> pass -> by head dim) as {(name, kernel,
+    dtype): {pass: parse(by_dim, field)}}, every pass one of ``PASSES``; {} without one."""
+    out = {}
+    for kernel, by_dtype in values.get(name, {}).items():
         for dtype, by_pass in by_dtype.items():
             parsed = {}
             for pass_, by_dim in by_pass.items():
-                field = f"attention.{kernel}.{dtype}.{pass_}"
+                field = f"{name}.{kernel}.{dtype}.{pass_}"
                 if pass_ not in PASSES:
                     raise ProfileError(f"{field}: pass must be one of {list(PASSES)}")
-                if not isinstance(by_dim, dict) or not by_dim:
-                    raise ProfileError(f"{field}: must map head dims to [[seq_k, FLOP/s], ...]")
                 try:
-                    parsed[pass_] = {int(d): _by_heads(t, f"{field}.{d}")
-                                     for d, t in by_dim.items()}
+                    parsed[pass_] = parse(by_dim, field)
                 except ValueError as e:
                     if isinstance(e, ProfileError):
                         raise
-                    raise ProfileError(f"{field}: head dims and head counts must be integers"
-                                       ) from None
-            for need in ("fwd", "bwd"):
-                if need not in parsed:
-                    raise ProfileError(f"attention.{kernel}.{dtype}: lacks the {need!r} pass")
-            out[("attention", kernel, dtype)] = parsed
-    return out | _gqa_tables(profile)
+                    keys = "head dims, groups and head counts" if name == "attention_gqa" \
+                        else "head dims and head counts"
+                    raise ProfileError(f"{field}: {keys} must be integers") from None
+            out[(name, kernel, dtype)] = parsed
+    return out
+
+
+def _by_dim(by_dim, field: str) -> dict:
+    """``attention``'s pass: {head dim: table, or tables by heads}."""
+    if not isinstance(by_dim, dict) or not by_dim:
+        raise ProfileError(f"{field}: must map head dims to [[seq_k, FLOP/s], ...]")
+    return {int(d): _by_heads(t, f"{field}.{d}") for d, t in by_dim.items()}
+
+
+def _by_dim_and_group(by_dim, field: str) -> dict:
+    """``attention_gqa``'s pass: {head dim: {group >= 2: table, or tables by heads}}."""
+    if not isinstance(by_dim, dict) or not by_dim or not all(
+            isinstance(t, dict) and t for t in by_dim.values()):
+        raise ProfileError(f"{field}: must map head dims to {{group: {{heads: [[seq_k, "
+                           "FLOP/s], ...]}}}")
+    parsed = {int(d): {int(g): _by_heads(t, f"{field}.{d}.{g}") for g, t in by_group.items()}
+              for d, by_group in by_dim.items()}
+    if min(min(g) for g in parsed.values()) < 2:
+        raise ProfileError(f"{field}: groups must be at least 2 (group 1 is the plain table, "
+                           f"{field.replace('attention_gqa', 'attention', 1)})")
+    return parsed
 
 
 def _pass_table(by_pass: dict, pass_: str, head_dim: int):
@@ -356,37 +384,6 @@ def _rate_by_heads(table, seq_k: int, heads: int | None) -> float:
     t = (math.log2(h) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
     r_lo, r_hi = _interp(table[lo], seq_k), _interp(table[hi], seq_k)
     return r_lo + t * (r_hi - r_lo)
-
-
-def _gqa_tables(profile: Profile) -> dict:
-    """``attention_gqa``'s tables: {("attention_gqa", kernel, dtype): {pass: {head_dim:
-    {group: table by heads}}}}."""
-    out = {}
-    for kernel, by_dtype in profile.values.get("attention_gqa", {}).items():
-        for dtype, by_pass in by_dtype.items():
-            parsed = {}
-            for pass_, by_dim in by_pass.items():
-                field = f"attention_gqa.{kernel}.{dtype}.{pass_}"
-                if pass_ not in PASSES:
-                    raise ProfileError(f"{field}: pass must be one of {list(PASSES)}")
-                if not isinstance(by_dim, dict) or not by_dim or not all(
-                        isinstance(t, dict) and t for t in by_dim.values()):
-                    raise ProfileError(f"{field}: must map head dims to {{group: {{heads: "
-                                       "[[seq_k, FLOP/s], ...]}}}")
-                try:
-                    parsed[pass_] = {int(d): {int(g): _by_heads(t, f"{field}.{d}.{g}")
-                                              for g, t in by_group.items()}
-                                     for d, by_group in by_dim.items()}
-                except ValueError as e:
-                    if isinstance(e, ProfileError):
-                        raise
-                    raise ProfileError(f"{field}: head dims, groups and head counts must be "
-                                       "integers") from None
-                if min(min(g) for g in parsed[pass_].values()) < 2:
-                    raise ProfileError(f"{field}: groups must be at least 2 (group 1 is the "
-                                       f"plain table, attention.{kernel}.{dtype}.{pass_})")
-            out[("attention_gqa", kernel, dtype)] = parsed
-    return out
 
 
 def _by_heads(table, field: str):

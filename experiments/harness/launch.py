@@ -4,8 +4,7 @@
 ``cell.world`` ranks (dp x nproc; gloo on CPU; NCCL with one GPU per rank when CUDA is
 present; with ``shared_gpu`` gloo with every rank on one GPU), runs the cell's workload on
 each (``measure.measure_cell``, or ``attention_layer.measure_attention``) and returns rank 0's
-row. A fresh process group per
-cell means an OOM leaves no damaged allocator behind
+row. A fresh process group per cell means an OOM leaves no damaged allocator behind
 (docs/conventions.md#one-process-group-per-cell). Outcomes (``experiments.config.Status``):
 
 - ``ok``, or ``oom`` over a CPU budget (decided by the ranks together);
@@ -138,6 +137,14 @@ def shared_gpu_refusal(cell: Cell) -> str | None:
         return ("--shared-gpu puts every rank on one CUDA GPU, and torch sees none here "
                 "(torch.cuda.is_available() is False); without it the ranks run on the CPU")
     return None
+
+
+def launch_refusal(cell: Cell, shared_gpu: bool = False) -> str | None:
+    """Why ``cell`` cannot be launched here (with ``shared_gpu``: with every rank on one GPU),
+    or None: ``shared_gpu_refusal``, then ``unavailable_reason`` on the device its ranks use."""
+    if shared_gpu:
+        return shared_gpu_refusal(cell) or unavailable_reason(cell, "cuda")
+    return unavailable_reason(cell)
 
 
 def _rank_main(rank: int, cell: Cell, cfg: ModelConfig, port: int, threads: int, progress: bool,
@@ -338,8 +345,7 @@ def run_cell(cell: Cell, timeout_s: float | None = None, progress: bool = False,
     except ValueError as e:
         return unrun(cell, None, Status.INVALID, str(e), "measured")
     torchrun = dist.is_initialized()
-    reason = (shared_gpu_refusal(cell) or unavailable_reason(cell, "cuda")) if shared_gpu else \
-        unavailable_reason(cell)
+    reason = launch_refusal(cell, shared_gpu)
     if shared_gpu and torchrun and reason is None:
         reason = ("--shared-gpu starts the ranks itself; under torchrun each rank already has "
                   "its device and backend")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from experiments.config import DEFAULT_TIMEOUT_S, Cell, Hardware
 from experiments.emulation.emulate import emulate_cell, emulation_unavailable
-from experiments.harness.launch import run_cell, shared_gpu_refusal, unavailable_reason
+from experiments.harness.launch import launch_refusal, run_cell
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,7 @@ class Launcher:
                              f"{self.timeout_s}")
 
     def unavailable(self, cell: Cell) -> str | None:
-        if self.shared_gpu:
-            return shared_gpu_refusal(cell) or unavailable_reason(cell, "cuda")
-        return unavailable_reason(cell)
+        return launch_refusal(cell, self.shared_gpu)
 
     def run(self, cell: Cell) -> dict:
         return run_cell(cell, timeout_s=self.timeout_s, progress=self.progress,

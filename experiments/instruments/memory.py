@@ -43,7 +43,9 @@ ops fake mode runs underneath)::
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
+import warnings
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -98,6 +100,29 @@ _FUNCTIONAL_COLLECTIVES = frozenset({
     "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
     "reduce_scatter_tensor_coalesced", "all_reduce", "all_reduce_coalesced",
     "all_to_all_single", "broadcast"})
+
+
+_C10D_API = "torch.distributed.distributed_c10d"
+
+
+def _issued_blocking(depth: int = 12) -> bool:
+    """Whether the c10d op being dispatched now comes from a ``torch.distributed`` call made
+    with ``async_op=False`` (read from that call's frame, within ``depth`` frames of here).
+
+    Such a call waits on its Work and drops it before it returns, so once the program goes on,
+    only the backend still holds the op's tensors, and it lets go as soon as its worker thread
+    runs again. An ``async_op=True`` call hands its Work to the program, which may hold it (and
+    the tensors) for as long as it likes. Ops issued any other way count as asynchronous.
+    """
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if (frame.f_globals.get("__name__") == _C10D_API
+                and "async_op" in frame.f_code.co_varnames):
+            return not frame.f_locals.get("async_op", True)
+        frame = frame.f_back
+    return False
 
 
 def _storage(t: torch.Tensor):
@@ -175,8 +200,9 @@ class MemoryTracker(TorchDispatchMode):
     """
 
     def __init__(
-        self, snapshot_peak: bool = False, settle_comm: bool = True, settle_timeout_s: float = 0.25,
-        namespace_categories: dict[str, str] | None = None, round_bytes: int = 1,
+        self, snapshot_peak: bool = False, settle_comm: bool = True,
+        settle_timeout_s: float = 0.01, namespace_categories: dict[str, str] | None = None,
+        round_bytes: int = 1, settle_waited_timeout_s: float = 10.0,
     ):
         super().__init__()
         if round_bytes < 1:
@@ -191,7 +217,14 @@ class MemoryTracker(TorchDispatchMode):
         # and reduce-scatter buffers are model-state traffic wherever they run)
         self.namespace_categories = dict(namespace_categories or {})
         self.settle_comm, self.settle_timeout_s = settle_comm, settle_timeout_s
+        self.settle_waited_timeout_s = settle_waited_timeout_s
+        # aliases of the tensors of collectives the program may still hold (async handles) and
+        # of those it has waited on (blocking calls): settled with the short and long timeout
         self._comm_aliases: list[torch.Tensor] = []
+        self._comm_waited: list[torch.Tensor] = []
+        # collectives the program had waited on whose tensors the backend still held after the
+        # long timeout: the live bytes counted then may include them (warned, see ``_settle``)
+        self.unsettled_collectives = 0
         # functional collective in flight: its output's storage id -> aliases of its tensors
         self._in_flight: dict[int, list[torch.Tensor]] = {}
         self._live: dict[int, tuple[Allocation, weakref.ref]] = {}
@@ -406,7 +439,9 @@ class MemoryTracker(TorchDispatchMode):
         if func is _DEVICE_QUERY:
             return func(*args, **kwargs)
         if self.settle_comm and func.namespace == "c10d" and func._opname not in _P2P_OPS:
-            args, kwargs = tree_map_only(torch.Tensor, self._comm_alias, (args, kwargs))
+            pending = self._comm_waited if _issued_blocking() else self._comm_aliases
+            args, kwargs = tree_map_only(
+                torch.Tensor, lambda t: self._comm_alias(t, pending), (args, kwargs))
         functional = self.settle_comm and func.namespace == "_c10d_functional" and (
             func is _WAIT_TENSOR or func._opname in _FUNCTIONAL_COLLECTIVES)
         if functional and func is not _WAIT_TENSOR:
@@ -417,7 +452,7 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         if functional:
             if func is _WAIT_TENSOR:
-                self._settle(self._in_flight.pop(id(_storage(args[0])), []))
+                self._settle(self._in_flight.pop(id(_storage(args[0])), []), waited=True)
             else:
                 self._in_flight[id(_storage(out))] = held
         label = self.namespace_categories.get(func.namespace)
@@ -467,6 +502,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def __exit__(self, *exc):
         self._comm_aliases.clear()
+        self._comm_waited.clear()
         self._in_flight.clear()
         _ResizeHook.remove(self)
         return super().__exit__(*exc)
@@ -484,34 +520,58 @@ class MemoryTracker(TorchDispatchMode):
     # Not before the next op: gloo runs a reduce-scatter's own split and copy through the
     # dispatcher inside ``wait()`` on the calling thread (FSDP2 reduce-scatters every gradient),
     # while its Work still holds the aliases, so a wait there waited on itself for the full
-    # timeout. A Work the program keeps (async ops not yet waited) times out after
-    # ``settle_timeout_s`` and its buffers stay counted, as they are really held. The waits stall
-    # async overlap: time runs untracked.
+    # timeout.
+    #
+    # How long to wait depends on who may still hold the Work. After a blocking call
+    # (``async_op=False``, ``_issued_blocking``) only the backend does, and it lets go within
+    # microseconds unless its thread is starved (a loaded 2-core machine): the tracker waits up
+    # to ``settle_waited_timeout_s`` (10 s), so a starved thread does not turn into a send
+    # buffer counted beside the next allocations, and the figures stay deterministic (a CI run
+    # once counted UPipe's 64 KiB query send buffer in one of two identical steps; with no wait
+    # at all, 53 of 400 blocking all-to-alls counted it, tests/test_memory.py). A Work handed to
+    # the program (async ops) may be held as long as the program likes, and while it is, no
+    # wait can help: after ``settle_timeout_s`` (10 ms, enough for a backend that is not
+    # starved) its buffers stay counted, as they are really held. These waits stall async
+    # overlap once per collective (they were 0.25 s: a UPipe overlap layer measured in 20 s
+    # instead of 10); time runs untracked.
     #
     # Functional collectives (torch's CP ring) run asynchronously until the program waits on
     # their result (``wait_tensor``): their tensors are aliased when issued and settled at that
-    # wait, so an exchange in flight beside the attention is not stalled.
+    # wait (with the long timeout: the program has waited), so an exchange in flight beside the
+    # attention is not stalled.
     #
     # Point-to-point ops are not settled: a ring keeps its send and receive buffers itself until
     # it waits (upipe.ring.RingComm), so they are counted for exactly as long as the program
-    # holds them, and settling would only time out on every in-flight send (0.25 s each).
+    # holds them, and settling would only time out on every in-flight send.
 
-    def _comm_alias(self, t: torch.Tensor) -> torch.Tensor:
+    def _comm_alias(self, t: torch.Tensor, pending: list[torch.Tensor]) -> torch.Tensor:
         alias = torch.ops.aten.alias.default(t)
-        self._comm_aliases.append(alias)
+        pending.append(alias)
         return alias
 
     def _settle_comm(self) -> None:
+        if self._comm_waited:
+            self._settle(self._comm_waited, waited=True)
+            self._comm_waited.clear()
         if self._comm_aliases:
             self._settle(self._comm_aliases)
             self._comm_aliases.clear()
 
-    def _settle(self, aliases: list[torch.Tensor]) -> None:
-        """Wait (up to ``settle_timeout_s``) until the tracker holds the only reference to
-        ``aliases``: the backend has let go of the collective's tensors."""
-        deadline = time.monotonic() + self.settle_timeout_s
+    def _settle(self, aliases: list[torch.Tensor], waited: bool = False) -> None:
+        """Wait until the tracker holds the only reference to ``aliases``: the backend has let
+        go of the collective's tensors. Up to ``settle_waited_timeout_s`` when the program has
+        waited on the collective (``waited``), else ``settle_timeout_s``; a waited collective
+        still held after that is counted in ``unsettled_collectives`` and warned about."""
+        timeout = self.settle_waited_timeout_s if waited else self.settle_timeout_s
+        deadline = time.monotonic() + timeout
         while any(a._use_count() > 1 for a in aliases):
             if time.monotonic() > deadline:
+                if waited:
+                    self.unsettled_collectives += 1
+                    warnings.warn(
+                        f"a collective's backend still held its tensors {timeout:g} s after the "
+                        "program waited on it: the tracked bytes count them until it lets go",
+                        RuntimeWarning, stacklevel=2)
                 break
             time.sleep(1e-4)
 

@@ -151,16 +151,18 @@ def _print_row(a, row: dict, keys: list[str]) -> None:
         print(f"{k:24s} {json.dumps(v) if isinstance(v, dict) else v}{unit}", file=a.stdout)
 
 
-RUN_KEYS = ["status", "method", "seq_len", "doc_len", "nproc", "dp", "stack", "workload",
-            "time_median_s", "tokens_per_s_per_gpu", "peak_device_bytes", "peak_host_bytes",
-            "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes", "error"]
+RUN_KEYS = ["status", "method", "seq_len", "doc_len", "nproc", "dp", "stack", "keep_blocks",
+            "workload", "time_median_s", "tokens_per_s_per_gpu", "peak_device_bytes",
+            "peak_host_bytes", "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes",
+            "error"]
 EMULATE_KEYS = ["status", "method", "model", "seq_len", "doc_len", "nproc", "dp", "ring_degree",
-                "stack", "dtype", "emulation", "peak_device_bytes", "peak_host_bytes",
-                "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes", "peak_phase",
-                "device_budget_bytes", "host_budget_bytes", "host_pinned", "model_tflops_per_step",
-                "comm_bytes_per_step", "comm_bytes_by_op", "hardware_profile", "step_time_s",
-                "tokens_per_s_per_gpu", "mfu", "time_compute_s", "time_comm_exposed_s",
-                "time_offload_exposed_s", "time_overhead_s", "emulation_s", "error"]
+                "stack", "keep_blocks", "dtype", "emulation", "peak_device_bytes",
+                "peak_host_bytes", "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes",
+                "peak_phase", "device_budget_bytes", "host_budget_bytes", "host_pinned",
+                "model_tflops_per_step", "comm_bytes_per_step", "comm_bytes_by_op",
+                "hardware_profile", "step_time_s", "tokens_per_s_per_gpu", "mfu",
+                "time_compute_s", "time_comm_exposed_s", "time_offload_exposed_s",
+                "time_overhead_s", "emulation_s", "error"]
 
 
 def cmd_run(a) -> int:
@@ -244,7 +246,9 @@ def _plan_line(row: dict) -> dict:
             "heads_per_stage": "-" if u is None else u,
             "overlap": "yes" if row.get("overlap") else "-",
             "chunk_size": format_size(row["chunk_size"]) if row.get("chunk_size") else "-",
-            "stack": row["stack"], "kernel_ran": row.get("kernel_ran") or "-",  # not run: none
+            # attention kept in the last k blocks only: "alst-attn-host k18"
+            "stack": row["stack"] + (f" k{row['keep_blocks']}" if row.get("keep_blocks") else ""),
+            "kernel_ran": row.get("kernel_ran") or "-",  # not run: none
             "fits": fits,
             "peak_device_gib": gib["peak_device_bytes"], "peak_host_gib": gib["peak_host_bytes"],
             "tokens_per_s_per_gpu": row.get("tokens_per_s_per_gpu"), "mfu": row.get("mfu"),

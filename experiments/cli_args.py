@@ -165,6 +165,10 @@ def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
                         "seq-len // doc-len documents, the last one holding the remainder, and "
                         "attention, RoPE positions and labels stay inside each (default: one "
                         "unpacked sequence; torch-cp, rfa-zigzag and ds-fpdt refuse it)")
+    p.add_argument("--keep-blocks", type=positive_int, default=None, metavar="K",
+                   help="with a stack that keeps the attention (alst-attn, alst-attn-host, "
+                        "long-attn-host): keep it in the last K blocks only, the others "
+                        "recompute it (default: every block)")
     dtype_default = dtype or "fp32; with --emulate bf16, the paper's"
     p.add_argument("--dtype", default=dtype,
                    help=f"one of {', '.join(DTYPES)} (default {dtype_default})")
@@ -313,6 +317,7 @@ def cell_from_args(a: argparse.Namespace, *, emulated: bool = False,
                 stack=a.stack or paper_stack(a.method),
                 options={name: getattr(a, name, None) for name in every_option()},
                 ring_degree=ring_degree, doc_len=a.doc_len,
+                keep_blocks=getattr(a, "keep_blocks", None),
                 dtype=a.dtype or ("bf16" if emulated else "fp32"),
                 kernel=a.kernel, overrides=parse_overrides(a.override),
                 budget_mib=a.budget_mib, warmup=getattr(a, "warmup", 1),

@@ -55,6 +55,8 @@ class Row(_Identity, total=False):
     workload: str
     dp: int
     doc_len: int | None
+    keep_blocks: int | None
+    """blocks that keep the attention (selective recomputation), the last ones; null: all"""
     world_size: int
     """dp x nproc ranks"""
     sweep: str

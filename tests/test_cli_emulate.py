@@ -130,6 +130,19 @@ def test_emulate_json_row(capsys):
     assert row["hw_reserve_gib"] == DEFAULT_RESERVE_GIB  # resolved for the method
 
 
+def test_keep_blocks_flag_reaches_the_cell_and_is_checked(capsys):
+    """--keep-blocks: the cell keeps the attention in its last K blocks (its id says so); on a
+    stack that keeps none, or beyond the model's layers, the error names the field."""
+    a = parser().parse_args(["emulate", "--method", "upipe", "--stack", "alst-attn-host",
+                                   "--keep-blocks", "1", *TINY])
+    cell = cell_from_args(a, emulated=True)
+    assert cell.keep_blocks == 1 and "-alst-attn-host-k1-" in cell.cell_id()
+    for args, rule in ((["--stack", "alst", "--keep-blocks", "1"], "keep_blocks needs a stack"),
+                       (["--stack", "alst-attn", "--keep-blocks", "9"], "keep_blocks must be")):
+        code, out, err = _cli(capsys, "emulate", "--method", "upipe", *args, *TINY)
+        assert code == 2 and out == "" and rule in err, err
+
+
 @pytest.mark.slow  # about 4 s on 2 cores (docs/testing.md)
 def test_emulate_text_and_stack_default(capsys):
     """torch-cp emulates on the torchtitan stack the paper runs it on; a method that cannot be

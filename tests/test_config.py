@@ -82,7 +82,7 @@ def test_overrides_are_typed_and_checked():
     ({"model": "gpt5"}, r"model must be one of \[.*'tiny'"),
     ({"stack": "zero3"},
      r"stack must be one of \['none', 'ac', 'offload', 'alst', 'native', 'torchtitan', "
-     r"'megatron-ds', 'long', 'alst-attn', 'alst-attn-host'\]"),
+     r"'megatron-ds', 'long', 'alst-attn', 'alst-attn-host', 'long-attn-host'\]"),
     ({"seq_len": 1001}, r"seq_len \(1001\) must be >= 2 and divisible by nproc \(4\)"),
     # a document's last token has no target: one of 1 token has none
     ({"doc_len": 1}, r"doc_len must be between 2 and seq_len \(4096\) tokens, got 1"),
@@ -239,7 +239,7 @@ def test_every_committed_cell_keeps_its_id_and_its_dict():
         assert cell.cell_id() == path.parent.name, path
         again = cell.to_dict()
         assert {k: again[k] for k in d} == d and [k for k in again if k in d] == list(d), path
-        assert set(again) - set(d) <= {"dp", "doc_len", "overlap"}, path
+        assert set(again) - set(d) <= {"dp", "doc_len", "overlap", "keep_blocks"}, path
 
 
 @needs(*SWEEP_METHODS)

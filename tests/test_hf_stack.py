@@ -72,6 +72,9 @@ CASES = [  # (world, family, method, stack)
     (2, "qwen3", "upipe", TILED_ONLY),
     (4, "llama", "upipe", LOSS_ONLY),
     (2, "qwen3-tied", "ulysses", "alst"),
+    (2, "llama", "upipe", "alst-attn"),
+    (4, "llama", "upipe", "alst-attn-host"),
+    (2, "qwen3", "ulysses", "alst-attn-host"),
 ]
 
 
@@ -99,8 +102,10 @@ def test_levels_are_the_harness_ladder():
     """The named levels switch what the harness's stacks of the same name switch."""
     for name, stack in LEVELS.items():
         harness = STACKS[name]
-        assert (stack.checkpoint, stack.offload, stack.tiled, stack.chunked_loss) == (
-            harness.checkpoint, harness.offload, harness.tiled, harness.chunked_loss), name
+        assert (stack.checkpoint, stack.offload, stack.tiled, stack.chunked_loss,
+                stack.keep_attention, stack.keep_on_host) == (
+            harness.checkpoint, harness.offload, harness.tiled, harness.chunked_loss,
+            harness.keep_attention, harness.keep_on_host), name
 
 
 def test_bad_stack_is_refused_before_any_change():
@@ -142,7 +147,8 @@ def test_chunked_loss_takes_labels_as_transformers_does():
 
 M_SEQ, M_HIDDEN, M_FFN, M_VOCAB, M_LAYERS = 4096, 64, 256, 8192, 4
 MEMORY_STACKS = {"none": None, "ac": "ac", "offload": "offload",
-                 "offload+chunked_loss": MemoryStack(True, True, False, True), "alst": "alst"}
+                 "offload+chunked_loss": MemoryStack(True, True, False, True), "alst": "alst",
+                 "alst-attn": "alst-attn", "alst-attn-host": "alst-attn-host"}
 
 
 class _VocabRows:
@@ -163,6 +169,10 @@ def _measure(base, ids, stack) -> dict:
     model = hf.parallelize(copy.deepcopy(base), "ulysses", stack=stack).train()
     batch = hf.shard_batch(model, ids)
     rows = _VocabRows()
+    attention_runs = [0]  # forwards of the layers' attention, recomputations included
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(lambda *_: attention_runs.__setitem__(
+            0, attention_runs[0] + 1))
     with MemoryTracker() as mt:
         mt.observers.append(rows)
         mt.track(model, batch)  # model states and inputs: not what the stack changes
@@ -172,7 +182,8 @@ def _measure(base, ids, stack) -> dict:
         host_after_forward = mt.current_host_bytes
         out.loss.backward()
     return {"peak": mt.peak_device_bytes - before, "host": host_after_forward,
-            "peak_host": mt.peak_host_bytes, "vocab_rows": rows.rows, "loss": out.loss.detach()}
+            "peak_host": mt.peak_host_bytes, "vocab_rows": rows.rows, "loss": out.loss.detach(),
+            "attention_runs": attention_runs[0]}
 
 
 @pytest.mark.slow  # about 7 s on 2 cores (docs/testing.md)
@@ -211,3 +222,14 @@ def test_each_level_saves_what_it_claims():
     shards = -(-M_SEQ // M_HIDDEN)
     saved = 4 * M_SEQ * M_FFN * 4 * (1 - 1 / shards)
     assert m["offload+chunked_loss"]["peak"] - m["alst"]["peak"] >= saved
+    # selective recomputation: the recompute skips the attention (alst runs each layer's twice)
+    assert m["alst"]["attention_runs"] == 2 * M_LAYERS
+    for name in ("alst-attn", "alst-attn-host"):
+        assert m[name]["attention_runs"] == M_LAYERS, name
+    # what the attention half saves stays on the device in alst-attn: at least its output and
+    # the residual sum of every layer beyond alst's checkpointed inputs; in alst-attn-host the
+    # middle layers' go to host memory instead (at least those two tensors each), less device
+    assert m["alst-attn"]["peak"] - m["alst"]["peak"] >= 2 * (M_LAYERS - 1) * row
+    assert m["alst-attn"]["host"] == m["alst"]["host"]
+    assert m["alst-attn-host"]["host"] - m["alst"]["host"] >= 2 * (M_LAYERS - 2) * row
+    assert m["alst-attn-host"]["peak"] < m["alst-attn"]["peak"]

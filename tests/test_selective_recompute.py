@@ -3,14 +3,18 @@ trains exactly as under full checkpointing, and the emulator sees what is kept."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from experiments.config import STACKS, Cell, Hardware
+from experiments.config import STACKS, Cell, GiB, Hardware
 from experiments.emulation.emulate import emulate_cell
+from experiments.emulation.fit import fit_refusal, fitted
 from experiments.harness.train import build
-from experiments.runner.plan import PlanSpec, plan
+from experiments.runner import plan as planner
+from experiments.runner.plan import PlanSpec, host_keep_blocks, partial_candidates, plan
 from upipe.registry import available_methods
 
 SELECTIVE = ("alst-attn", "alst-attn-host")
@@ -68,24 +72,27 @@ INNER = {("upipe", ()), ("ulysses", ())}
 def test_selective_levels_train_bitwise_as_full_checkpointing(dist_pool, method, options):
     """Same losses and the same gradients, bit for bit (fp32, deterministic CPU kernels): the
     kept tensors are the ones the recompute would have made again, and the host round trip
-    copies them exactly."""
+    copies them exactly; also with the attention kept in the last two of the three blocks only
+    (the middle one in host memory, the last on the device; the first recomputes)."""
     if method not in available_methods():
         pytest.skip(f"{method} not registered")
-    stacks = ("alst", *SELECTIVE) + (("none",) if method in NOT_BITWISE else ())
-    cells = [Cell.from_dict(BASE | {"method": method, "stack": s} | options) for s in stacks]
+    levels = [{"stack": s} for s in SELECTIVE] + [{"stack": "alst-attn-host", "keep_blocks": 2}]
+    extra = [{"stack": "none"}] if method in NOT_BITWISE else []
+    cells = [Cell.from_dict(BASE | {"method": method} | level | options)
+             for level in [{"stack": "alst"}, *levels, *extra]]
     for rank in dist_pool(4).run(_losses_and_grads, cells):
         (full_losses, full_grads), *selective = rank
         assert full_losses[1] < full_losses[0]  # it trains
         if method in NOT_BITWISE:
             spread = _spread(full_grads, selective.pop()[1])  # against none: once, no recompute
             assert 0 < spread < 1e-3
-            for stack, (losses, grads) in zip(SELECTIVE, selective, strict=True):
+            for level, (losses, grads) in zip(levels, selective, strict=True):
                 torch.testing.assert_close(losses, full_losses, rtol=1e-6, atol=0)
-                assert _spread(full_grads, grads) <= 2 * spread, stack
+                assert _spread(full_grads, grads) <= 2 * spread, level
             continue
-        for stack, (losses, grads) in zip(SELECTIVE, selective, strict=True):
-            assert losses == full_losses, stack
-            assert all(torch.equal(a, b) for a, b in zip(full_grads, grads, strict=True)), stack
+        for level, (losses, grads) in zip(levels, selective, strict=True):
+            assert losses == full_losses, level
+            assert all(torch.equal(a, b) for a, b in zip(full_grads, grads, strict=True)), level
 
 
 def test_the_levels_are_alst_with_the_attention_kept():
@@ -93,6 +100,26 @@ def test_the_levels_are_alst_with_the_attention_kept():
         s = STACKS[name]
         assert s.keep_attention and s.checkpoint and s.offload and s.tiled and s.chunked_loss
     assert STACKS["alst-attn-host"].keep_on_host and not STACKS["alst-attn"].keep_on_host
+    # long-attn-host is the long level keeping the attention in host memory, nothing else
+    assert STACKS["long-attn-host"] == dataclasses.replace(
+        STACKS["long"], keep_attention=True, keep_on_host=True)
+
+
+def test_keep_blocks_is_checked_and_names_the_cell():
+    cell = Cell.from_dict(BASE | {"method": "upipe", "stack": "alst-attn-host", "keep_blocks": 2})
+    assert cell.validate().n_layers == 3 and "-alst-attn-host-k2-" in cell.cell_id()
+    assert Cell.from_dict(cell.to_dict()) == cell
+    assert cell.cell_id() != dataclasses.replace(cell, keep_blocks=None).cell_id()
+    with pytest.raises(ValueError, match="keep_blocks needs a stack that keeps the attention"):
+        dataclasses.replace(cell, stack="alst").validate()
+    for bad in (0, 4, True, 1.5):
+        with pytest.raises(ValueError, match="keep_blocks must be an int from 1 to the model's 3"):
+            dataclasses.replace(cell, keep_blocks=bad).validate()
+    # every block keeping it is the level itself, which the fit predicts; fewer it cannot
+    assert fit_refusal(dataclasses.replace(cell, keep_blocks=3)) is None
+    assert "mixes blocks" in fit_refusal(cell)
+    with pytest.raises(ValueError, match="cannot fit .*mixes blocks"):
+        fitted(cell, Hardware())
 
 
 @pytest.mark.slow  # 3 exact emulations, about 8 s on 2 cores
@@ -132,3 +159,79 @@ def test_the_planner_turns_spare_memory_into_speed():
 
     assert first((peak["alst-attn-host"] + peak["alst-attn"]) / 2 / 2**30) == "alst-attn-host"
     assert first((peak["alst"] + peak["alst-attn-host"]) / 2 / 2**30) == "alst"
+
+
+# 6 layers: blocks 1-4 offload (alst), so keeping the attention in the last k blocks sends k - 1
+# blocks' kept tensors to host memory (the last keeps its own on the device) for k from 1 to 5
+DEEP = BASE | {"method": "ulysses", "seq_len": 4096, "dtype": "bf16",
+               "overrides": tuple(kv for kv in OVERRIDES if kv[0] != "n_layers") + (
+                   ("n_layers", "6"),)}
+
+
+@pytest.mark.slow  # 7 exact emulations of a 6-layer tiny step, about 18 s on 2 cores
+def test_partial_keeping_host_peak_is_affine_and_the_plan_picks_what_fits():
+    """Exact emulations (a GPU, tiny with 6 layers at 4K on 4 ranks): the host peak keeping
+    the attention in the last k blocks is alst's plus k - 1 times an offloading block's share
+    of the whole level's, to the byte; each kept block saves time, and the device peak stays
+    within the two ends'. Given a host budget between two of those peaks, the plan's rule
+    (``host_keep_blocks``) picks the deepest k that fits, and the plan adds that row."""
+    def row(stack: str, k: int | None = None) -> dict:
+        return emulate_cell(Cell.from_dict(DEEP | {"stack": stack, "keep_blocks": k}),
+                            Hardware(), exact=True)
+
+    light, full = row("alst"), row("alst-attn-host")
+    share = (full["peak_host_bytes"] - light["peak_host_bytes"]) // 4
+    assert share * 4 == full["peak_host_bytes"] - light["peak_host_bytes"] and share > 0
+
+    # a host budget (per rank: 4 ranks on a node) between k = 3's peak and k = 4's
+    budget = light["peak_host_bytes"] + 2.5 * share
+    hw = Hardware(gpus_per_node=4, host_mem_gib=4 * budget / GiB)
+    cell = Cell.from_dict(DEEP | {"stack": "alst-attn-host"})
+    assert host_keep_blocks(light, full, cell, hw) == 3
+    spec = PlanSpec("tiny", 4, 4096, overrides=DEEP["overrides"], methods=("ulysses",),
+                    stacks=("alst", "alst-attn-host"), dtype="bf16")
+    by_level = {(r["stack"], r.get("keep_blocks")): r
+                for r in plan(spec, hw, workers=1, exact=True)}
+    assert len(by_level) == 3
+    assert by_level[("alst-attn-host", None)]["status"] == "oom"
+    assert by_level[("alst-attn-host", 3)]["status"] == "ok"
+
+    partial = {k: row("alst-attn-host", k) for k in (1, 5)} | {
+        3: by_level[("alst-attn-host", 3)]}
+    for k, r in partial.items():
+        assert r["emulation"] == "exact" and r["keep_blocks"] == k
+        assert r["peak_host_bytes"] == light["peak_host_bytes"] + (k - 1) * share, k
+        assert r["peak_device_bytes"] <= max(light["peak_device_bytes"],
+                                             full["peak_device_bytes"]), k
+    times = [light["step_time_s"], *(partial[k]["step_time_s"] for k in (1, 3, 5)),
+             full["step_time_s"]]
+    assert times == sorted(times, reverse=True) and len(set(times)) == len(times)
+
+
+def test_the_plan_emulates_the_fastest_estimate_of_each_method_and_level(monkeypatch):
+    """Two UPipe configurations whose alst-attn-host is over the host budget only: each gets
+    the k the host holds and a step time interpolated between alst's and the level's by k / N;
+    the faster estimate is emulated, the other is a row saying its estimate."""
+    gib, hw = 2**30, Hardware(gpus_per_node=4, host_mem_gib=4 * 100.0)  # 100 GiB per rank
+    configs = []
+    for u, (light_s, full_s) in ((4, (10.0, 7.0)), (8, (10.0, 8.0))):
+        cell = Cell.from_dict(DEEP | {"method": "upipe", "heads_per_stage": u})
+        light = {"stack": "alst", "status": "ok", "peak_host_bytes": 10 * gib,
+                 "step_time_s": light_s}
+        full = {"stack": "alst-attn-host", "status": "oom", "step_time_s": full_s,
+                "error": "host peak 130.00 GiB > budget 100.00 GiB per rank",
+                "peak_host_bytes": 130 * gib}  # 4 offloading blocks of 30 GiB
+        configs.append((cell, [light, full]))
+    cands = sorted(partial_candidates(configs, hw), key=lambda c: -c[0])
+    # 90 GiB of room: 3 offloading blocks, k = 4 with the last (device); 6 layers
+    assert [c[1].keep_blocks for c in cands] == [4, 4]
+    assert [c[1].option("heads_per_stage") for c in cands] == [4, 8]
+    assert cands[0][0] == pytest.approx(4096 / 4 / (10.0 - 4 / 6 * 3.0))
+    emulated = []
+    monkeypatch.setattr(planner, "emulate_cell", lambda cell, hw, exact=False: emulated.append(
+        cell) or {"stack": cell.stack, "keep_blocks": cell.keep_blocks, "status": "ok"})
+    rows = planner._partial_rows(configs, hw, False, planner._done, None)
+    assert [c.option("heads_per_stage") for c in emulated] == [4]
+    assert rows[0]["status"] == "ok" and rows[1]["status"] == "skipped"
+    assert rows[1]["keep_blocks"] == 4 and "not emulated: estimated 118.2 tokens/s" in (
+        rows[1]["error"])

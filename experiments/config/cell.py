@@ -99,6 +99,10 @@ class Cell:
     """tokens per packed document: the sequence is cut into seq_len // doc_len documents, the
     last one holding the remainder; attention stays inside each document, RoPE positions
     restart and no label crosses a boundary. None: one unpacked sequence"""
+    keep_blocks: int | None = None
+    """with a stack that keeps the attention (``alst-attn``, ``alst-attn-host``): how many
+    blocks keep it, the last ones (``harness.model.kept_blocks``); the others recompute it.
+    None: every block"""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """free-form labels carried into the row (e.g. the sweep's ``rep``); not part of the id"""
 
@@ -142,12 +146,26 @@ class Cell:
             # one attention layer has no gradient to average: its replicas would not interact
             raise ValueError(f"dp must be 1 for the {self.workload!r} workload (data parallelism "
                              f"applies to the training step), got {self.dp}")
+        if self.keep_blocks is not None:
+            self._check_keep_blocks(model.n_layers)
         cls = get_method(self.method)
         self._check_documents(cls)
         check_options(self.method, dict(self.options))
         cls.check_config(model.n_heads, model.n_kv_heads, cp=self.nproc,
                          ring_degree=self.ring_degree, seq_len=self.seq_len, **self.options)
         return model
+
+    def _check_keep_blocks(self, n_layers: int) -> None:
+        """keep_blocks: an int from 1 to the model's layers, on a stack that keeps the
+        attention (elsewhere no block keeps it)."""
+        if not STACKS[self.stack].keep_attention:
+            keeping = [name for name, s in STACKS.items() if s.keep_attention]
+            raise ValueError(f"keep_blocks needs a stack that keeps the attention ({keeping}), "
+                             f"got stack {self.stack!r}")
+        if (isinstance(self.keep_blocks, bool) or not isinstance(self.keep_blocks, int)
+                or not 1 <= self.keep_blocks <= n_layers):
+            raise ValueError(f"keep_blocks must be an int from 1 to the model's {n_layers} "
+                             f"layers, got {self.keep_blocks!r}")
 
     def _check_documents(self, cls: type) -> None:
         """doc_len: 2 <= doc_len <= seq_len (doc_len == seq_len is one document, which runs
@@ -230,8 +248,9 @@ class Cell:
         scope = "" if self.workload == "step" else f"-{self.workload}"
         dp = "" if self.dp == 1 else f"-D{self.dp}"
         docs = "" if self.doc_len is None else f"-d{format_size(self.doc_len)}"
+        keep = "" if self.keep_blocks is None else f"-k{self.keep_blocks}"
         return (f"{self.method}{r}{opts}-{self.model}-{format_size(self.seq_len)}{docs}"
-                f"-p{self.nproc}{dp}-{self.stack}-{self.dtype}{scope}{rep}-{digest}")
+                f"-p{self.nproc}{dp}-{self.stack}{keep}-{self.dtype}{scope}{rep}-{digest}")
 
 
 # What a cell runs: a training step of the whole model, or one attention layer (forward and
@@ -240,12 +259,13 @@ WORKLOADS = ("step", "attention")
 
 # Cell fields added after the first committed results, with their defaults: they enter a cell's
 # id only when they differ from these (see cell_id), so ids stay stable as fields are added.
-_LATER_FIELDS = {"ring_degree": 1, "workload": "step", "dp": 1, "doc_len": None}
+_LATER_FIELDS = {"ring_degree": 1, "workload": "step", "dp": 1, "doc_len": None,
+                 "keep_blocks": None}
 # The key order of a cell's dict form, as committed cell.json files have it (the options that
 # were fields at their places; the dict is also a row's first columns).
 _DICT_ORDER = ("method", "model", "seq_len", "nproc", "stack", "heads_per_stage", "ring_degree",
                "chunk_size", "dtype", "kernel", "overrides", "budget_mib", "warmup", "iters",
-               "lr", "seed", "workload", "dp", "doc_len", "overlap", "extra")
+               "lr", "seed", "workload", "dp", "doc_len", "overlap", "keep_blocks", "extra")
 
 
 def check_independent_of_method(*, seq_len: int, nproc: int, dtype: str, kernel: str,

@@ -113,6 +113,14 @@ STACKS: dict[str, StackConfig] = {
     "alst-attn": StackConfig(True, True, True, True, keep_attention=True),
     "alst-attn-host": StackConfig(True, True, True, True, keep_attention=True,
                                   keep_on_host=True),
+    # The long level keeping the attention in host memory: UPipe's fused pre-norm saves the
+    # block's input once where alst-attn-host keeps it twice (the norm's input and the
+    # attention's), a third less per block (Llama3-8B, 8 GPUs, 3M tokens: 6.8 GB of host
+    # memory per rank and block against 10.0; results/selective_recompute_*), so more blocks
+    # keep theirs within the host budget (keep_blocks).
+    "long-attn-host": StackConfig(True, True, True, True, offload_first=True,
+                                  residual_ffn=True, fuse_norm=True, keep_attention=True,
+                                  keep_on_host=True),
 }
 
 DTYPES = ("fp32", "bf16")

@@ -12,7 +12,8 @@ dispatch, most of it; calls that repeat with the same shapes are replayed instea
 and the tiled MLP and chunked loss make the op count grow with the sequence (about 2.5M ops for
 Llama3-8B at 5M tokens on 8 ranks), so ``emulate_cell`` predicts from a fit of exact runs on the
 same code at a few small sizes by default (``fit``); ``exact=True`` runs the target size itself,
-as do models with fewer layers than the fit's samples.
+as do models with fewer layers than the fit's samples and cells the fit cannot predict
+(``fit.fit_refusal``: attention kept in some blocks only).
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ from experiments.config import (
     Status,
 )
 from experiments.emulation.fake_step import Measurement, emulated_gpu, measure_fake
-from experiments.emulation.fit import N_SAMPLE, depth_lower_bound, fitted, sequence_chunk
+from experiments.emulation.fit import (
+    N_SAMPLE,
+    depth_lower_bound,
+    fit_refusal,
+    fitted,
+    sequence_chunk,
+)
 from experiments.emulation.kernel_models import MODELLED_KERNELS, auto_on
 from experiments.harness.flops import step_flops
 from experiments.harness.launch import describe, kernel_ran, method_kernel_refusal, unrun
@@ -152,8 +159,9 @@ def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
         return unrun(cell, cfg, Status.SKIPPED, reason, "emulated")
     t0 = time.monotonic()
     try:
-        # a model shallower than the fit's samples is cheaper to emulate than they are
-        if exact or cfg.n_layers < N_SAMPLE[0]:
+        # a model shallower than the fit's samples is cheaper to emulate than they are; a cell
+        # the fit cannot predict (its blocks not alike) is emulated exactly, as slow as that is
+        if exact or cfg.n_layers < N_SAMPLE[0] or fit_refusal(cell) is not None:
             m, extra = measure_fake(cell, cfg, hw, count), {"emulation": "exact"}
         elif bound_first and cfg.n_layers > N_SAMPLE[0] and (
                 (b := depth_lower_bound(cell, hw, count)) is not None

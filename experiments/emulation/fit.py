@@ -66,6 +66,20 @@ def sequence_chunk(cell: Cell) -> int | None:
     return cell.option("chunk_size") or default(cell.method, "chunk_size")
 
 
+def fit_refusal(cell: Cell) -> str | None:
+    """Why the fit cannot predict ``cell`` (then only an exact emulation can), or None.
+
+    A cell that keeps the attention in some blocks only (``keep_blocks``) runs two kinds of
+    middle block, and which kind a sample's middle blocks are depends on its depth: the 4- and
+    5-layer samples say nothing of the model's mix."""
+    n_layers = cell.validate().n_layers
+    if cell.keep_blocks is not None and cell.keep_blocks < n_layers:
+        return (f"keep_blocks ({cell.keep_blocks} of {n_layers}) mixes blocks that keep the "
+                "attention with blocks that recompute it; the fit's samples need every middle "
+                "block alike")
+    return None
+
+
 def _first_quantum(cell: Cell, q: int, dim: int) -> int:
     """The smallest k such that k * q holds MIN_TILES MLP shards per rank and, for a chunked
     method, its chunk loop's steady state (``steady_chunks``): the fit's three lengths are k,
@@ -293,7 +307,11 @@ def _window(cell: Cell, hw: Hardware, count: bool) -> tuple[list[int], list[Meas
 
 
 def fitted(cell: Cell, hw: Hardware, count: bool = True) -> Fit:
-    """The fit for ``cell``'s family (``_cached``), computed once per process."""
+    """The fit for ``cell``'s family (``_cached``), computed once per process; ValueError for
+    a cell it cannot predict (``fit_refusal``)."""
+    reason = fit_refusal(cell)
+    if reason is not None:
+        raise ValueError(f"cannot fit {cell.cell_id()}: {reason}")
 
     def make():
         lengths, at_4 = _window(cell, hw, count)
@@ -318,7 +336,10 @@ def depth_lower_bound(cell: Cell, hw: Hardware, count: bool = True) -> Measureme
     "model"): every block adds them to every moment of the step, besides whatever else it keeps
     (its checkpoint, its gradients), so more layers never keep less; its host peak is at least
     the 4-layer one. It costs the window's samples, which the fit reuses, not the 5-layer ones.
+    None, too, for a cell the fit cannot predict (``fit_refusal``).
     """
+    if fit_refusal(cell) is not None:
+        return None
     lengths, at_4 = _window(cell, hw, count)
     xs, ms = lengths[-3:], at_4[-3:]
     if _noncollinear(xs, ms):

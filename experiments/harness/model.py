@@ -100,7 +100,7 @@ class Block(nn.Module):
     (``cu_seqlens``: the packed documents' global bounds, passed to the attention)."""
 
     def __init__(self, cfg: ModelConfig, attention: nn.Module, stack: StackConfig,
-                 offload: bool = False):
+                 offload: bool = False, keep_attention: bool | None = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = attention
@@ -108,6 +108,9 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
         self.stack = stack
         self.offload = offload  # this block's checkpointed input goes to host memory
+        # selective recomputation in this block (the stack's choice unless the model keeps the
+        # attention in some blocks only: Transformer's keep_blocks)
+        self.keep_attention = stack.keep_attention if keep_attention is None else keep_attention
         # Set by the harness (Transformer.set_offload): its tracker's host() so offloaded bytes
         # count as host bytes, and whether host memory is pinned.
         self.host_context: Callable[[], contextlib.AbstractContextManager] = (
@@ -156,7 +159,7 @@ class Block(nn.Module):
         # argument: both checkpoints keep it as is and pass it again to the recomputation.
         ctx = (offload_saved_inputs(self.host_context, self.pin_memory) if self.offload
                else contextlib.nullcontext())
-        if self.stack.keep_attention:
+        if self.keep_attention:
             # Selective recomputation: the first half runs once, its saved tensors (the norm's
             # input, the attention's input and whatever the method saves for its backward)
             # kept, on the host where the stack says so; the second half is checkpointed from
@@ -170,6 +173,30 @@ class Block(nn.Module):
             return checkpoint(self._forward, x, cu_seqlens, use_reentrant=self.reentrant)
 
 
+def block_offloads(stack: StackConfig, i: int, n_layers: int) -> bool:
+    """Whether block ``i`` of ``n_layers`` sends its checkpointed input (and, keeping the
+    attention on the host, its kept tensors) to host memory: with ``offload``, every block but
+    the first and last, unless the stack offloads those too."""
+    return stack.offload and (stack.offload_all or (
+        (0 < i or stack.offload_first) and (i < n_layers - 1 or stack.offload_last)))
+
+
+def kept_blocks(n_layers: int, keep_attention: bool, keep_blocks: int | None) -> range:
+    """The blocks that keep their attention's saved tensors: none without ``keep_attention``,
+    every one with ``keep_blocks`` None, else the last ``keep_blocks``.
+
+    The last ones because the backward reaches them first: a block's kept tensors are freed as
+    soon as its backward has run, so the blocks nearest the loss hold theirs the shortest time
+    (the same total at the forward's end, where the host peak is). With ALST's offload the
+    last block keeps them on the device (it does not offload) and every further one in host
+    memory (``keep_on_host``), so each block past the last adds the same host bytes: the host
+    peak is affine in ``keep_blocks``."""
+    if not keep_attention:
+        return range(0)
+    k = n_layers if keep_blocks is None else keep_blocks
+    return range(n_layers - k, n_layers)
+
+
 class Transformer(nn.Module):
     """The decoder; ``forward(tokens, labels, cu_seqlens=None) -> summed token loss`` (fp32
     scalar); ``cu_seqlens``: packed documents' global bounds (host ints), to every attention.
@@ -180,23 +207,26 @@ class Transformer(nn.Module):
             (hybrid methods: a 2-D DeviceMesh with dims ``("ring", "ulysses")``) instead.
         stack: memory-stack switches.
         kernel, method_options: passed to every attention module.
+        keep_blocks: with a stack that keeps the attention (``keep_attention``), the number of
+            blocks that keep it, the last ones (``kept_blocks``); None: every block.
     """
 
     def __init__(self, cfg: ModelConfig, method: str, stack: StackConfig, *,
                  group: ProcessGroup | None = None, mesh: DeviceMesh | None = None,
-                 kernel: str = "auto", method_options: dict | None = None):
+                 kernel: str = "auto", method_options: dict | None = None,
+                 keep_blocks: int | None = None):
         super().__init__()
         self.cfg, self.stack = cfg, stack
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         n = cfg.n_layers
+        kept = kept_blocks(n, stack.keep_attention, keep_blocks)
         # the method's constructor rejects group and mesh together; pass only the one given
         where = {"group": group} if mesh is None else {"mesh": mesh}
         self.layers = nn.ModuleList(
             Block(cfg, build_method(method, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                     causal=True, rope_theta=cfg.rope_theta, kernel=kernel,
                                     **where, **(method_options or {})),
-                  stack, offload=stack.offload and (stack.offload_all or (
-                      (0 < i or stack.offload_first) and (i < n - 1 or stack.offload_last))))
+                  stack, offload=block_offloads(stack, i, n), keep_attention=i in kept)
             for i in range(n)
         )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)

@@ -112,7 +112,8 @@ def build_model(cell: Cell, cfg: ModelConfig, meshes: Meshes | None,
     meta = device.type == "cuda" and meshes is not None
     with torch.device("meta" if meta else device):
         model = Transformer(cfg, cell.method, stack, group=group, mesh=hybrid,
-                            kernel=cell.kernel, method_options=dict(cell.options))
+                            kernel=cell.kernel, method_options=dict(cell.options),
+                            keep_blocks=cell.keep_blocks)
     if meshes is not None:
         dtype = TORCH_DTYPES[cell.dtype]
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

@@ -540,14 +540,26 @@ def _ladder_panel(ax, df: pd.DataFrame, stacks: list[str], scale: int) -> None:
         elif bottom[i]:
             ax.annotate(_number(bottom[i]), (i - 0.2, bottom[i]), ha="center", va="bottom",
                         xytext=(0, 2), textcoords="offset points", fontsize=8)
-    ax.set_xticks(x, stacks)
+        if stack in ok.index and "keep_blocks" in ok and pd.notna(ok.loc[stack, "keep_blocks"]):
+            ax.annotate(f"k={int(ok.loc[stack, 'keep_blocks'])}", (i + 0.2, host[i]),
+                        ha="center", va="bottom", xytext=(0, 2), textcoords="offset points",
+                        fontsize=8)
+    # the selective levels' names broken at their suffixes, so that neighbours never touch
+    ax.set_xticks(x, [s.replace("-attn", "\n-attn").replace(", last k", "\nlast k")
+                      for s in stacks], fontsize=8)
 
 
 def plot_memory_ladder(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bool:
-    """A panel per variant; per stack level (none, ac, offload, alst) a bar of the device peak
-    split into model states / attention / other, and a hatched bar of host bytes. Reads
+    """A panel per variant; per stack level (none, ac, offload, alst; a level keeping the
+    attention in the last k blocks only is one of its own, its k written on its host bar) a bar
+    of the device peak split into model states / attention / other, and a hatched bar of host
+    bytes. Reads
     rows.csv: method, heads_per_stage, model, nproc, seq_len, stack, status, peak_model_bytes,
     peak_attention_bytes, peak_other_bytes, peak_host_bytes, peak_device_bytes, device."""
+    if "keep_blocks" in rows:  # the attention kept in the last k blocks only: a level of its own
+        rows = rows.assign(stack=[s if pd.isna(k) else f"{s}, last k"
+                                  for s, k in zip(rows["stack"], rows["keep_blocks"],
+                                                  strict=True)])
     ok = rows[rows["status"] == Status.OK]
     if ok.empty:
         return False
@@ -556,7 +568,8 @@ def plot_memory_ladder(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
     stacks = sorted(df["stack"].dropna().unique(), key=lambda s: (_stack_rank(s), s))
     cols = ["peak_device_bytes", "peak_host_bytes"]
     scale, unit = memory_unit(df.loc[df["status"] == Status.OK, cols].stack())
-    with figure(path, ncols=len(labels), width=3.2 * len(labels) + 2.2) as (fig, axes):
+    panel = max(3.2, 0.75 * len(stacks) + 1.0)  # inches: room for each level's two bars
+    with figure(path, ncols=len(labels), width=panel * len(labels) + 2.2) as (fig, axes):
         for ax, label in zip(axes, labels, strict=True):
             _ladder_panel(ax, df[df["label"] == label], stacks, scale)
             ax.set(title=label, xlabel="memory stack")

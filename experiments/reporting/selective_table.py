@@ -3,8 +3,9 @@
 For each emulated selective-recomputation sweep (``experiments.sweeps.selective_recompute``:
 the result folders ``selective_recompute_*-emulated``), one table: a row per method (and mesh)
 and length, a column per memory-stack level with the emulated tokens/s per GPU (or the status,
-and what ran out: the device or the host budget) and the device / host peaks per rank, and the
-fastest level that fits with its tokens/s over the paper's level (``alst``). Rendered from
+and what ran out: the device or the host budget) and the device / host peaks per rank, a column
+per level kept in the last k blocks only where the sweep has such cells (``keep_blocks``), and
+the fastest level that fits with its tokens/s over the paper's level (``alst``). Rendered from
 ``rows.csv``, never typed; written between two markers in docs/results.md, which
 ``./run_all.sh`` rewrites after the results index.
 
@@ -42,6 +43,18 @@ def _variant(r: dict) -> str:
     return r["method"] if ring == 1 else f"{r['method']} {int(r['nproc']) // ring}x{ring}"
 
 
+def _kept(r: dict) -> int | None:
+    """The blocks a row keeps the attention in, when only some (``keep_blocks``), else None."""
+    k = r.get("keep_blocks")
+    return None if k is None or pd.isna(k) else int(k)
+
+
+def level(r: dict) -> str:
+    """A row's column: its stack, or for a row keeping the attention in some blocks only,
+    ``<stack>, last k``."""
+    return r["stack"] if _kept(r) is None else f"{r['stack']}, last k"
+
+
 def _over(r: dict) -> str:
     """What an oom cell ran out of: the device budget, the host budget, or both."""
     over = [k for k, peak, budget in (("device", "peak_device_bytes", "device_budget_bytes"),
@@ -55,6 +68,8 @@ def cell(r: dict | None) -> str:
     status in place of the speed (``oom (host)``); ``—`` where the sweep has no row."""
     if r is None:
         return "—"
+    if _kept(r) is not None:  # k first: "k=18: 171 tok/s; ..."
+        return f"k={_kept(r)}: " + cell({k: v for k, v in r.items() if k != "keep_blocks"})
     if r["status"] == "ok":
         head = f"{r['tokens_per_s_per_gpu']:,.0f} tok/s"
     elif r["status"] == "oom":
@@ -75,21 +90,23 @@ def best(cells: dict[str, dict]) -> str:
     base = fits.get(BASELINE)
     ratio = (f"{fits[stack]['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.3f}"
              if base else "alst does not fit")
-    return f"{stack}, {ratio}"
+    k = _kept(fits[stack])
+    return f"{fits[stack]['stack']}{'' if k is None else f' k={k}'}, {ratio}"
 
 
 def table(rows: pd.DataFrame) -> list[str]:
     """The markdown lines of one sweep's table."""
-    stacks = list(dict.fromkeys(rows["stack"]))  # the sweep's order (rows follow its axes)
+    records = rows.to_dict("records")
+    # the sweep's order (rows follow its axes; the cells keeping some blocks come after them)
+    stacks = list(dict.fromkeys(level(r) for r in records))
     head = ["method", "tokens", *[s + (" (the paper's)" if s == BASELINE else "")
                                   for s in stacks], "fastest that fits, / alst"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    records = rows.to_dict("records")
     variants = list(dict.fromkeys(_variant(r) for r in records))
     for v in variants:
         mine = [r for r in records if _variant(r) == v]
         for n in sorted({int(r["seq_len"]) for r in mine}):
-            cells = {r["stack"]: r for r in mine if int(r["seq_len"]) == n}
+            cells = {level(r): r for r in mine if int(r["seq_len"]) == n}
             lines.append("| " + " | ".join([v, format_tokens(n),
                                             *[cell(cells.get(s)) for s in stacks],
                                             best(cells)]) + " |")

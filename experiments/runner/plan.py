@@ -29,16 +29,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import multiprocessing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from experiments.config import Cell, Hardware, Status, resolve_model
+from experiments.config import STACKS, Cell, Hardware, Status, resolve_model
 from experiments.config.cell import check_independent_of_method
 from experiments.config.options import declared
 from experiments.emulation.emulate import device_lower_bound, emulate_cell, kernel_column
 from experiments.emulation.fit import sequence_chunk
 from experiments.harness.launch import unrun
+from experiments.harness.model import block_offloads, kept_blocks
 from upipe.registry import available_methods, get_method
 
 # stack -> the lighter levels (less on the device) that must fit before it is worth emulating
@@ -62,6 +64,13 @@ LADDER: dict[str, tuple[str, ...]] = {
 LONG = "long"
 LONG_CHUNK = 2**16  # tokens per chunk of the backward: FPDT's chunk in the paper's FPDT runs
 
+# Selective levels that keep the attention in host memory -> the level they are otherwise (the
+# same blocks recomputing their attention). Where keeping it in every block is over the host
+# budget only, the plan adds the configuration keeping it in as many blocks as the host holds
+# (``host_keep_blocks``), the fastest by estimate emulated exactly (the fit cannot mix blocks,
+# ``fit.fit_refusal``; ``plan``).
+KEEP_ON_HOST = {"alst-attn-host": "alst", "long-attn-host": LONG}
+
 # by default the stacks a user chooses between; megatron-ds and torchtitan reproduce the
 # paper's FPDT (DeepSpeed's on Megatron-DeepSpeed) and PyTorch-CP runs and are planned when
 # asked for by name
@@ -70,7 +79,7 @@ PAPER_ONLY_STACKS = ("megatron-ds", "torchtitan")
 # are emulated in full for every configuration, which made the default plan of Llama3-8B on 8
 # GPUs at 4M take 591 s instead of about 2 minutes (measured on 2 busy cores, 83 of 225 rows
 # emulated), and a cheap bound on what they keep is not built yet.
-SELECTIVE_STACKS = ("alst-attn", "alst-attn-host")
+SELECTIVE_STACKS = ("alst-attn", "alst-attn-host", "long-attn-host")
 DEFAULT_STACKS = tuple(s for s in LADDER if s not in PAPER_ONLY_STACKS + SELECTIVE_STACKS) + (
     LONG,)
 
@@ -118,9 +127,10 @@ class PlanSpec:
         unknown = [m for m in self.methods or () if m not in available_methods()]
         if unknown:
             raise ValueError(f"methods must be among {available_methods()}, got {unknown}")
-        bad = [s for s in self.stacks if s not in LADDER and s != LONG]
+        known = [*LADDER, LONG, "long-attn-host"]
+        bad = [s for s in self.stacks if s not in known]
         if bad:
-            raise ValueError(f"stacks must be among {[*LADDER, LONG]}, got {bad}")
+            raise ValueError(f"stacks must be among {known}, got {bad}")
 
 
 def _meshes(method: str, cp: int) -> list[int]:
@@ -145,7 +155,7 @@ def _variants(spec: PlanSpec, method: str) -> list[Cell]:
         if "overlap" in own and ring == 1 and spec.cp > 1:
             options.append({"heads_per_stage": us[0], "overlap": True})
         if getattr(get_method(method), "fuses_input_norm", False) and ring == 1 and (
-                LONG in spec.stacks):
+                LONG in spec.stacks or "long-attn-host" in spec.stacks):
             options.append({"heads_per_stage": us[0], "chunk_size": LONG_CHUNK, "stack": LONG})
         for opts in options:
             stack = opts.pop("stack", "alst")
@@ -190,15 +200,98 @@ def _over_device(row: dict) -> bool:
             or row["status"] == Status.OOM and "device peak" in row.get("error", ""))
 
 
+def _over_host_only(row: dict) -> bool:
+    """Whether an emulated row is over the host budget and not over the device's."""
+    error = row.get("error") or ""
+    return row["status"] == Status.OOM and "host peak" in error and "device peak" not in error
+
+
+def host_keep_blocks(light: dict, full: dict, cell: Cell, hw: Hardware) -> int | None:
+    """The most blocks that can keep their attention within the host budget, below the model's
+    depth, on ``cell``'s level (one of ``KEEP_ON_HOST``); None when not even one can.
+
+    ``light`` is the configuration's row on the level that recomputes every attention, ``full``
+    its row keeping it in every block. The kept blocks are the last ones
+    (``harness.model.kept_blocks``): the last keeps its tensors on the device (it does not
+    offload) and every further one sends the same bytes to the host as each offloading block of
+    ``full`` does, so the host peak is ``light``'s plus that share per kept offloading block:
+    exactly affine (tests/test_selective_recompute.py checks it against exact emulations)."""
+    n = cell.validate().n_layers
+    stack = STACKS[cell.stack]
+    offloading = [i for i in range(n) if block_offloads(stack, i, n)]
+    if not stack.keep_on_host or not offloading:
+        return None
+    per_block = (full["peak_host_bytes"] - light["peak_host_bytes"]) / len(offloading)
+    room = hw.host_budget(cell.world) - light["peak_host_bytes"]
+    if room < 0 or per_block <= 0:
+        return None
+    best = None
+    for k in range(1, n):
+        if sum(block_offloads(stack, i, n) for i in kept_blocks(n, True, k)) * per_block > room:
+            break
+        best = k
+    return best
+
+
+def _keep_row(cell: Cell, light: dict, hw: Hardware, exact: bool) -> dict:
+    """``cell`` (a level of ``KEEP_ON_HOST``) keeping the attention in every block: its row,
+    timed even when it is over the host budget only (``partial_candidates`` interpolates its
+    time). Not emulated when ``light`` (the level without keeping) is over the device: keeping
+    holds more on it."""
+    if _over_device(light):
+        row = unrun(cell, None, Status.SKIPPED, f"not emulated: the {light['stack']} stack keeps "
+                    "less on the device and does not fit it either", "emulated")
+        row["plan_inferred_from"] = light["stack"]
+        return row | kernel_column(cell, cell.validate(), hw)
+    return emulate_cell(cell, hw, exact=exact, bound_first=True)
+
+
+def partial_candidates(configs: list[tuple[Cell, list[dict]]],
+                       hw: Hardware) -> list[tuple[float, Cell, str]]:
+    """(estimated tokens/s per GPU, cell, the estimate's wording) of every configuration (its
+    cell and rows, ``plan_configuration``'s) whose level of ``KEEP_ON_HOST`` is over the host
+    budget only while its level without keeping fits: kept in the last ``host_keep_blocks``
+    blocks. The estimate interpolates the step time between the two levels' by the share of
+    blocks kept, as each kept block skips the same recompute (exact emulations of tiny,
+    tests/test_selective_recompute.py; Llama3-8B on 8 GPUs, the six cells of
+    results/selective_recompute_llama3_8b_h100x8-emulated from 1M to 5M: within 0.12% of their
+    exact emulations); it only chooses which to emulate."""
+    out = []
+    for config, rows in configs:
+        by_stack = {r["stack"]: r for r in rows}
+        for stack, lighter in KEEP_ON_HOST.items():
+            full, light = by_stack.get(stack), by_stack.get(lighter)
+            if (full is None or light is None or light["status"] != Status.OK
+                    or not _over_host_only(full) or not full.get("step_time_s")):
+                continue
+            cell = Cell.from_dict(config.to_dict() | {"stack": stack})
+            k = host_keep_blocks(light, full, cell, hw)
+            if k is None:
+                continue
+            n = cell.validate().n_layers
+            step = light["step_time_s"] - k / n * (light["step_time_s"] - full["step_time_s"])
+            tokens = cell.dp * cell.seq_len / cell.world / step
+            out.append((tokens, Cell.from_dict(cell.to_dict() | {"keep_blocks": k}),
+                        f"{tokens:.4g} tokens/s per GPU by interpolating the step time between "
+                        f"{lighter} and {stack}"))
+    return out
+
+
 def plan_configuration(alst: Cell, hw: Hardware, stacks: tuple[str, ...],
                        exact: bool = False, over: dict[str, int] | None = None) -> list[dict]:
     """Rows of one configuration on each stack of ``stacks``, walking the ladder (see the
     module): a level is emulated unless a lighter level it depends on is over the device.
     ``over``: stack -> a smaller number of UPipe heads per stage already over the device on that
     stack (``_over_by_u``): this configuration is too, on it. A configuration on the ``long``
-    level (UPipe's variant) is emulated on that level only."""
+    level (UPipe's variant) is emulated on that level and, when asked, on ``long-attn-host``.
+    A level keeping the attention in host memory is timed even when it is over the host budget
+    only (``_keep_row``): ``plan`` may then keep it in some blocks (``partial_candidates``)."""
     if alst.stack == LONG:
-        return [emulate_cell(alst, hw, exact=exact, bound_first=True)]
+        light = emulate_cell(alst, hw, exact=exact, bound_first=True)
+        if "long-attn-host" not in stacks:
+            return [light]
+        keep = Cell.from_dict(alst.to_dict() | {"stack": "long-attn-host"})
+        return [light, _keep_row(keep, light, hw, exact)]  # long's row too: the plan pairs them
     rows: dict[str, dict] = {}
     for stack in LADDER:  # lightest first
         if stack not in stacks:
@@ -221,6 +314,8 @@ def plan_configuration(alst: Cell, hw: Hardware, stacks: tuple[str, ...],
             rows[stack] |= kernel_column(cell, cell.validate(), hw)
         elif stack == "alst":  # the level most likely to fit: its memory and time at once
             rows[stack] = emulate_cell(cell, hw, exact=exact, bound_first=True)
+        elif stack in KEEP_ON_HOST and KEEP_ON_HOST[stack] in rows:
+            rows[stack] = _keep_row(cell, rows[KEEP_ON_HOST[stack]], hw, exact)
         else:
             # over the device by a lower bound (one short exact step, where that is cheap), or
             # memory first (no work counted: three dispatch layers fewer per op); the time of
@@ -315,12 +410,16 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int = 2, exact: bool = False,
     Configurations start longest first (``_cost``), at most ``workers`` at once, each when a
     worker is free: so a UPipe configuration starts after the smaller numbers of heads per stage
     of its mesh (they cost more) and is not emulated on a stack where one of them was over the
-    device (``_over_by_u``)."""
+    device (``_over_by_u``). Then, per method and level of ``KEEP_ON_HOST``, the configuration
+    keeping the attention in as many blocks as the host holds that is estimated fastest
+    (``partial_candidates``) is emulated exactly (a minute or two each at paper scale: its mix
+    of blocks is beyond the fit); the others are rows saying their estimate."""
     hw.validate(world=spec.gpus)
     cells, rows = configurations(spec)
     stacks = tuple(spec.stacks)
     pending = sorted(cells, key=_cost, reverse=True)
     over_at: dict[tuple, int] = {}
+    configs: list[tuple[Cell, list[dict]]] = []  # each configuration's cell and rows
     with contextlib.ExitStack() as exits:
         if workers > 1 and len(cells) > 1:
             # spawn: workers start clean (no fake process group or dispatch mode of this one)
@@ -339,8 +438,40 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int = 2, exact: bool = False,
                 running, return_when=concurrent.futures.FIRST_COMPLETED)
             for f in finished:
                 got = f.result()
-                _record_over(running.pop(f), got, over_at)
+                cell = running.pop(f)
+                _record_over(cell, got, over_at)
+                configs.append((cell, got))
                 rows += got
                 if on_rows is not None:
                     on_rows(got)
+        rows += _partial_rows(configs, hw, exact, submit, on_rows)
     return rank(rows)
+
+
+def _partial_rows(configs: list[tuple[Cell, list[dict]]], hw: Hardware, exact: bool, submit,
+                  on_rows: Callable[[list[dict]], None] | None) -> list[dict]:
+    """The configurations keeping the attention in some blocks (``partial_candidates``): the
+    best estimate per method and level emulated, the others rows with their estimate."""
+    best: dict[tuple, tuple[float, Cell, str]] = {}
+    others = []
+    for cand in sorted(partial_candidates(configs, hw), key=lambda c: -c[0]):
+        key = (cand[1].method, cand[1].stack)
+        if key in best:
+            others.append(cand)
+        else:
+            best[key] = cand
+    emulate = functools.partial(emulate_cell, exact=exact)  # keyword-only; pickles for a pool
+    futures = [submit(emulate, cell, hw) for _, cell, _ in best.values()]
+    out = []
+    for f in futures:
+        out.append(f.result())
+        if on_rows is not None:
+            on_rows([out[-1]])
+    for _, cell, estimate in others:
+        leader = best[(cell.method, cell.stack)][1]
+        row = unrun(cell, None, Status.SKIPPED,
+                    f"not emulated: estimated {estimate}, below the configuration of "
+                    f"{cell.method} emulated on this level (U={leader.option('heads_per_stage')}"
+                    f", ring degree {leader.ring_degree})", "emulated")
+        out.append(row | kernel_column(cell, cell.validate(), hw))
+    return out

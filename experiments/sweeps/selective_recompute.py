@@ -14,6 +14,20 @@ from experiments.config import Sweep
 
 METHODS = [{"method": "ulysses"}, {"method": "upipe"}]
 STACKS = ["alst", "alst-attn", "alst-attn-host"]
+# the long level and long keeping the attention in host memory: paper scale only (the CPU
+# sweeps measure what the alst levels keep; the long ones keep less of the same)
+PAPER_STACKS = STACKS + ["long", "long-attn-host"]
+
+
+def kept_in(method: str, stack: str, seq_len: str, keep_blocks: int,
+            ring_degree: int = 1) -> dict:
+    """A cell keeping the attention in its last ``keep_blocks`` blocks only: where keeping it
+    in every block is over the host budget only, the number the planner picks from the two
+    levels' host peaks (``runner.plan.host_keep_blocks``; tests/test_selective_table.py checks
+    each against the committed rows). Emulated exactly: the fit cannot mix blocks."""
+    return {"method": method, "stack": stack, "seq_len": seq_len, "keep_blocks": keep_blocks,
+            "ring_degree": ring_degree}
+
 
 SWEEPS = [
     Sweep(
@@ -22,7 +36,21 @@ SWEEPS = [
                     "with the attention recomputed, kept on the device or kept in host memory",
         scale="paper",
         base={"model": "llama3-8b", "nproc": 8, "dtype": "bf16", "warmup": 1, "iters": 2},
-        axes={"variant": METHODS, "stack": STACKS, "seq_len": ["1M", "2M", "3M", "4M", "5M"]},
+        axes={"variant": METHODS, "stack": PAPER_STACKS,
+              "seq_len": ["1M", "2M", "3M", "4M", "5M"]},
+        # each configuration whose whole keeping level is over the host budget only, on the
+        # level that keeps the most blocks (both when they keep different numbers)
+        extra_cells=(
+            kept_in("ulysses", "alst-attn-host", "1M", 30),
+            kept_in("ulysses", "alst-attn-host", "2M", 13),
+            kept_in("ulysses", "alst-attn-host", "3M", 8),
+            kept_in("ulysses", "long-attn-host", "4M", 5),
+            kept_in("upipe", "alst-attn-host", "3M", 18),
+            kept_in("upipe", "long-attn-host", "3M", 26),
+            kept_in("upipe", "alst-attn-host", "4M", 11),
+            kept_in("upipe", "long-attn-host", "4M", 16),
+            kept_in("upipe", "long-attn-host", "5M", 10),
+        ),
         plots=("memory_ladder",),
     ),
     Sweep(
@@ -32,8 +60,24 @@ SWEEPS = [
                     "kept in host memory",
         scale="paper",
         base={"model": "qwen3-32b", "nproc": 16, "dtype": "bf16", "warmup": 1, "iters": 2},
-        axes={"variant": METHODS + [{"method": "upipe", "ring_degree": 2}], "stack": STACKS,
-              "seq_len": ["1M", "2M", "3M", "4M"]},
+        axes={"variant": METHODS + [{"method": "upipe", "ring_degree": 2}],
+              "stack": PAPER_STACKS, "seq_len": ["1M", "2M", "3M", "4M"]},
+        # as above (UPipe's 8 x 2 mesh keeps as many blocks as its plain one)
+        extra_cells=(
+            kept_in("ulysses", "alst-attn-host", "1M", 35),
+            kept_in("ulysses", "alst-attn-host", "2M", 15),
+            kept_in("ulysses", "long-attn-host", "3M", 8),
+            kept_in("upipe", "alst-attn-host", "2M", 38),
+            kept_in("upipe", "long-attn-host", "2M", 51),
+            kept_in("upipe", "alst-attn-host", "3M", 20),
+            kept_in("upipe", "long-attn-host", "3M", 27),
+            kept_in("upipe", "long-attn-host", "4M", 15),
+            kept_in("upipe", "alst-attn-host", "2M", 38, ring_degree=2),
+            kept_in("upipe", "long-attn-host", "2M", 51, ring_degree=2),
+            kept_in("upipe", "alst-attn-host", "3M", 20, ring_degree=2),
+            kept_in("upipe", "long-attn-host", "3M", 27, ring_degree=2),
+            kept_in("upipe", "long-attn-host", "4M", 15, ring_degree=2),
+        ),
         plots=("memory_ladder",),
     ),
     Sweep(

@@ -15,6 +15,14 @@ docs/design.md#the-memory-stack), put into a ``transformers`` model in place, ea
   memory (``offload_saved_inputs`` entered around that layer's checkpoint call); pinned only on
   CUDA and only up to ``PIN_MAX_TOKENS`` tokens of the global sequence (``pin_host_memory``,
   the harness's rule). ``set_offload`` routes those bytes to a memory tracker's host account.
+- ``keep_attention`` (levels ``alst-attn``, ``alst-attn-host``; selective recomputation): the
+  decoder layer runs unchecked and only its ``mlp`` is checkpointed (offloading its saved input
+  in the layers that offload), so the recompute skips the attention and what the attention half
+  saves for its backward is kept: on the device, or with ``keep_on_host`` in host memory in the
+  layers that offload (their whole forward under ``offload_saved_inputs``). The MLP's norm runs
+  outside the checkpoint here (a transformers layer calls it apart from the MLP), so each layer
+  keeps its normalised MLP input (the checkpoint's) and the norm's input: one (L, hidden) tensor
+  more than the harness's split, which checkpoints norm and MLP together from the residual sum.
 - ``tiled``: each decoder layer's ``mlp`` runs over ceil(L / hidden) sequence shards
   (``upipe.stack.tiled``, DeepSpeed's ``TiledMLP``); dense, per-token MLPs only.
 - ``chunked_loss``: with ``labels``, the model's forward runs the base decoder and
@@ -81,11 +89,12 @@ def check_stack(model: nn.Module, stack: str | MemoryStack | None) -> MemoryStac
                 raise ValueError(f"MemoryStack.checkpoint needs transformers' "
                                  f"GradientCheckpointingLayer decoder layers; "
                                  f"{type(layer).__name__} is not one")
-    if stack.tiled:
-        for layer in layers:
-            if not isinstance(getattr(layer, "mlp", None), nn.Module):
-                raise ValueError(f"MemoryStack.tiled needs an mlp module in every decoder layer; "
-                                 f"{type(layer).__name__} has none")
+    for name in ("tiled", "keep_attention"):
+        if getattr(stack, name):
+            for layer in layers:
+                if not isinstance(getattr(layer, "mlp", None), nn.Module):
+                    raise ValueError(f"MemoryStack.{name} needs an mlp module in every decoder "
+                                     f"layer; {type(layer).__name__} has none")
     if stack.chunked_loss:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if not isinstance(head, nn.Linear) or head.bias is not None:
@@ -115,11 +124,16 @@ class _OffloadedCheckpoint:
         )
         self.pin_memory: bool | None = None
 
-    def __call__(self, function, *args, **kwargs):
+    def saved_to_host(self, hidden_states: torch.Tensor) -> contextlib.AbstractContextManager:
+        """What is saved for backward inside goes to host memory; ``hidden_states`` (B,
+        L_local, hidden) gives the pinning rule its length."""
         pin = self.pin_memory
-        if pin is None:  # (B, L_local, hidden): the global sequence is L_local x the CP degree
-            pin = pin_host_memory(args[0].shape[1] * self.cp)
-        with offload_saved_inputs(self.host_context, pin):
+        if pin is None:  # the global sequence is L_local x the CP degree
+            pin = pin_host_memory(hidden_states.shape[1] * self.cp)
+        return offload_saved_inputs(self.host_context, pin)
+
+    def __call__(self, function, *args, **kwargs):
+        with self.saved_to_host(args[0]):
             return checkpoint(function, *args, use_reentrant=self.reentrant, **kwargs)
 
 
@@ -140,6 +154,25 @@ class _TiledMLP:
 def _mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The MLP's own forward (its class's, behind the mixin), as TiledMLP calls it per shard."""
     return super(_TiledMLP, mlp).forward(x)
+
+
+class _CheckpointedMLP:
+    """Mixin of an MLP instance's class (selective recomputation): its forward checkpointed by
+    the instance's ``upipe_checkpoint`` (plain, or offloading its saved input)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.upipe_checkpoint(super().forward, x)
+
+
+class _KeptOnHost:
+    """Mixin of a decoder layer instance's class (selective recomputation in host memory):
+    everything its forward saves for backward (the norms' inputs, what the attention keeps,
+    the checkpointed MLP's input) goes to host memory via the instance's ``upipe_offload``."""
+
+    def forward(self, *args, **kwargs):
+        hidden_states = args[0] if args else kwargs["hidden_states"]
+        with self.upipe_offload.saved_to_host(hidden_states):
+            return super().forward(*args, **kwargs)
 
 
 class _ChunkedLoss:
@@ -204,15 +237,26 @@ def apply_stack(model: nn.Module, stack: MemoryStack | None, cp: int,
     if stack is None:
         return
     layers = _decoder_layers(model)
-    if stack.checkpoint:
-        for i, layer in enumerate(layers):
-            offload = stack.offload and 0 < i < len(layers) - 1  # ALST: not the first and last
-            layer._gradient_checkpointing_func = (_OffloadedCheckpoint(cp, reentrant) if offload
-                                                  else _checkpoint(reentrant))
-            layer.gradient_checkpointing = True
     if stack.tiled:
         for layer in layers:
             _with_mixin(layer.mlp, _TiledMLP)
+    if stack.checkpoint:
+        for i, layer in enumerate(layers):
+            offload = stack.offload and 0 < i < len(layers) - 1  # ALST: not the first and last
+            fn = _OffloadedCheckpoint(cp, reentrant) if offload else _checkpoint(reentrant)
+            if not stack.keep_attention:
+                layer._gradient_checkpointing_func = fn
+                layer.gradient_checkpointing = True
+                continue
+            # Selective recomputation: the layer runs unchecked and its MLP checkpointed (after
+            # the tiling, which then runs inside the checkpoint). Not a selective-checkpoint
+            # policy: the attention's custom autograd Functions and collectives cannot be
+            # replayed from saved op outputs (docs/design.md#the-memory-stack).
+            object.__setattr__(layer.mlp, "upipe_checkpoint", fn)
+            _with_mixin(layer.mlp, _CheckpointedMLP)
+            if stack.keep_on_host and offload:
+                object.__setattr__(layer, "upipe_offload", fn)
+                _with_mixin(layer, _KeptOnHost)
     if stack.chunked_loss:
         _with_mixin(model, _ChunkedLoss)
     object.__setattr__(model, "upipe_memory_stack", stack)
@@ -224,11 +268,13 @@ def set_offload(model: nn.Module, *,
     """Where the offloaded layer inputs are accounted (e.g. a ``MemoryTracker``'s ``host``) and
     whether they are pinned (default: ``pin_host_memory`` of the global sequence length)."""
     for layer in _decoder_layers(model):
-        fn = getattr(layer, "_gradient_checkpointing_func", None)
-        if isinstance(fn, _OffloadedCheckpoint):
-            if host_context is not None:
-                fn.host_context = host_context
-            fn.pin_memory = pin_memory
+        for fn in (getattr(layer, "_gradient_checkpointing_func", None),
+                   getattr(layer, "upipe_offload", None),
+                   getattr(getattr(layer, "mlp", None), "upipe_checkpoint", None)):
+            if isinstance(fn, _OffloadedCheckpoint):
+                if host_context is not None:
+                    fn.host_context = host_context
+                fn.pin_memory = pin_memory
 
 
 __all__ = ["apply_stack", "check_stack", "set_offload"]

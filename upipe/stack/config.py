@@ -18,6 +18,13 @@ class MemoryStack:
     """each layer's MLP over ceil(L / dim) sequence shards (DeepSpeed's TiledMLP)"""
     chunked_loss: bool
     """linear + cross-entropy over token chunks, so full-vocabulary logits never exist"""
+    keep_attention: bool = False
+    """selective recomputation: each layer's attention half (its norm, the attention, the
+    residual add) runs outside the checkpoint, so what it saves for its backward is kept and
+    the recompute runs the MLP half only"""
+    keep_on_host: bool = False
+    """with ``keep_attention`` and ``offload``: in the layers that offload, what the attention
+    half keeps goes to host memory, as the checkpointed inputs do"""
 
     def __post_init__(self):
         for f in fields(self):
@@ -27,14 +34,27 @@ class MemoryStack:
         if self.offload and not self.checkpoint:
             raise ValueError("MemoryStack.offload needs checkpoint=True: it offloads the "
                              "checkpointed layer inputs, which exist only under checkpointing")
+        if self.keep_attention and not self.checkpoint:
+            raise ValueError("MemoryStack.keep_attention needs checkpoint=True: it keeps what "
+                             "the recompute would otherwise run again")
+        if self.keep_on_host and not (self.keep_attention and self.offload):
+            raise ValueError("MemoryStack.keep_on_host needs keep_attention=True and "
+                             "offload=True: it sends the kept tensors where the offloaded "
+                             "inputs go")
 
 
-#: the harness's ladder (experiments.config.STACKS) for these four fields: each adds to the last
+#: the harness's levels of the same names (experiments.config.STACKS) for these fields: the
+#: ladder (each adds to the last) and the selective-recomputation levels
 LEVELS: dict[str, MemoryStack] = {
     "none": MemoryStack(checkpoint=False, offload=False, tiled=False, chunked_loss=False),
     "ac": MemoryStack(checkpoint=True, offload=False, tiled=False, chunked_loss=False),
     "offload": MemoryStack(checkpoint=True, offload=True, tiled=False, chunked_loss=False),
     "alst": MemoryStack(checkpoint=True, offload=True, tiled=True, chunked_loss=True),
+    # selective recomputation (beyond the paper): alst keeping the attention's saved tensors
+    "alst-attn": MemoryStack(checkpoint=True, offload=True, tiled=True, chunked_loss=True,
+                             keep_attention=True),
+    "alst-attn-host": MemoryStack(checkpoint=True, offload=True, tiled=True, chunked_loss=True,
+                                  keep_attention=True, keep_on_host=True),
 }
 
 

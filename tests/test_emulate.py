@@ -51,6 +51,10 @@ CASES = [
     # selective recomputation: the attention's saved tensors kept on the device, or offloaded
     ("ulysses", "alst-attn", {}),
     ("upipe", "alst-attn-host", {}),
+    # ... in the last two of the three blocks only (the middle one's in host memory), and on the
+    # long level (UPipe's fused norm: the block input kept once)
+    ("upipe", "alst-attn-host", {"keep_blocks": 2}),
+    ("upipe", "long-attn-host", {}),
 ]
 
 

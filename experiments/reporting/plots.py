@@ -545,8 +545,8 @@ def _ladder_panel(ax, df: pd.DataFrame, stacks: list[str], scale: int) -> None:
                         ha="center", va="bottom", xytext=(0, 2), textcoords="offset points",
                         fontsize=8)
     # the selective levels' names broken at their suffixes, so that neighbours never touch
-    ax.set_xticks(x, [s.replace("-attn", "\n-attn").replace(", last k", "\nlast k")
-                      for s in stacks], fontsize=8)
+    names = [s.replace("-attn", "\n-attn").replace(", last k", "\nlast k") for s in stacks]
+    ax.set_xticks(x, names, **({"fontsize": 8} if names != stacks else {}))
 
 
 def plot_memory_ladder(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bool:
@@ -568,7 +568,7 @@ def plot_memory_ladder(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
     stacks = sorted(df["stack"].dropna().unique(), key=lambda s: (_stack_rank(s), s))
     cols = ["peak_device_bytes", "peak_host_bytes"]
     scale, unit = memory_unit(df.loc[df["status"] == Status.OK, cols].stack())
-    panel = max(3.2, 0.75 * len(stacks) + 1.0)  # inches: room for each level's two bars
+    panel = max(3.2, 0.75 * len(stacks) + 0.2)  # inches: room for each level's two bars
     with figure(path, ncols=len(labels), width=panel * len(labels) + 2.2) as (fig, axes):
         for ax, label in zip(axes, labels, strict=True):
             _ladder_panel(ax, df[df["label"] == label], stacks, scale)

@@ -65,7 +65,8 @@ class Cell:
     """ranks per CP group = the CP degree; world = dp x nproc (FSDP2 shards over the world)"""
     stack: str = "alst"
     """memory-stack level (``STACKS``: the ladder none, ac, offload, alst; the paper's own
-    native, torchtitan, megatron-ds; beyond it long, alst-attn, alst-attn-host)"""
+    native, torchtitan, megatron-ds; beyond it long, alst-attn, alst-attn-host,
+    long-attn-host)"""
     options: Mapping[str, object] = field(default_factory=dict, hash=False)
     """the method's own constructor options this cell sets (its ``declared_options``, e.g.
     UPipe's ``heads_per_stage``, FPDT's ``chunk_size``); an unset one (or None) takes the
@@ -100,9 +101,9 @@ class Cell:
     last one holding the remainder; attention stays inside each document, RoPE positions
     restart and no label crosses a boundary. None: one unpacked sequence"""
     keep_blocks: int | None = None
-    """with a stack that keeps the attention (``alst-attn``, ``alst-attn-host``): how many
-    blocks keep it, the last ones (``harness.model.kept_blocks``); the others recompute it.
-    None: every block"""
+    """with a stack that keeps the attention (``alst-attn``, ``alst-attn-host``,
+    ``long-attn-host``): how many blocks keep it, the last ones (``harness.model.kept_blocks``);
+    the others recompute it. None: every block"""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """free-form labels carried into the row (e.g. the sweep's ``rep``); not part of the id"""
 

@@ -16,13 +16,14 @@ docs/design.md#the-memory-stack), put into a ``transformers`` model in place, ea
   CUDA and only up to ``PIN_MAX_TOKENS`` tokens of the global sequence (``pin_host_memory``,
   the harness's rule). ``set_offload`` routes those bytes to a memory tracker's host account.
 - ``keep_attention`` (levels ``alst-attn``, ``alst-attn-host``; selective recomputation): the
-  decoder layer runs unchecked and only its ``mlp`` is checkpointed (offloading its saved input
-  in the layers that offload), so the recompute skips the attention and what the attention half
-  saves for its backward is kept: on the device, or with ``keep_on_host`` in host memory in the
-  layers that offload (their whole forward under ``offload_saved_inputs``). The MLP's norm runs
-  outside the checkpoint here (a transformers layer calls it apart from the MLP), so each layer
-  keeps its normalised MLP input (the checkpoint's) and the norm's input: one (L, hidden) tensor
-  more than the harness's split, which checkpoints norm and MLP together from the residual sum.
+  decoder layer runs without a checkpoint and only its ``mlp`` is checkpointed (offloading its
+  saved input in the layers that offload), so the recompute skips the attention and what the
+  attention half saves for its backward is kept: on the device, or with ``keep_on_host`` in
+  host memory in the layers that offload (their whole forward under ``offload_saved_inputs``).
+  The MLP's norm runs outside the checkpoint here (a transformers layer calls it apart from
+  the MLP), so each layer keeps its normalised MLP input (the checkpoint's) and the norm's
+  input: one (L, hidden) tensor more than the harness's split, which checkpoints norm and MLP
+  together from the residual sum.
 - ``tiled``: each decoder layer's ``mlp`` runs over ceil(L / hidden) sequence shards
   (``upipe.stack.tiled``, DeepSpeed's ``TiledMLP``); dense, per-token MLPs only.
 - ``chunked_loss``: with ``labels``, the model's forward runs the base decoder and
@@ -248,7 +249,7 @@ def apply_stack(model: nn.Module, stack: MemoryStack | None, cp: int,
                 layer._gradient_checkpointing_func = fn
                 layer.gradient_checkpointing = True
                 continue
-            # Selective recomputation: the layer runs unchecked and its MLP checkpointed (after
+            # Selective recomputation: the layer runs without a checkpoint, its MLP with one (after
             # the tiling, which then runs inside the checkpoint). Not a selective-checkpoint
             # policy: the attention's custom autograd Functions and collectives cannot be
             # replayed from saved op outputs (docs/design.md#the-memory-stack).

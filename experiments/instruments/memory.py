@@ -526,9 +526,10 @@ class MemoryTracker(TorchDispatchMode):
     # (``async_op=False``, ``_issued_blocking``) only the backend does, and it lets go within
     # microseconds unless its thread is starved (a loaded 2-core machine): the tracker waits up
     # to ``settle_waited_timeout_s`` (10 s), so a starved thread does not turn into a send
-    # buffer counted beside the next allocations, and the figures stay deterministic (a CI run
-    # once counted UPipe's 64 KiB query send buffer in one of two identical steps; with no wait
-    # at all, 53 of 400 blocking all-to-alls counted it, tests/test_memory.py). A Work handed to
+    # buffer counted beside the next allocations (a CI run once counted UPipe's 64 KiB query
+    # send buffer in one of two identical steps; with no wait at all, 53 of 400 blocking
+    # all-to-alls counted it, none with the wait on this machine, one in a loaded CI run with
+    # no wait timed out, cause not found: tests/test_memory.py). A Work handed to
     # the program (async ops) may be held as long as the program likes, and while it is, no
     # wait can help: after ``settle_timeout_s`` (10 ms, enough for a backend that is not
     # starved) its buffers stay counted, as they are really held. These waits stall async

@@ -519,6 +519,15 @@ def _paper_ratios(ax, df: pd.DataFrame, labels: list[str], lengths: list[int]) -
                 first = False
 
 
+KEPT_SUFFIX = ", last k"  # a level keeping the attention in its last k blocks only
+
+
+def stack_level(stack: str, keep_blocks) -> str:
+    """A row's memory level: its stack, or ``<stack>, last k`` when it keeps the attention in
+    some blocks only (``keep_blocks`` set: not None or NaN)."""
+    return stack if keep_blocks is None or pd.isna(keep_blocks) else stack + KEPT_SUFFIX
+
+
 def _ladder_panel(ax, df: pd.DataFrame, stacks: list[str], scale: int) -> None:
     """One variant's stacked device bars (model / attention / other) and hatched host bars."""
     ok = df[df["status"] == Status.OK].groupby("stack").median(numeric_only=True)
@@ -545,7 +554,7 @@ def _ladder_panel(ax, df: pd.DataFrame, stacks: list[str], scale: int) -> None:
                         ha="center", va="bottom", xytext=(0, 2), textcoords="offset points",
                         fontsize=8)
     # the selective levels' names broken at their suffixes, so that neighbours never touch
-    names = [s.replace("-attn", "\n-attn").replace(", last k", "\nlast k") for s in stacks]
+    names = [s.replace("-attn", "\n-attn").replace(KEPT_SUFFIX, "\nlast k") for s in stacks]
     ax.set_xticks(x, names, **({"fontsize": 8} if names != stacks else {}))
 
 
@@ -557,9 +566,8 @@ def plot_memory_ladder(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
     rows.csv: method, heads_per_stage, model, nproc, seq_len, stack, status, peak_model_bytes,
     peak_attention_bytes, peak_other_bytes, peak_host_bytes, peak_device_bytes, device."""
     if "keep_blocks" in rows:  # the attention kept in the last k blocks only: a level of its own
-        rows = rows.assign(stack=[s if pd.isna(k) else f"{s}, last k"
-                                  for s, k in zip(rows["stack"], rows["keep_blocks"],
-                                                  strict=True)])
+        rows = rows.assign(stack=[stack_level(s, k) for s, k in zip(
+            rows["stack"], rows["keep_blocks"], strict=True)])
     ok = rows[rows["status"] == Status.OK]
     if ok.empty:
         return False

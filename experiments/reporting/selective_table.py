@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments.reporting.plots import format_tokens
+from experiments.reporting.plots import format_tokens, stack_level
 from experiments.reporting.sections import is_stale, section_main
 
 BEGIN, END = "<!-- selective-table:begin -->", "<!-- selective-table:end -->"
@@ -50,9 +50,8 @@ def _kept(r: dict) -> int | None:
 
 
 def level(r: dict) -> str:
-    """A row's column: its stack, or for a row keeping the attention in some blocks only,
-    ``<stack>, last k``."""
-    return r["stack"] if _kept(r) is None else f"{r['stack']}, last k"
+    """A row's column (``plots.stack_level``): its stack, or ``<stack>, last k``."""
+    return stack_level(r["stack"], r.get("keep_blocks"))
 
 
 def _over(r: dict) -> str:

@@ -121,6 +121,7 @@ def test_every_committed_plot_is_redrawn(drawn):
     assert set(drawn) == committed
 
 
+@pytest.mark.slow  # shares the ~6 s of redrawing every committed plot (the fixture)
 def test_no_text_overlaps_other_text(drawn):
     bad = {path: pairs for path, texts in sorted(drawn.items()) if (pairs := overlaps(texts))}
     assert not bad, "\n".join(f"{path}: {'; '.join(pairs[:6])}" + (

@@ -16,9 +16,7 @@
 # torch is installed only when `import torch` fails in the venv, so a CUDA torch installed
 # there beforehand is kept (pyproject.toml only asks for torch>=2.5). The editable install is
 # skipped when a stamp inside the venv matches the hash of pyproject.toml and the repo path,
-# so a second run costs well under a second. Both installs skip pip's byte-compilation
-# (--no-compile): it compiled every module of every package, about 40 of a fresh venv's 80 s
-# on 2 cores, where Python compiles (and caches in the venv) only the modules it imports.
+# so a second run costs well under a second.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -65,10 +63,10 @@ fi
 cd "$root"
 if ! "$py" -c 'import torch' >/dev/null 2>&1; then
     log "no importable torch in $venv: installing $torch_spec"
-    "$py" -m pip install -q --no-compile "$torch_spec" >&2
+    "$py" -m pip install -q "$torch_spec" >&2
 fi
-log "installing upipe (pip install -e '.[dev]'; about a minute in a fresh venv)"
-"$py" -m pip install -q --no-compile -e '.[dev]' >&2
+log "installing upipe (pip install -e '.[dev]'; minutes in a fresh venv)"
+"$py" -m pip install -q -e '.[dev]' >&2
 echo "$key" >"$stamp"
 log "ready: $venv (torch $("$py" -c 'import torch; print(torch.__version__)'))"
 echo "$venv"

@@ -20,14 +20,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-# Ranks fork from a server process that has imported torch and the project once (the
-# "forkserver" start method with preloaded modules): a spawned rank paid those imports itself,
-# 3-4 s of CPU on 2 cores, and a session starts a few dozen ranks. The server imports only (no
-# thread pool, process group or device is created before a fork), so a forked rank starts as
-# clean as a spawned one.
-_CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "experiments.harness.launch",
-                             "experiments.emulation.emulate", "baselines"])
+_CTX = mp.get_context("spawn")
 
 
 def _free_port() -> int:

@@ -3,6 +3,7 @@ measurement's memory figures (deterministic on CPU, so asserted exactly where po
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -106,22 +107,23 @@ def _measure_logged(cell: Cell) -> tuple[dict, list[tuple]]:
     numbered in allocation order (their ids differ between runs): ("alloc", n, category, bytes,
     what), ("free", n), ("resize", n, delta bytes). Where two identical runs differ, the first
     event that differs says which storage lived longer in one of them."""
-    trackers: list[MemoryTracker] = []
+    logs: list[list[tuple]] = []
     enter = MemoryTracker.__enter__
+    with contextlib.ExitStack() as opened:
 
-    def logging_enter(self):
-        self._log = []  # what MemoryTracker.log() opens; the real step never opens it itself
-        trackers.append(self)
-        return enter(self)
+        def logging_enter(self):
+            # each tracker's log stays open until the run is over (a real step opens none)
+            logs.append(opened.enter_context(self.log()))
+            return enter(self)
 
-    MemoryTracker.__enter__ = logging_enter
-    try:
-        row = _measure(cell)
-    finally:
-        MemoryTracker.__enter__ = enter
+        MemoryTracker.__enter__ = logging_enter
+        try:
+            row = _measure(cell)
+        finally:
+            MemoryTracker.__enter__ = enter
     number: dict[int, int] = {}  # storage id (reused once freed) -> its allocation's number
     events, allocs = [], 0
-    for event in trackers[0]._log:
+    for event in logs[0]:
         if event[0] == "alloc":
             number[event[1]], allocs = allocs, allocs + 1
             a = event[2]
@@ -139,6 +141,14 @@ def _first_difference(a: list[tuple], b: list[tuple], around: int = 4) -> str:
     return (f"first difference at event {i} of {len(a)} / {len(b)}:\n  a: "
             + "\n     ".join(map(str, a[lo:i + around])) + "\n  b: "
             + "\n     ".join(map(str, b[lo:i + around])))
+
+
+def test_first_difference_shows_where_two_logs_part():
+    a = [("alloc", 0, "attention", 8, "x"), ("free", 0), ("alloc", 1, "other", 4, "y")]
+    b = [a[0], ("alloc", 1, "other", 4, "y"), ("free", 0)]
+    shown = _first_difference(a, b, around=1)
+    assert shown.startswith("first difference at event 1 of 3 / 3:")
+    assert "('free', 0)" in shown.split("b: ")[0] and "('alloc', 1" in shown.split("b: ")[1]
 
 
 @pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)

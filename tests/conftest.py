@@ -1,3 +1,6 @@
+import functools
+
+import background as background_jobs
 import pytest
 import torch
 from dist_pool import DistPool
@@ -28,11 +31,31 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def background(request):
+    """``background()`` -> ``{name: result}`` of this test's ``@pytest.mark.background(jobs=...)``
+    work, computed on idle cores since the session started (tests/background.py); the call
+    waits for what is left."""
+    return functools.partial(background_jobs.SESSION.results, request.node.nodeid)
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip with a reason when no CUDA device is present."""
+    """GPU tests skip with a reason when no CUDA device is present; tests with background work
+    run last."""
+    background_jobs.last(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (none present)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Start the background work of the tests that will run (after ``-m`` / ``-k``)."""
+    if not session.config.option.collectonly:
+        background_jobs.start(session.items)
+
+
+def pytest_sessionfinish(session):
+    background_jobs.SESSION.stop()

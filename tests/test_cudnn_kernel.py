@@ -146,17 +146,21 @@ def test_cudnn_model_allocates_what_the_cudnn_ops_do(causal):
     assert sdpa_fwd - fwd == 2 * b * s * h * d * 2 + 8  # sdpa's expanded K/V, its larger RNG
 
 
-@pytest.mark.slow  # about 12 s on 2 cores (docs/testing.md)
-def test_emulated_llama3_8b_at_1m_is_faster_with_cudnn_by_the_ratio_of_the_rates():
+def _at_1m_by_kernel() -> dict:
+    return {kernel: (emulate_cell, Cell(method="ulysses", model="llama3-8b", nproc=8,
+                                        seq_len=2**20, dtype="bf16", kernel=kernel), Hardware())
+            for kernel in ("sdpa", "cudnn", "auto")}
+
+
+@pytest.mark.slow  # about 12 s on 2 cores (docs/testing.md), on idle cores (tests/background.py)
+@pytest.mark.background(jobs=_at_1m_by_kernel)
+def test_emulated_llama3_8b_at_1m_is_faster_with_cudnn_by_the_ratio_of_the_rates(background):
     """8 ranks at 1M tokens on the h100-sxm profile: the attention kernels' time falls by the
     ratio of the profile's sdpa and cudnn rates at the calls' shape (Ulysses: 4 query heads of
     the full sequence per rank), and so does the step; ``auto`` runs cudnn there."""
-    rows = {}
-    for kernel in ("sdpa", "cudnn", "auto"):
-        cell = Cell(method="ulysses", model="llama3-8b", nproc=8, seq_len=2**20, dtype="bf16",
-                    kernel=kernel)
-        rows[kernel] = emulate_cell(cell, Hardware())
-        assert rows[kernel]["status"] == "ok", rows[kernel]["error"]
+    rows = background()
+    for kernel, row in rows.items():
+        assert row["status"] == "ok", (kernel, row["error"])
     p, s, heads = load_profile("h100-sxm"), 2**20, 4
     fwd = attention_flops(1, heads, s, s, 128, "fwd_causal")
     bwd = attention_flops(1, heads, s, s, 128, "bwd_causal")

@@ -15,6 +15,7 @@ and the kernel memory models against the allocations they cite.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -88,19 +89,26 @@ FIT_CASES = [
 ]
 
 
+def _fit_and_exact(method: str, options: dict) -> dict:
+    """tiny with 8 layers at 7K tokens (lattice quantum 1K on 4 ranks), emulated as a GPU (kernel
+    models and 512-byte rounding) exactly and by the fit, whose samples are 2K-4K tokens at 4
+    and 5 layers: two independent emulations (tests/background.py)."""
+    cell = Cell.from_dict(dict(method=method, model="tiny", seq_len=7 * 1024, nproc=4,
+                               dtype="bf16", overrides=(("n_layers", "8"),)) | options)
+    hw = Hardware(gpu_mem_gib=1.0, reserve_gib=0.0)
+    return {"exact": (functools.partial(emulate_cell, exact=True), cell, hw),
+            "fit": (emulate_cell, cell, hw)}
+
+
 @pytest.mark.slow  # 6 emulations (5 samples and the target) with counters: 7-15 s each
 @pytest.mark.parametrize("method,options", FIT_CASES,
                          ids=[m + ("-R2" if o.get("ring_degree") else "")
                               + ("-long" if o.get("stack") == "long" else "")
                               for m, o in FIT_CASES])
-def test_fit_predicts_the_exact_emulation(method, options):
-    """tiny with 8 layers at 7K tokens (lattice quantum 1K on 4 ranks), emulated as a GPU (kernel
-    models and 512-byte rounding): the fit's samples are 2K-4K tokens at 4 and 5 layers."""
-    cell = Cell.from_dict(dict(method=method, model="tiny", seq_len=7 * 1024, nproc=4,
-                               dtype="bf16", overrides=(("n_layers", "8"),)) | options)
-    hw = Hardware(gpu_mem_gib=1.0, reserve_gib=0.0)
-    exact = emulate_cell(cell, hw, exact=True)
-    fit = emulate_cell(cell, hw)
+@pytest.mark.background(jobs=_fit_and_exact)
+def test_fit_predicts_the_exact_emulation(method, options, background):
+    rows = background()
+    exact, fit = rows["exact"], rows["fit"]
     assert exact["status"] == fit["status"] == "ok", (exact["error"], fit["error"])
     assert fit["emulation"] == "fit" and fit["fit_nonaffine_phases"] == []
     keys = KEYS + ("rank_flops_per_step", "comm_bytes_per_step", "comm_bytes_by_op")
@@ -116,8 +124,24 @@ def test_fit_predicts_the_exact_emulation(method, options):
     assert {k: fit[k] for k in times} == pytest.approx({k: exact[k] for k in times}, rel=0.02)
 
 
+def _attention_backward_peak(cell: Cell, n_layers: int) -> int:
+    """The peak bytes of ``cell``'s attention backward, emulated memory-only at ``n_layers``."""
+    cfg = dataclasses.replace(cell.validate(), n_layers=n_layers)
+    m = measure_fake(cell, cfg, Hardware(), count=False)
+    return max(v for k, v in m.phase_peaks.items() if k and k[-1] == "attention:bwd")
+
+
+def _chunked_upipe_lengths() -> dict:
+    q = 65536
+    cell = Cell(method="upipe", model="llama3-8b", seq_len=q, nproc=8, dtype="bf16",
+                kernel="fa3", stack="long", options={"chunk_size": q})
+    return {s: (_attention_backward_peak, dataclasses.replace(cell, seq_len=s * q), 2)
+            for s in (3, 4, 16)}
+
+
 @pytest.mark.slow  # three memory-only emulations of 2 layers at paper scale: ~15 s
-def test_chunked_upipe_attention_backward_stays_affine_far_past_the_fit_window():
+@pytest.mark.background(jobs=_chunked_upipe_lengths)
+def test_chunked_upipe_attention_backward_stays_affine_far_past_the_fit_window(background):
     """The fit extrapolates each phase's peak from three lattice lengths (about 200K-330K tokens
     here) to millions: UPipe's chunked backward (the long level's 64K chunks, Llama3-8B on 8
     ranks) must not change which event peaks further on. It did: the stage's dO, O and Q
@@ -126,14 +150,7 @@ def test_chunked_upipe_attention_backward_stays_affine_far_past_the_fit_window()
     74.0. The inputs now peak at four (upipe.untied: dO, O, then Q rotated into its send
     buffer): from the fit's window to 1M the attention backward grows by the same bytes per
     quantum."""
-    q, hw = 65536, Hardware()
-    cell = Cell(method="upipe", model="llama3-8b", seq_len=q, nproc=8, dtype="bf16",
-                kernel="fa3", stack="long", options={"chunk_size": q})
-    cfg = dataclasses.replace(cell.validate(), n_layers=2)
-    peaks = []
-    for s in (3 * q, 4 * q, 16 * q):
-        m = measure_fake(dataclasses.replace(cell, seq_len=s), cfg, hw, count=False)
-        peaks.append(max(v for k, v in m.phase_peaks.items() if k and k[-1] == "attention:bwd"))
+    peaks = [background()[s] for s in (3, 4, 16)]
     assert peaks[2] - peaks[1] == 12 * (peaks[1] - peaks[0]) > 0
 
 

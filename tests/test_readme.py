@@ -4,11 +4,14 @@ The headline table is a generated section (``experiments.reporting.readme_headli
 from the committed results; the ``upipe-bench plan`` example is run here, in process, and its
 output must be what the README shows under the same command line (up to trailing spaces, which
 the table's last column pads with). Both fail when a change to the results or to the emulator
-moves a number without the README following.
+moves a number without the README following. The plan runs on idle cores from the session's
+start (tests/background.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 from pathlib import Path
 
@@ -45,11 +48,25 @@ def test_readme_has_one_plan_example():
     assert len(PLAN.findall(README.read_text())) == 1, "README.md should show one plan example"
 
 
+def _printed(argv: list[str]) -> tuple[int, str]:
+    """``upipe-bench`` with ``argv``: its exit code and what it printed to stdout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main(argv)
+    return code, out.getvalue()
+
+
+def _plan_example() -> dict:
+    command, _ = PLAN.search(README.read_text()).groups()
+    return {"plan": (_printed, command.split()[1:] + ["--no-progress"])}
+
+
 @pytest.mark.slow
-def test_plan_example_shows_what_the_command_prints(capsys):
-    """About a minute on 2 cores (20 configurations, 14 of them emulated)."""
+@pytest.mark.background(jobs=_plan_example)
+def test_plan_example_shows_what_the_command_prints(background):
+    """About a minute of 2 cores (20 configurations, 14 of them emulated)."""
     command, shown = PLAN.search(README.read_text()).groups()
-    assert cli.main(command.split()[1:] + ["--no-progress"]) == 0
-    printed = capsys.readouterr().out
+    code, printed = background()["plan"]
+    assert code == 0
     assert _lines(printed) == _lines(shown), (
         f"README.md's output of `{command}` is stale; today it prints:\n{printed}")

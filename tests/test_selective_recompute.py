@@ -4,6 +4,7 @@ trains exactly as under full checkpointing, and the emulator sees what is kept."
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -168,18 +169,27 @@ DEEP = BASE | {"method": "ulysses", "seq_len": 4096, "dtype": "bf16",
                    ("n_layers", "6"),)}
 
 
+def _exact_levels() -> dict:
+    """The exact emulations that do not depend on the plan (tests/background.py): alst,
+    alst-attn-host in every block, and kept in the last 1 and 5 of them."""
+    def job(stack: str, k: int | None = None) -> tuple:
+        return (functools.partial(emulate_cell, exact=True),
+                Cell.from_dict(DEEP | {"stack": stack, "keep_blocks": k}), Hardware())
+
+    return {"light": job("alst"), "full": job("alst-attn-host"),
+            1: job("alst-attn-host", 1), 5: job("alst-attn-host", 5)}
+
+
 @pytest.mark.slow  # 7 exact emulations of a 6-layer tiny step, about 18 s on 2 cores
-def test_partial_keeping_host_peak_is_affine_and_the_plan_picks_what_fits():
+@pytest.mark.background(jobs=_exact_levels)
+def test_partial_keeping_host_peak_is_affine_and_the_plan_picks_what_fits(background):
     """Exact emulations (a GPU, tiny with 6 layers at 4K on 4 ranks): the host peak keeping
     the attention in the last k blocks is alst's plus k - 1 times an offloading block's share
     of the whole level's, to the byte; each kept block saves time, and the device peak stays
     within the two ends'. Given a host budget between two of those peaks, the plan's rule
     (``host_keep_blocks``) picks the deepest k that fits, and the plan adds that row."""
-    def row(stack: str, k: int | None = None) -> dict:
-        return emulate_cell(Cell.from_dict(DEEP | {"stack": stack, "keep_blocks": k}),
-                            Hardware(), exact=True)
-
-    light, full = row("alst"), row("alst-attn-host")
+    rows = background()
+    light, full = rows["light"], rows["full"]
     share = (full["peak_host_bytes"] - light["peak_host_bytes"]) // 4
     assert share * 4 == full["peak_host_bytes"] - light["peak_host_bytes"] and share > 0
 
@@ -196,8 +206,7 @@ def test_partial_keeping_host_peak_is_affine_and_the_plan_picks_what_fits():
     assert by_level[("alst-attn-host", None)]["status"] == "oom"
     assert by_level[("alst-attn-host", 3)]["status"] == "ok"
 
-    partial = {k: row("alst-attn-host", k) for k in (1, 5)} | {
-        3: by_level[("alst-attn-host", 3)]}
+    partial = {k: rows[k] for k in (1, 5)} | {3: by_level[("alst-attn-host", 3)]}
     for k, r in partial.items():
         assert r["emulation"] == "exact" and r["keep_blocks"] == k
         assert r["peak_host_bytes"] == light["peak_host_bytes"] + (k - 1) * share, k

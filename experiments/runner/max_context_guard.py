@@ -97,7 +97,7 @@ def entries() -> list[Entry]:
     return out
 
 
-def _search(entry: Entry, measured=None) -> dict:
+def search_entry(entry: Entry, measured=None) -> dict:
     """Run one entry's search (emulated: in a worker process); its baseline row. ``measured``
     runs the real search's probes (default: a ``Launcher``, fresh ranks per probe)."""
     t0 = time.monotonic()
@@ -133,13 +133,21 @@ def compute(workers: int = 2, measured=None) -> pd.DataFrame:
     ``run(cell) -> row``), by default a ``Launcher`` (4 fresh ranks per probe). The test passes
     ranks it has already started: the tracked peak is the same in any process, and a launch
     costs ~8 s of imports per probe on 2 cores."""
-    todo = entries()
-    rows = {e.name: _search(e, measured) for e in todo if not e.emulated}
-    emulated = sorted((e for e in todo if e.emulated), key=_expected_cost, reverse=True)
+    rows = {e.name: search_entry(e, measured) for e in entries() if not e.emulated}
     ctx = mp.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        rows |= {r["name"]: r for r in pool.map(_search, emulated)}
-    return pd.DataFrame([rows[e.name] for e in todo])
+        rows |= {r["name"]: r for r in pool.map(search_entry, emulated_entries())}
+    return table(rows)
+
+
+def emulated_entries() -> list[Entry]:
+    """The emulated entries, slowest first (``_expected_cost``)."""
+    return sorted((e for e in entries() if e.emulated), key=_expected_cost, reverse=True)
+
+
+def table(rows: dict[str, dict]) -> pd.DataFrame:
+    """``search_entry``'s rows by name -> the baseline table, in ``entries()`` order."""
+    return pd.DataFrame([rows[e.name] for e in entries()])
 
 
 def _expected_cost(entry: Entry) -> int:

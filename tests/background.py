@@ -15,7 +15,7 @@ the workers have the whole session's idle time. The test then reads the results 
 callable that takes the test's parameters (``@pytest.mark.parametrize``'s, by name) and returns
 ``{key: (fn, *args)}``: each ``fn(*args)`` picklable (it runs in a spawned process; keywords
 through ``functools.partial``) and independent of every other test, so what it computes is the
-same whenever it runs.
+same whenever it runs. ``first=True`` submits the test's jobs before the others'.
 
 The workers' scheduling class is inherited by their children (the plan's own worker
 processes). Nothing here is timed: a test that measures time does not read background
@@ -110,10 +110,14 @@ def last(items: list[pytest.Item]) -> None:
     items[:] = [item for item in items if item not in late] + late
 
 
-def start(items: list[pytest.Item]) -> None:
+def start(items: list[pytest.Item], into: Background = SESSION) -> None:
     """Submit every marked test's jobs (the tests that will run, after deselection) to the
     session's workers."""
-    for item in marked(items):
+    # a test marked first=True (one job much longer than the others) starts before the rest:
+    # last in the queue, the README's plan example ran alone after every other test (a minute)
+    ordered = sorted(marked(items), key=lambda i: not i.get_closest_marker(MARKER).kwargs.get(
+        "first", False))
+    for item in ordered:
         jobs: Callable[..., dict] = item.get_closest_marker(MARKER).kwargs["jobs"]
-        SESSION.submit(item.nodeid, jobs(**(item.callspec.params if hasattr(item, "callspec")
+        into.submit(item.nodeid, jobs(**(item.callspec.params if hasattr(item, "callspec")
                                             else {})))

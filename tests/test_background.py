@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from background import MARKER, Background, last
+from background import MARKER, Background, last, start
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"),
                            reason="SCHED_IDLE and autogroups are Linux's")
@@ -62,15 +62,37 @@ def test_stop_ends_a_running_job_instead_of_waiting_for_it():
     assert time.monotonic() - t0 < 30
 
 
+class _Mark:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
 class _Item:
-    def __init__(self, name: str, marked: bool):
-        self.name, self.marked = name, marked
+    def __init__(self, name: str, mark: _Mark | None = None):
+        self.name, self.nodeid, self.mark = name, name, mark
 
     def get_closest_marker(self, name: str):
-        return object() if self.marked and name == MARKER else None
+        return self.mark if name == MARKER else None
+
+
+def _one(value: int) -> dict:
+    return {"v": (abs, value)}
 
 
 def test_marked_tests_run_last_in_their_order():
-    items = [_Item("a", True), _Item("b", False), _Item("c", True), _Item("d", False)]
+    items = [_Item("a", _Mark()), _Item("b"), _Item("c", _Mark()), _Item("d")]
     last(items)
     assert [i.name for i in items] == ["b", "d", "a", "c"]
+
+
+def test_jobs_start_in_test_order_with_the_first_marked_ahead():
+    items = [_Item("a", _Mark(jobs=lambda: _one(-1))), _Item("b"),
+             _Item("c", _Mark(jobs=lambda: _one(-2), first=True)),
+             _Item("d", _Mark(jobs=lambda: _one(-3)))]
+    jobs = Background(workers=1)
+    try:
+        start(items, into=jobs)
+        assert list(jobs._jobs) == ["c", "a", "d"]
+        assert [jobs.results(k)["v"] for k in "acd"] == [1, 2, 3]
+    finally:
+        jobs.stop()

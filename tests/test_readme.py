@@ -62,7 +62,7 @@ def _plan_example() -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.background(jobs=_plan_example)
+@pytest.mark.background(jobs=_plan_example, first=True)  # its one job is the longest
 def test_plan_example_shows_what_the_command_prints(background):
     """About a minute of 2 cores (20 configurations, 14 of them emulated)."""
     command, shown = PLAN.search(README.read_text()).groups()

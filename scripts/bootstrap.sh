@@ -70,7 +70,7 @@ if ! "$py" -c 'import torch' >/dev/null 2>&1; then
     "$py" -m pip install -q --no-compile "$torch_spec" >&2
     "$py" -m compileall -q -j 0 "$site" >/dev/null || true
 fi
-log "installing upipe (pip install -e '.[dev]'; a minute or two in a fresh venv)"
+log "installing upipe with its dev extra (editable; about a minute in a fresh venv)"
 # uv resolves, fetches and byte-compiles in parallel: the same distributions as pip's in about a
 # third of pip's time (measured: 21 s against 60 s on 2 cores). Byte-compiled either way: where
 # PYTHONDONTWRITEBYTECODE is set, every process would otherwise compile what it imports.

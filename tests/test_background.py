@@ -16,8 +16,10 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"),
 
 
 def _priority() -> dict:
-    with open("/proc/self/autogroup") as f:
-        autogroup = f.read()
+    autogroup = None
+    if os.path.exists("/proc/self/autogroup"):  # a kernel built with autogroup
+        with open("/proc/self/autogroup") as f:
+            autogroup = f.read()
     return {"policy": os.sched_getscheduler(0), "own_session": os.getsid(0) == os.getpid(),
             "autogroup": autogroup}
 
@@ -32,7 +34,7 @@ def test_workers_run_at_idle_priority_in_a_session_of_their_own():
         jobs.stop()
     assert got["policy"] == os.SCHED_IDLE
     assert got["own_session"]  # so its autogroup is its own: torchrun's ranks are in theirs
-    assert got["autogroup"].rstrip().endswith("nice 19")
+    assert got["autogroup"] is None or got["autogroup"].rstrip().endswith("nice 19")
 
 
 def test_results_come_back_and_a_failed_job_raises_in_the_test():

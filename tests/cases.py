@@ -68,18 +68,12 @@ class PreNorm(nn.Module):
         return self.attn(self.norm(x), **kw)
 
 
-_MESHES: dict = {}
-
-
 def cp_mesh(ring: int, ulysses: int):
-    """A (ring, ulysses) DeviceMesh over the world, built once per shape on this rank."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """A (ring, ulysses) DeviceMesh over the world, made once per shape on this rank
+    (``job_mesh``: the session's ranks would otherwise gather a gloo group per case)."""
+    from experiments.harness.train import job_mesh
 
-    if (ring, ulysses) not in _MESHES:
-        _MESHES[ring, ulysses] = init_device_mesh(
-            "cpu", (ring, ulysses), mesh_dim_names=("ring", "ulysses")
-        )
-    return _MESHES[ring, ulysses]
+    return job_mesh("cpu", (ring, ulysses), ("ring", "ulysses"))
 
 
 def _reference_grads(ref, x, dy, docs=None):

@@ -67,9 +67,9 @@ def _run(family: str, method: str, options: dict, mesh_shape: tuple | None = Non
     model = copy.deepcopy(ref)
     kw = dict(options)
     if mesh_shape is not None:
-        from torch.distributed.device_mesh import init_device_mesh
+        from cases import cp_mesh
 
-        kw["mesh"] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("ring", "ulysses"))
+        kw["mesh"] = cp_mesh(*mesh_shape)
     hf.parallelize(model, method, kernel="math", **kw)
     ids, labels = batch()
     out = model(**hf.shard_batch(model, ids, labels))

@@ -56,9 +56,9 @@ def _run_packed(family: str, method: str, options: dict, stack: str | None,
     model = copy.deepcopy(ref)
     kw = dict(options)
     if mesh_shape is not None:
-        from torch.distributed.device_mesh import init_device_mesh
+        from cases import cp_mesh
 
-        kw["mesh"] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("ring", "ulysses"))
+        kw["mesh"] = cp_mesh(*mesh_shape)
     hf.parallelize(model, method, kernel="math", stack=stack, **kw)
     ids, labels, pos = _packed_batch()
     batch = hf.shard_batch(model, ids, labels, position_ids=pos)

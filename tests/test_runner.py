@@ -71,6 +71,30 @@ def test_hybrid_and_fpdt_cells_run_end_to_end():
     assert fpdt["chunk_size"] == 256 and fpdt["peak_host_bytes"] > 0
 
 
+def _process_groups() -> int:
+    import torch.distributed as dist
+
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+@pytest.mark.slow  # about 4 s on 2 cores (docs/testing.md)
+@needs("usp", "ds-ulysses")
+def test_cells_run_again_on_the_same_ranks_make_no_new_process_group(dist_pool):
+    """A process that runs cell after cell (the session's ranks, a notebook) reuses its meshes
+    (``experiments.harness.train.job_mesh``): a gloo group keeps a thread that wakes every 10 ms
+    as long as it lives, and one set of groups per cell took half of the session ranks' CPU
+    time. DeepSpeed's Ulysses is in the pair because DeepSpeed could make groups of its own."""
+    ranks, pool = SessionRanks(dist_pool), dist_pool(2)
+    base = BASE | {"seq_len": 256, "warmup": 0}
+    cells = [Cell("usp", ring_degree=2, **base), Cell("ds-ulysses", **base)]
+    for c in cells:  # each mesh shape's groups are made here, once
+        assert ranks.run(c)["status"] == "ok"
+    made = pool.run(_process_groups)
+    for c in cells:
+        assert ranks.run(c)["status"] == "ok"
+    assert pool.run(_process_groups) == made
+
+
 @pytest.mark.slow  # about 5 s on 2 cores (docs/testing.md)
 def test_runtime_failure_and_timeout_become_rows():
     row = run_cell(Cell("ulysses", seq_len=256, lr=-1.0, **BASE), timeout_s=300)

@@ -77,6 +77,35 @@ class Meshes:
     dp_rank: int  # this rank's dp replica: its coordinate on the "dp" axis
 
 
+# (device type, shape, dim names) -> the mesh made for it over ``_MESHES_WORLD[0]``
+_MESHES: dict[tuple, DeviceMesh] = {}
+_MESHES_WORLD: list = [None]
+
+
+def job_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """``init_device_mesh(device_type, shape, mesh_dim_names=names)``, made once per process
+    and default group: a later call with the same arguments returns the same mesh.
+
+    Why: every ``init_device_mesh`` makes new process groups, and a group lives as long as
+    anything (a mesh, an FSDP module) holds it. A gloo group keeps an event-loop thread that
+    wakes every 10 ms (``epoll_wait`` with a 10 ms timeout in gloo's
+    ``transport/tcp/loop.cc``), so a process that runs cell after cell (the tests' session
+    ranks, a notebook, a user's loop over ``run_cell``) gathered one such thread per group per
+    cell: 156 per rank in one test session, which then spent half of its ranks' CPU time
+    waking them. A new default group (``destroy_process_group`` then ``init_process_group``)
+    starts a new cache. The cache is written only outside ``FakeTensorMode`` (a mesh cannot be
+    made under it) and reads no tensor value.
+    """
+    world = dist.distributed_c10d._get_default_group()
+    if _MESHES_WORLD[0] is not world:
+        _MESHES.clear()
+        _MESHES_WORLD[0] = world
+    key = (device_type, tuple(shape), tuple(names))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    return _MESHES[key]
+
+
 def attention_mesh(cell: Cell, device: torch.device) -> DeviceMesh | None:
     """Hybrids (``ring_degree`` > 1): the 2-D (ring, ulysses) mesh of this rank's dp replica,
     else None.
@@ -87,9 +116,8 @@ def attention_mesh(cell: Cell, device: torch.device) -> DeviceMesh | None:
     """
     if cell.ring_degree == 1:
         return None
-    job = init_device_mesh(device.type, (cell.dp, cell.ring_degree,
-                                         cell.nproc // cell.ring_degree),
-                           mesh_dim_names=("dp", "ring", "ulysses"))
+    job = job_mesh(device.type, (cell.dp, cell.ring_degree, cell.nproc // cell.ring_degree),
+                   ("dp", "ring", "ulysses"))
     return job["ring", "ulysses"]
 
 
@@ -146,9 +174,9 @@ def make_meshes(cell: Cell, device: torch.device) -> Meshes:
     if world != cell.world:
         raise ValueError(f"dp x nproc ({cell.dp} x {cell.nproc}) must equal the launched world "
                          f"size ({world})")
-    job = init_device_mesh(device.type, (cell.dp, cell.nproc), mesh_dim_names=("dp", "cp"))
+    job = job_mesh(device.type, (cell.dp, cell.nproc), ("dp", "cp"))
     # FSDP2 over a 1-D mesh shards fully over it (a 2-D one would be HSDP: replicate over dp)
-    fsdp = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+    fsdp = job_mesh(device.type, (world,), ("fsdp",))
     return Meshes(fsdp=fsdp, cp=job["cp"], hybrid=attention_mesh(cell, device),
                   dp_rank=job.get_local_rank("dp"))
 

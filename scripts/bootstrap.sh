@@ -33,8 +33,8 @@ log() { echo "bootstrap: $*" >&2; }
 # set (this project's machines set it) every process compiled them at import, again: about 0.9
 # of the 5.5 CPU-seconds one process spends importing the CLI, the harness and the Hugging Face
 # integration (measured on 2 cores), in each of the suite's ranks, launches and notebook
-# kernels. Up to date it costs about 0.15 s; a source edited later is newer than its .pyc,
-# which Python then ignores.
+# kernels. Up to date it costs about 0.15 s; a source edited later no longer matches the mtime
+# and size its .pyc records, and Python then ignores that .pyc.
 compile_sources() {
     "$py" -m compileall -q -j 0 "$root/upipe" "$root/experiments" "$root/tests" >/dev/null \
         2>&1 || true

@@ -529,9 +529,11 @@ class MemoryTracker(TorchDispatchMode):
     # buffer counted beside the next allocations (a CI run once counted UPipe's 64 KiB query
     # send buffer in one of two identical steps; with no wait at all, 53 of 400 blocking
     # all-to-alls counted it, none with the wait on this machine, one in a loaded CI run with
-    # no wait timed out, cause not found: tests/test_memory.py). A Work handed to
-    # the program (async ops) may be held as long as the program likes, and while it is, no
-    # wait can help: after ``settle_timeout_s`` (10 ms, enough for a backend that is not
+    # no wait timed out, cause not found: tests/test_memory.py; another loaded CI run measured
+    # one rank of a chunked UPipe layer unlike the other three, not reproduced here either, so
+    # ``test_fake_equals_real_gloo`` measures a case whose ranks disagree once more). A Work
+    # handed to the program (async ops) may be held as long as the program likes, and while it
+    # is, no wait can help: after ``settle_timeout_s`` (10 ms, enough for a backend that is not
     # starved) its buffers stay counted, as they are really held. These waits stall async
     # overlap once per collective (they were 0.25 s: a UPipe overlap layer measured in 20 s
     # instead of 10); time runs untracked.

@@ -73,6 +73,10 @@ class Row(_Identity, total=False):
     attention_peak_bytes: int | None
     """the attention category's own peak, wherever in the step it falls (measured rows)"""
     tracked_peak_device_bytes: int | None
+    unsettled_collectives: int
+    """gloo collectives whose buffers the backend still held 10 s after the program waited on
+    them, on the rank with most (``MemoryTracker.unsettled_collectives``): the tracked peaks may
+    count those buffers. Absent when none (measured CPU rows)"""
     device_memory_bytes: int | None
     device_budget_bytes: int | None
     host_budget_bytes: int | None

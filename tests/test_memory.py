@@ -21,8 +21,11 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
+from experiments.config import Cell
+from experiments.harness.stats import memory_figures, summarise
 from experiments.instruments.labels import label_modules
 from experiments.instruments.memory import MemoryTracker
+from experiments.row import unknown_keys
 from upipe import build_method
 
 # ---------------------------------------------------------------------------------------------
@@ -391,7 +394,8 @@ def measure_layer(method: str, s: Shape) -> dict[str, int]:
     """Peaks of one layer's forward, its backward, and both; runs on a real or fake group.
 
     baseline = parameters + input x + output gradient dy, tracked before the step; ``*_peak``
-    are absolute, ``*_act`` above the baseline.
+    are absolute, ``*_act`` above the baseline; ``unsettled``: collectives the tracker counted
+    while gloo still held them after its long wait (0 on the fake group).
     """
     group = dist.group.WORLD
     m = _build(method, s, group)
@@ -408,7 +412,8 @@ def measure_layer(method: str, s: Shape) -> dict[str, int]:
         bwd = mt.peak_bytes
     peak = max(fwd, bwd)
     return {"baseline": base, "fwd_peak": fwd, "bwd_peak": bwd, "peak": peak,
-            "fwd_act": fwd - base, "bwd_act": bwd - base, "act": peak - base}
+            "fwd_act": fwd - base, "bwd_act": bwd - base, "act": peak - base,
+            "unsettled": mt.unsettled_collectives}
 
 
 def measure_fake(method: str, s: Shape) -> dict[str, int]:
@@ -445,6 +450,24 @@ def _rank_differences(runs: list[list[dict[str, int]]]) -> list[dict[int, dict]]
     from rank 0 (the failure message of a run whose ranks disagree)."""
     return [{k: {f: (r[f], rs[0][f]) for f in r if r[f] != rs[0][f]}
              for k, r in enumerate(rs) if r != rs[0]} for rs in runs]
+
+
+def test_a_row_says_when_its_peak_may_count_a_collective_the_backend_still_held():
+    """The tracker's count of collectives it could not settle reaches the row, the largest
+    rank's, as ``unsettled_collectives``; a row where no rank had one has no such column, so
+    rows measured before it are unchanged."""
+    cell = Cell(method="ulysses", model="tiny", seq_len=256, nproc=2)
+    cfg, cpu = cell.validate(), torch.device("cpu")
+    settled, unsettled = MemoryTracker(), MemoryTracker()
+    unsettled.unsettled_collectives = 2
+
+    def row(*trackers):
+        per_rank = [{"times": [], **memory_figures(t, cpu)} for t in trackers]
+        return summarise(cell, cfg, per_rank, cpu, flops=None)
+
+    flagged = row(settled, unsettled)
+    assert flagged["unsettled_collectives"] == 2 and unknown_keys(flagged) == []
+    assert "unsettled_collectives" not in row(settled, settled)
 
 
 def _reduce_scatter_then_allocate() -> tuple[float, int, int]:

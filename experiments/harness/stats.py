@@ -90,6 +90,8 @@ def summarise(cell: Cell, cfg: ModelConfig, per_rank: list[dict], device: torch.
     for key in per_rank[0]:
         if key != "times":
             row[key] = max(r[key] for r in per_rank)
+    if not row.get("unsettled_collectives"):  # a column only where the figure needs the word
+        row.pop("unsettled_collectives", None)
     row["peak_device_bytes"] = row.get("allocator_peak_allocated_bytes",
                                        row["tracked_peak_device_bytes"])
     # the line memory plots draw: the GPU's memory, or the CPU budget the cell ran under
@@ -132,6 +134,9 @@ def memory_figures(tracker, device: torch.device) -> dict:
         "peak_other_bytes": sum(v for k, v in breakdown.items() if k not in ("model", "attention")),
         # the attention layers' own peak working set, wherever the step's peak is
         "attention_peak_bytes": tracker.peak_by_category.get("attention", 0),
+        # collectives whose buffers gloo still held after the tracker's long wait: the tracked
+        # peaks may count them (experiments/instruments/memory.py); summarise keeps it if > 0
+        "unsettled_collectives": tracker.unsettled_collectives,
     }
     if device.type == "cuda":
         mem["allocator_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)

@@ -3,7 +3,10 @@ ladder, the ranking, a Hugging Face config.json as the model, and bad input."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -140,6 +143,40 @@ def test_a_heads_per_stage_over_the_device_spares_the_larger_ones(monkeypatch):
     assert "8 heads per stage do not fit" in row["error"]
     assert r1[16, "offload"]["plan_inferred_from"] == "alst"  # and the ladder from there
     assert (16, "alst") not in emulated and (4, "offload") in emulated
+
+
+def test_the_plan_is_the_same_for_any_number_of_workers(monkeypatch):
+    """Two workers, U = 8 slow to emulate and over the device on alst: each larger U of its
+    mesh waits for it rather than start on the free worker, so U = 16 is inferred, not
+    emulated, and the ranked table equals one worker's, row for row (rows equal in rank in
+    the order of their configuration, not of their finishing)."""
+    emulated = []
+
+    def emulate(cell, hw, exact=False, count=True, bound_first=False):
+        u = cell.option("heads_per_stage")
+        emulated.append((u, cell.ring_degree, cell.stack))
+        if u == 8:
+            time.sleep(0.2)  # the other worker is free meanwhile
+        row = {"method": cell.method, "stack": cell.stack, "heads_per_stage": u,
+               "ring_degree": cell.ring_degree, "overlap": cell.option("overlap")}
+        if u and u >= 8 and cell.stack == "alst":
+            return row | {"status": Status.OOM, "error": "device peak 9 GiB > budget 8 GiB",
+                          "peak_device_bytes": 9 * 2**30}
+        return row | {"status": Status.OK, "error": "", "tokens_per_s_per_gpu": 1.0}
+
+    monkeypatch.setattr(plan_mod, "emulate_cell", emulate)
+    # threads in place of worker processes, so the stub above is what they call
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor",
+                        lambda n, mp_context=None: ThreadPoolExecutor(n))
+    spec = PlanSpec("tiny", 4, 4096, methods=("upipe",), stacks=("alst",))
+    tables = {}
+    for workers in (2, 1):
+        emulated.clear()
+        tables[workers] = plan(spec, Hardware(), workers=workers)
+        assert not [e for e in emulated if e[0] == 16], (workers, emulated)
+    assert tables[2] == tables[1]
+    inferred = [r for r in tables[2] if r.get("plan_inferred_from") == "heads_per_stage=8"]
+    assert inferred and all(r["heads_per_stage"] == 16 for r in inferred)
 
 
 @pytest.mark.slow  # about 3 s on 2 cores (docs/testing.md)

@@ -338,10 +338,19 @@ def _order(row: dict) -> tuple:
     return (2 if status == Status.SKIPPED else 3, 0)
 
 
+def _identity(row: dict) -> tuple:
+    """A row's configuration as a sortable tuple: ``rank``'s tie-break."""
+    return (str(row.get("method") or ""), row.get("ring_degree") or 0,
+            row.get("heads_per_stage") or 0, bool(row.get("overlap")), str(row.get("stack") or ""),
+            row.get("keep_blocks") or 0, row.get("chunk_size") or 0)
+
+
 def rank(rows: list[dict]) -> list[dict]:
     """Best first: fitting rows by tokens/s per GPU, then rows over a budget by device peak,
-    then skipped and invalid ones."""
-    return sorted(rows, key=_order)
+    then skipped and invalid ones; rows equal on that (most skipped rows) in the order of their
+    configuration (method, ring degree, heads per stage, ...), not in the order they finished:
+    the table is the same for any number of workers."""
+    return sorted(rows, key=lambda r: (_order(r), _identity(r)))
 
 
 def _cost(cell: Cell) -> tuple[bool, int, bool]:
@@ -371,16 +380,33 @@ def _over_by_u(cell: Cell, over_at: dict[tuple, int]) -> dict[str, int]:
     never falls as U grows (tests/test_plan.py checks it on exact emulations). Overlapped stages
     hold one more stage's buffers than the blocking schedule at the same U: where that does not
     fit (at U or below), neither do they."""
-    u_cell = cell.option("heads_per_stage")
-    if not u_cell:
-        return {}
-    fam = _family(cell)
-    twin = (cell.method, cell.ring_degree, None, None, "alst") if cell.option("overlap") else None
     out: dict[str, int] = {}
     for (f, stack), u in over_at.items():
-        if (f == fam and u < u_cell) or (f == twin and u <= u_cell):
+        if _spares(f, u, cell):
             out[stack] = min(u, out.get(stack, u))
     return out
+
+
+def _spares(family: tuple, u: int | None, cell: Cell) -> bool:
+    """Whether a UPipe configuration of ``family`` with ``u`` heads per stage, over the device
+    on a stack, rules ``cell`` out on it (``_over_by_u``'s rule): same family and fewer heads
+    per stage, or, for overlapped stages, their blocking twin at as many or fewer."""
+    u_cell = cell.option("heads_per_stage")
+    if not u or not u_cell:
+        return False
+    twin = (cell.method, cell.ring_degree, None, None, "alst") if cell.option("overlap") else None
+    return (family == _family(cell) and u < u_cell) or (family == twin and u <= u_cell)
+
+
+def _next_startable(pending: list[Cell], running: list[Cell]) -> int | None:
+    """The index of the first of ``pending`` that no other pending or running configuration
+    could rule out (``_spares``), or None: each waits until those have their rows, so whether
+    it is emulated or inferred does not depend on which worker finished first."""
+    for i, cell in enumerate(pending):
+        others = [*pending[:i], *pending[i + 1:], *running]
+        if not any(_spares(_family(o), o.option("heads_per_stage"), cell) for o in others):
+            return i
+    return None
 
 
 def _record_over(cell: Cell, rows: list[dict], over_at: dict[tuple, int]) -> None:
@@ -408,10 +434,12 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int = 2, exact: bool = False,
     configuration's rows as they arrive (progress).
 
     Configurations start longest first (``_cost``), at most ``workers`` at once, each when a
-    worker is free: so a UPipe configuration starts after the smaller numbers of heads per stage
-    of its mesh (they cost more) and is not emulated on a stack where one of them was over the
-    device (``_over_by_u``). Then, per method and level of ``KEEP_ON_HOST``, the configuration
-    keeping the attention in as many blocks as the host holds that is estimated fastest
+    worker is free, except that a UPipe configuration waits until the smaller numbers of heads
+    per stage of its mesh (and, overlapped, its blocking twin) have their rows
+    (``_next_startable``): it is not emulated on a stack where one of them was over the device
+    (``_over_by_u``), whatever the number of workers. Then, per method and level of
+    ``KEEP_ON_HOST``, the configuration keeping the attention in as many blocks as the host
+    holds that is estimated fastest
     (``partial_candidates``) is emulated exactly (a minute or two each at paper scale: its mix
     of blocks is beyond the fit); the others are rows saying their estimate."""
     hw.validate(world=spec.gpus)
@@ -431,7 +459,10 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int = 2, exact: bool = False,
         running: dict[concurrent.futures.Future, Cell] = {}
         while pending or running:
             while pending and len(running) < max(1, workers):
-                cell = pending.pop(0)
+                i = _next_startable(pending, list(running.values()))
+                if i is None:  # every pending one waits on a running one
+                    break
+                cell = pending.pop(i)
                 running[submit(plan_configuration, cell, hw, stacks, exact,
                                _over_by_u(cell, over_at))] = cell
             finished, _ = concurrent.futures.wait(

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from upipe.chunked import chunk_spans
 from upipe.norm import rms_norm, rms_norm_backward
+from upipe.pure import metadata_pure
 
 
 def fpdt_ffn_chunk(fpdt_chunk_size: int, sp: int) -> int:
@@ -53,10 +54,7 @@ class _ChunkedSwiGLU(torch.autograd.Function):
         spans = chunk_spans(x.shape[-2], chunk)
         with torch.no_grad():
             for a, b in spans:
-                xc = x.narrow(-2, a, b - a)
-                act = F.silu(xc @ w1.t()) * (xc @ w3.t())
-                out.narrow(-2, a, b - a).copy_(act @ w2.t())  # FPDT_FFN's result[st:ed] = ...
-                del act
+                _swiglu_into(out.narrow(-2, a, b - a), x.narrow(-2, a, b - a), w1, w3, w2)
         ctx.spans = spans
         ctx.save_for_backward(x, w1, w3, w2)
         return out
@@ -69,26 +67,48 @@ class _ChunkedSwiGLU(torch.autograd.Function):
         g1, g3, g2 = (torch.zeros(w.shape, dtype=torch.float32, device=w.device)
                       for w in (w1, w3, w2))
         for a, b in ctx.spans:
-            xc, dc = x.narrow(-2, a, b - a), dout.narrow(-2, a, b - a)
-            gate, up = xc @ w1.t(), xc @ w3.t()
-            sig = torch.sigmoid(gate)
-            silu = gate * sig
-            act = silu * up
-            g2.add_(dc.flatten(0, -2).t() @ act.flatten(0, -2))
-            del act
-            dact = dc @ w2  # (B, c, ffn)
-            dgate = dact * up * (sig * (1 + gate * (1 - sig)))  # silu'(g) = s (1 + g (1 - s))
-            dup = dact * silu
-            del sig, silu, gate, up, dact
-            xf = xc.flatten(0, -2)
-            g1.add_(dgate.flatten(0, -2).t() @ xf)
-            g3.add_(dup.flatten(0, -2).t() @ xf)
-            dx = dgate @ w1
-            dx.add_(dup @ w3)
-            del dgate, dup
-            xc.copy_(dx)  # the input gradient overwrites the chunk's input (FPDT_FFN's x.copy_)
-            del dx
+            _swiglu_backward_into(x.narrow(-2, a, b - a), dout.narrow(-2, a, b - a), w1, w3, w2,
+                                  (g1, g3, g2))
         return x, g1.to(w1.dtype), g3.to(w3.dtype), g2.to(w2.dtype), None
+
+
+# The chunk bodies are metadata-pure (``upipe.pure``): every chunk of every layer makes the same
+# call, which the emulator records once and replays.
+@metadata_pure
+def _swiglu_into(out: torch.Tensor, xc: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                 w2: torch.Tensor) -> None:
+    """out (B, c, dim) = w2(silu(xc w1^T) * (xc w3^T)) for one chunk xc (B, c, dim)."""
+    act = F.silu(xc @ w1.t()) * (xc @ w3.t())
+    out.copy_(act @ w2.t())  # FPDT_FFN's result[st:ed] = ...
+    del act
+
+
+@metadata_pure
+def _swiglu_backward_into(xc: torch.Tensor, dc: torch.Tensor, w1: torch.Tensor,
+                          w3: torch.Tensor, w2: torch.Tensor,
+                          grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """One chunk's backward: the weights' gradients added into the fp32 accumulators ``grads``
+    (of w1, w3, w2's shapes), and the chunk's input gradient written over its input xc
+    (B, c, dim); dc (B, c, dim) is the output gradient."""
+    g1, g3, g2 = grads
+    gate, up = xc @ w1.t(), xc @ w3.t()
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    act = silu * up
+    g2.add_(dc.flatten(0, -2).t() @ act.flatten(0, -2))
+    del act
+    dact = dc @ w2  # (B, c, ffn)
+    dgate = dact * up * (sig * (1 + gate * (1 - sig)))  # silu'(g) = s (1 + g (1 - s))
+    dup = dact * silu
+    del sig, silu, gate, up, dact
+    xf = xc.flatten(0, -2)
+    g1.add_(dgate.flatten(0, -2).t() @ xf)
+    g3.add_(dup.flatten(0, -2).t() @ xf)
+    dx = dgate @ w1
+    dx.add_(dup @ w3)
+    del dgate, dup
+    xc.copy_(dx)  # the input gradient overwrites the chunk's input (FPDT_FFN's x.copy_)
+    del dx
 
 
 def fpdt_ffn(ffn: torch.nn.Module, x: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -12,7 +12,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from upipe.pure import metadata_pure
 
+
+# Both functions are metadata-pure (``upipe.pure``): the fused norms of the megatron-ds stack and
+# UPipe's fused input norm call them once per token tile, the same call tile after tile, which the
+# emulator then replays instead of dispatching its ops again.
+@metadata_pure
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / sqrt(mean(x**2, -1) + eps))`` over the last dim; x (..., D), weight (D,)."""
     xf = x.float()
@@ -20,6 +26,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+@metadata_pure
 def rms_norm_backward(
     x: torch.Tensor, weight: torch.Tensor, eps: float, grad: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

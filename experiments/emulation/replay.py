@@ -1,7 +1,8 @@
 """Replaying calls of metadata-pure functions in the fake-tensor step (``upipe.pure``).
 
 Under ``FakeTensorMode`` a call of a ``@metadata_pure`` function (the ring's loops, the
-attention kernel dispatch and LSE merge, the all-to-alls, UPipe's per-stage projections)
+attention kernel dispatch and LSE merge, the all-to-alls, UPipe's per-stage projections, the
+RMSNorm and its backward, the megatron-ds stack's norm tiles and MLP chunks)
 allocates, frees, communicates and computes what its arguments' metadata decide, nothing else.
 ``CallReplay`` is the step's ``metadata_pure_hook``: the first call with a given signature runs
 the function and records, from the ``MemoryTracker``'s event log, every allocation and free it

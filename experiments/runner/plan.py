@@ -439,9 +439,9 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int = 2, exact: bool = False,
     (``_next_startable``): it is not emulated on a stack where one of them was over the device
     (``_over_by_u``), whatever the number of workers. Then, per method and level of
     ``KEEP_ON_HOST``, the configuration keeping the attention in as many blocks as the host
-    holds that is estimated fastest
-    (``partial_candidates``) is emulated exactly (a minute or two each at paper scale: its mix
-    of blocks is beyond the fit); the others are rows saying their estimate."""
+    holds that is estimated fastest (``partial_candidates``) is emulated exactly (a minute or
+    two each at paper scale: its mix of blocks is beyond the fit); the others are rows saying
+    their estimate."""
     hw.validate(world=spec.gpus)
     cells, rows = configurations(spec)
     stacks = tuple(spec.stacks)
@@ -460,6 +460,8 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int = 2, exact: bool = False,
         while pending or running:
             while pending and len(running) < max(1, workers):
                 i = _next_startable(pending, list(running.values()))
+                if i is None and not running:  # a cycle in ``_spares``: never, but never hang
+                    raise RuntimeError("plan: every pending configuration waits on another")
                 if i is None:  # every pending one waits on a running one
                     break
                 cell = pending.pop(i)

@@ -179,6 +179,13 @@ def test_the_plan_is_the_same_for_any_number_of_workers(monkeypatch):
     assert inferred and all(r["heads_per_stage"] == 16 for r in inferred)
 
 
+def test_a_schedule_where_every_configuration_waits_is_an_error_not_a_hang(monkeypatch):
+    monkeypatch.setattr(plan_mod, "_spares", lambda family, u, cell: True)
+    spec = PlanSpec("tiny", 4, 4096, methods=("upipe",), stacks=("alst",))
+    with pytest.raises(RuntimeError, match="waits on another"):
+        plan(spec, Hardware(), workers=2)
+
+
 @pytest.mark.slow  # about 3 s on 2 cores (docs/testing.md)
 def test_the_device_lower_bound_is_below_the_peak_and_decides_only_when_over():
     """``device_lower_bound``: 1, then 4, of 8 layers at the full length, exactly; never above

@@ -6,7 +6,9 @@
 2. What a replay could not repeat is run every time instead: a view of an argument returned,
    memory kept alive past the call, a phase opened inside, real tensors, unhashable arguments.
 3. A whole emulated step measures the same with replay as without on an emulated CUDA device
-   (UPipe on a 2 x 2 mesh runs every replayed function of upipe; DeepSpeed's FPDT its merge);
+   (UPipe on a 2 x 2 mesh runs every replayed function of upipe; DeepSpeed's FPDT its merge,
+   and on the megatron-ds stack its norm tiles and MLP chunks), and each names the functions it
+   must have replayed;
    on the CPU device tests/test_emulate.py compares every method's emulation, replay included,
    with a real gloo run.
 """

@@ -246,7 +246,7 @@ def _plan_line(row: dict) -> dict:
             "heads_per_stage": "-" if u is None else u,
             "overlap": "yes" if row.get("overlap") else "-",
             "chunk_size": format_size(row["chunk_size"]) if row.get("chunk_size") else "-",
-            # attention kept in the last k blocks only: "alst-attn-host k18"
+            # attention (whole blocks) kept in the last k blocks only: "alst-attn-host k18"
             "stack": row["stack"] + (f" k{row['keep_blocks']}" if row.get("keep_blocks") else ""),
             "kernel_ran": row.get("kernel_ran") or "-",  # not run: none
             "fits": fits,

@@ -167,8 +167,8 @@ def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
                         "unpacked sequence; torch-cp, rfa-zigzag and ds-fpdt refuse it)")
     p.add_argument("--keep-blocks", type=positive_int, default=None, metavar="K",
                    help="with a stack that keeps the attention (alst-attn, alst-attn-host, "
-                        "long-attn-host): keep it in the last K blocks only, the others "
-                        "recompute it (default: every block)")
+                        "long-attn-host) or whole blocks (alst-block): keep it in the last K "
+                        "blocks only, the others recompute it (default: every block)")
     dtype_default = dtype or "fp32; with --emulate bf16, the paper's"
     p.add_argument("--dtype", default=dtype,
                    help=f"one of {', '.join(DTYPES)} (default {dtype_default})")

@@ -82,7 +82,7 @@ def test_overrides_are_typed_and_checked():
     ({"model": "gpt5"}, r"model must be one of \[.*'tiny'"),
     ({"stack": "zero3"},
      r"stack must be one of \['none', 'ac', 'offload', 'alst', 'native', 'torchtitan', "
-     r"'megatron-ds', 'long', 'alst-attn', 'alst-attn-host', 'long-attn-host'\]"),
+     r"'megatron-ds', 'long', 'alst-attn', 'alst-attn-host', 'long-attn-host', 'alst-block'\]"),
     ({"seq_len": 1001}, r"seq_len \(1001\) must be >= 2 and divisible by nproc \(4\)"),
     # a document's last token has no target: one of 1 token has none
     ({"doc_len": 1}, r"doc_len must be between 2 and seq_len \(4096\) tokens, got 1"),

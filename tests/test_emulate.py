@@ -56,6 +56,8 @@ CASES = [
     # long level (UPipe's fused norm: the block input kept once)
     ("upipe", "alst-attn-host", {"keep_blocks": 2}),
     ("upipe", "long-attn-host", {}),
+    # ... and the last two blocks not checkpointed at all (the first recomputes)
+    ("upipe", "alst-block", {"keep_blocks": 2}),
 ]
 
 
@@ -86,6 +88,7 @@ FIT_CASES = [
     ("usp", {"ring_degree": 2}),
     ("fpdt", {"chunk_size": 1024}),
     ("upipe", {"stack": "long", "chunk_size": 512}),
+    ("ulysses", {"stack": "alst-block"}),  # no block checkpointed
 ]
 
 
@@ -103,7 +106,7 @@ def _fit_and_exact(method: str, options: dict) -> dict:
 @pytest.mark.slow  # 6 emulations (5 samples and the target) with counters: 7-15 s each
 @pytest.mark.parametrize("method,options", FIT_CASES,
                          ids=[m + ("-R2" if o.get("ring_degree") else "")
-                              + ("-long" if o.get("stack") == "long" else "")
+                              + (f"-{o['stack']}" if "stack" in o else "")
                               for m, o in FIT_CASES])
 @pytest.mark.background(jobs=_fit_and_exact)
 def test_fit_predicts_the_exact_emulation(method, options, background):

@@ -21,6 +21,7 @@ tracker and asserts what each saves, from the shapes; ``pytest -s`` prints the f
 from __future__ import annotations
 
 import copy
+import dataclasses
 from functools import partial
 
 import pytest
@@ -39,6 +40,8 @@ SEQ = 280  # not a power of two; divisible by 2 x 4 (zigzag on 4 ranks); local 1
 VOCAB = 96
 TILED_ONLY = MemoryStack(checkpoint=False, offload=False, tiled=True, chunked_loss=False)
 LOSS_ONLY = MemoryStack(checkpoint=False, offload=False, tiled=False, chunked_loss=True)
+# alst with its last two layers not checkpointed (the first recomputes)
+UNCHECKPOINTED = dataclasses.replace(LEVELS["alst"], uncheckpointed_layers=2)
 
 
 def _model(family: str):
@@ -75,12 +78,14 @@ CASES = [  # (world, family, method, stack)
     (2, "llama", "upipe", "alst-attn"),
     (4, "llama", "upipe", "alst-attn-host"),
     (2, "qwen3", "ulysses", "alst-attn-host"),
+    (4, "llama", "upipe", UNCHECKPOINTED),
 ]
 
 
 def _id(case) -> str:
     w, family, method, stack = case
-    name = stack if isinstance(stack, str) else "tiled" if stack.tiled else "chunked_loss"
+    name = (stack if isinstance(stack, str) else "uncheckpointed" if stack.uncheckpointed_layers
+            else "tiled" if stack.tiled else "chunked_loss")
     return f"w{w}-{family}-{method}-{name}"
 
 
@@ -119,6 +124,16 @@ def test_bad_stack_is_refused_before_any_change():
         MemoryStack(checkpoint=False, offload=True, tiled=False, chunked_loss=False)
     with pytest.raises(ValueError, match=r"MemoryStack.tiled must be a bool"):
         MemoryStack(checkpoint=True, offload=False, tiled="yes", chunked_loss=False)
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match=r"MemoryStack.uncheckpointed_layers must be an int "
+                                             ">= 0"):
+            dataclasses.replace(LEVELS["alst"], uncheckpointed_layers=bad)
+    with pytest.raises(ValueError, match=r"uncheckpointed_layers needs checkpoint=True"):
+        MemoryStack(False, False, False, False, uncheckpointed_layers=1)
+    too_many = dataclasses.replace(LEVELS["alst"], uncheckpointed_layers=len(
+        model.model.layers) + 1)
+    with pytest.raises(ValueError, match=r"uncheckpointed_layers must be at most the model's "):
+        hf.parallelize(model, "ulysses", stack=too_many)
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(VOCAB))
     with pytest.raises(ValueError, match=r"MemoryStack.chunked_loss needs .* bias-free"):
         hf.parallelize(model, "ulysses", stack="alst")
@@ -148,7 +163,9 @@ def test_chunked_loss_takes_labels_as_transformers_does():
 M_SEQ, M_HIDDEN, M_FFN, M_VOCAB, M_LAYERS = 4096, 64, 256, 8192, 4
 MEMORY_STACKS = {"none": None, "ac": "ac", "offload": "offload",
                  "offload+chunked_loss": MemoryStack(True, True, False, True), "alst": "alst",
-                 "alst-attn": "alst-attn", "alst-attn-host": "alst-attn-host"}
+                 "alst-attn": "alst-attn", "alst-attn-host": "alst-attn-host",
+                 "alst+2 uncheckpointed": dataclasses.replace(LEVELS["alst"],
+                                                                    uncheckpointed_layers=2)}
 
 
 class _VocabRows:
@@ -233,3 +250,9 @@ def test_each_level_saves_what_it_claims():
     assert m["alst-attn"]["host"] == m["alst"]["host"]
     assert m["alst-attn-host"]["host"] - m["alst"]["host"] >= 2 * (M_LAYERS - 2) * row
     assert m["alst-attn-host"]["peak"] < m["alst-attn"]["peak"]
+    # the last two layers uncheckpointed: their forward runs once, and what they save stays
+    # on the device (the third layer's input is no longer offloaded)
+    plain = m["alst+2 uncheckpointed"]
+    assert plain["attention_runs"] == 2 * M_LAYERS - 2
+    assert plain["host"] == m["alst"]["host"] - row
+    assert plain["peak"] > m["alst"]["peak"]

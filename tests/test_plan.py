@@ -82,8 +82,10 @@ def _fake_emulation(outcome: dict):
     # alst fits, offload does not: ac (needs offload and native) and none (needs ac) are not;
     # the selective levels (alst's own, keeping more) are
     ({"alst": "ok", "offload": "device", "native": "ok", "megatron-ds": "device",
-      "torchtitan": "device", "alst-attn": "device", "alst-attn-host": "ok"},
-     {"alst", "offload", "native", "megatron-ds", "torchtitan", "alst-attn", "alst-attn-host"}),
+      "torchtitan": "device", "alst-attn": "device", "alst-attn-host": "ok",
+      "alst-block": "device"},
+     {"alst", "offload", "native", "megatron-ds", "torchtitan", "alst-attn", "alst-attn-host",
+      "alst-block"}),
     # over the host budget only says nothing of the device: the ladder goes on
     ({s: "host" for s in LADDER}, set(LADDER)),
 ])

@@ -1,5 +1,6 @@
-"""Selective recomputation (the ``alst-attn`` and ``alst-attn-host`` levels): every method
-trains exactly as under full checkpointing, and the emulator sees what is kept."""
+"""Selective recomputation (the ``alst-attn`` and ``alst-attn-host`` levels, and ``alst-block``'s
+un-checkpointed blocks): every method trains exactly as under full checkpointing, and the
+emulator sees what is kept."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ from experiments.emulation.emulate import emulate_cell
 from experiments.emulation.fit import fit_refusal, fitted
 from experiments.harness.train import build
 from experiments.runner import plan as planner
-from experiments.runner.plan import PlanSpec, host_keep_blocks, partial_candidates, plan
+from experiments.runner.plan import (
+    PlanSpec,
+    device_keep_blocks,
+    host_keep_blocks,
+    partial_candidates,
+    plan,
+)
 from upipe.registry import available_methods
 
 SELECTIVE = ("alst-attn", "alst-attn-host")
@@ -74,10 +81,12 @@ def test_selective_levels_train_bitwise_as_full_checkpointing(dist_pool, method,
     """Same losses and the same gradients, bit for bit (fp32, deterministic CPU kernels): the
     kept tensors are the ones the recompute would have made again, and the host round trip
     copies them exactly; also with the attention kept in the last two of the three blocks only
-    (the middle one in host memory, the last on the device; the first recomputes)."""
+    (the middle one in host memory, the last on the device; the first recomputes), and with
+    the last two blocks not checkpointed at all (alst-block; the first recomputes)."""
     if method not in available_methods():
         pytest.skip(f"{method} not registered")
-    levels = [{"stack": s} for s in SELECTIVE] + [{"stack": "alst-attn-host", "keep_blocks": 2}]
+    levels = [{"stack": s} for s in SELECTIVE] + [{"stack": "alst-attn-host", "keep_blocks": 2},
+                                                  {"stack": "alst-block", "keep_blocks": 2}]
     extra = [{"stack": "none"}] if method in NOT_BITWISE else []
     cells = [Cell.from_dict(BASE | {"method": method} | level | options)
              for level in [{"stack": "alst"}, *levels, *extra]]
@@ -104,6 +113,8 @@ def test_the_levels_are_alst_with_the_attention_kept():
     # long-attn-host is the long level keeping the attention in host memory, nothing else
     assert STACKS["long-attn-host"] == dataclasses.replace(
         STACKS["long"], keep_attention=True, keep_on_host=True)
+    # and alst-block is alst keeping whole blocks
+    assert STACKS["alst-block"] == dataclasses.replace(STACKS["alst"], keep_block=True)
 
 
 def test_keep_blocks_is_checked_and_names_the_cell():
@@ -111,8 +122,11 @@ def test_keep_blocks_is_checked_and_names_the_cell():
     assert cell.validate().n_layers == 3 and "-alst-attn-host-k2-" in cell.cell_id()
     assert Cell.from_dict(cell.to_dict()) == cell
     assert cell.cell_id() != dataclasses.replace(cell, keep_blocks=None).cell_id()
-    with pytest.raises(ValueError, match="keep_blocks needs a stack that keeps the attention"):
+    with pytest.raises(ValueError, match="keep_blocks needs a stack that keeps the attention "
+                                         r"or whole blocks \(\[.*'alst-block'.*\]\), got stack "
+                                         "'alst'"):
         dataclasses.replace(cell, stack="alst").validate()
+    assert "-alst-block-k2-" in dataclasses.replace(cell, stack="alst-block").cell_id()
     for bad in (0, 4, True, 1.5):
         with pytest.raises(ValueError, match="keep_blocks must be an int from 1 to the model's 3"):
             dataclasses.replace(cell, keep_blocks=bad).validate()
@@ -215,6 +229,69 @@ def test_partial_keeping_host_peak_is_affine_and_the_plan_picks_what_fits(backgr
     times = [light["step_time_s"], *(partial[k]["step_time_s"] for k in (1, 3, 5)),
              full["step_time_s"]]
     assert times == sorted(times, reverse=True) and len(set(times)) == len(times)
+
+
+def _exact_blocks() -> dict:
+    """Exact emulations independent of the plan (tests/background.py): alst, alst-block in
+    every block, and un-checkpointed in the last 1, 3 and 5 blocks only."""
+    def job(stack: str, k: int | None = None) -> tuple:
+        return (functools.partial(emulate_cell, exact=True),
+                Cell.from_dict(DEEP | {"stack": stack, "keep_blocks": k}), Hardware())
+
+    return {"light": job("alst"), "full": job("alst-block")} | {
+        k: job("alst-block", k) for k in (1, 3, 5)}
+
+
+@pytest.mark.slow  # 8 exact emulations of a 6-layer tiny step, about 20 s on 2 cores
+@pytest.mark.background(jobs=_exact_blocks)
+def test_uncheckpointed_blocks_stay_under_the_chord_and_the_plan_picks_what_fits(background):
+    """Exact emulations (a GPU, tiny with 6 layers at 4K on 4 ranks): each block run without
+    its checkpoint saves the same time, keeps its tensors on the device and none on the host,
+    and the device peak with the last k blocks kept is at most the chord between alst's
+    (k = 0) and alst-block's (k = 6), which is what ``device_keep_blocks`` estimates; the last
+    block alone adds nothing (it is freed by the first backward, before alst's peak). Given a
+    device budget between the chord's values at 3 and 4, the plan adds k = 3, which fits."""
+    rows = background()
+    light, full = rows["light"], rows["full"]
+    assert full["peak_host_bytes"] == 0 < light["peak_host_bytes"]  # nothing offloaded
+    per_block = (full["peak_device_bytes"] - light["peak_device_bytes"]) / 6
+    assert per_block > 0
+    assert rows[1]["peak_device_bytes"] == light["peak_device_bytes"]
+    for k in (1, 3, 5):
+        assert rows[k]["emulation"] == "exact" and rows[k]["keep_blocks"] == k
+        assert rows[k]["peak_device_bytes"] <= light["peak_device_bytes"] + k * per_block, k
+    times = [light["step_time_s"], *(rows[k]["step_time_s"] for k in (1, 3, 5)),
+             full["step_time_s"]]
+    saved = [a - b for a, b in zip(times, times[1:], strict=False)]  # per 1, 2, 2, 1 blocks
+    assert saved[0] > 0 and saved == pytest.approx(
+        [saved[0], 2 * saved[0], 2 * saved[0], saved[0]], rel=1e-6)
+
+    budget = light["peak_device_bytes"] + 3.5 * per_block
+    hw = Hardware(gpu_mem_gib=budget / GiB, reserve_gib=0.0)
+    cell = Cell.from_dict(DEEP | {"stack": "alst-block"})
+    assert device_keep_blocks(light, full, cell, hw) == 3
+    spec = PlanSpec("tiny", 4, 4096, overrides=DEEP["overrides"], methods=("ulysses",),
+                    stacks=("alst", "alst-block"), dtype="bf16")
+    by_level = {(r["stack"], r.get("keep_blocks")): r
+                for r in plan(spec, hw, workers=1, exact=True)}
+    assert set(by_level) == {("alst", None), ("alst-block", None), ("alst-block", 3)}
+    assert by_level[("alst-block", None)]["status"] == "oom"
+    assert by_level[("alst-block", 3)]["status"] == "ok"
+    assert by_level[("alst-block", 3)]["peak_device_bytes"] == rows[3]["peak_device_bytes"]
+    assert by_level[("alst-block", 3)]["step_time_s"] < by_level[("alst", None)]["step_time_s"]
+
+
+def test_device_keep_blocks_reads_the_chord_and_needs_room():
+    """At least one block where alst fits (the last one adds least); none without room; never
+    every block (that is the level's own row)."""
+    cell = Cell.from_dict(DEEP | {"stack": "alst-block"})
+    gib = 2**30
+    light, full = {"peak_device_bytes": 10 * gib}, {"peak_device_bytes": 70 * gib}  # 10 per block
+    for budget, k in ((10.5, 1), (30, 2), (45, 3), (69, 5), (200, 5)):
+        assert device_keep_blocks(light, full, cell,
+                                  Hardware(gpu_mem_gib=budget, reserve_gib=0.0)) == k, budget
+    assert device_keep_blocks(light, full, cell, Hardware(gpu_mem_gib=9, reserve_gib=0.0)) is None
+    assert device_keep_blocks(light, light, cell, Hardware(reserve_gib=0.0)) is None
 
 
 def test_the_plan_emulates_the_fastest_estimate_of_each_method_and_level(monkeypatch):

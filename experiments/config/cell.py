@@ -66,7 +66,7 @@ class Cell:
     stack: str = "alst"
     """memory-stack level (``STACKS``: the ladder none, ac, offload, alst; the paper's own
     native, torchtitan, megatron-ds; beyond it long, alst-attn, alst-attn-host,
-    long-attn-host)"""
+    long-attn-host, alst-block)"""
     options: Mapping[str, object] = field(default_factory=dict, hash=False)
     """the method's own constructor options this cell sets (its ``declared_options``, e.g.
     UPipe's ``heads_per_stage``, FPDT's ``chunk_size``); an unset one (or None) takes the
@@ -102,8 +102,8 @@ class Cell:
     restart and no label crosses a boundary. None: one unpacked sequence"""
     keep_blocks: int | None = None
     """with a stack that keeps the attention (``alst-attn``, ``alst-attn-host``,
-    ``long-attn-host``): how many blocks keep it, the last ones (``harness.model.kept_blocks``);
-    the others recompute it. None: every block"""
+    ``long-attn-host``) or whole blocks (``alst-block``): how many blocks keep it, the last ones
+    (``harness.model.kept_blocks``); the others recompute it. None: every block"""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """free-form labels carried into the row (e.g. the sweep's ``rep``); not part of the id"""
 
@@ -158,11 +158,11 @@ class Cell:
 
     def _check_keep_blocks(self, n_layers: int) -> None:
         """keep_blocks: an int from 1 to the model's layers, on a stack that keeps the
-        attention (elsewhere no block keeps it)."""
-        if not STACKS[self.stack].keep_attention:
-            keeping = [name for name, s in STACKS.items() if s.keep_attention]
-            raise ValueError(f"keep_blocks needs a stack that keeps the attention ({keeping}), "
-                             f"got stack {self.stack!r}")
+        attention or whole blocks (elsewhere no block keeps anything)."""
+        if not (STACKS[self.stack].keep_attention or STACKS[self.stack].keep_block):
+            keeping = [name for name, s in STACKS.items() if s.keep_attention or s.keep_block]
+            raise ValueError(f"keep_blocks needs a stack that keeps the attention or whole "
+                             f"blocks ({keeping}), got stack {self.stack!r}")
         if (isinstance(self.keep_blocks, bool) or not isinstance(self.keep_blocks, int)
                 or not 1 <= self.keep_blocks <= n_layers):
             raise ValueError(f"keep_blocks must be an int from 1 to the model's {n_layers} "

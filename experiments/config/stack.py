@@ -53,6 +53,12 @@ class StackConfig:
     keep_on_host: bool = False
     """with ``keep_attention`` and ``offload``: the kept tensors in host memory (pinned and
     copied back in the backward, as ``offload``'s block inputs), in blocks that offload"""
+    keep_block: bool = False
+    """with ``checkpoint``, whole-block keeping: a kept block (the cell's ``keep_blocks``, the
+    last ones; every block when unset) runs without its checkpoint and without offload, so
+    everything it saves for its backward stays on the device and its backward recomputes
+    nothing but what its tiled ops recompute by design (the tiled MLP's and norms' shards);
+    the other blocks run as the level without it"""
 
 
 STACKS: dict[str, StackConfig] = {
@@ -121,6 +127,14 @@ STACKS: dict[str, StackConfig] = {
     "long-attn-host": StackConfig(True, True, True, True, offload_first=True,
                                   residual_ffn=True, fuse_norm=True, keep_attention=True,
                                   keep_on_host=True),
+    # ALST with whole blocks un-checkpointed (issue 34's layer-wise policy, what TorchTitan
+    # calls selective activation checkpointing by layer): the kept blocks skip their whole
+    # recompute (norms, projections, attention) for every tensor they save on the device.
+    # Under ALST the tiled MLP and norms recompute their shards in their own backward anyway,
+    # so a kept block differs from alst-attn's (every block keeping the attention) by the MLP
+    # half's saved tensors: the tiled norm's input and output and the MLP's input (each
+    # (L, dim)), where alst-attn checkpoints that half from its input alone.
+    "alst-block": StackConfig(True, True, True, True, keep_block=True),
 }
 
 DTYPES = ("fp32", "bf16")

@@ -24,6 +24,8 @@ each level changes how the forward runs:
   ``residual_ffn`` runs ``h + mlp(norm(h))`` as one tiled op (``upipe.stack.tiled_residual``);
   ``fuse_norm`` hands the attention's pre-norm to an attention that fuses it
   (``fuses_input_norm``: UPipe), so the normalised input is never a saved (L, dim) tensor;
+- ``keep_attention`` / ``keep_block`` (selective recomputation, beyond the paper): in the kept
+  blocks (``kept_blocks``) the attention half, or the whole block, runs outside the checkpoint;
 - ``megatron_fpdt`` (the ``megatron-ds`` stack): the MLP as Megatron-DeepSpeed's FPDT_FFN
   and the norms with a fused kernel's memory (``baselines.megatron_stack``), in chunks of the
   first attention's FPDT chunk (its ``chunk_size``, else Megatron's default) over the CP
@@ -100,17 +102,21 @@ class Block(nn.Module):
     (``cu_seqlens``: the packed documents' global bounds, passed to the attention)."""
 
     def __init__(self, cfg: ModelConfig, attention: nn.Module, stack: StackConfig,
-                 offload: bool = False, keep_attention: bool | None = None):
+                 offload: bool = False, keep_attention: bool | None = None,
+                 checkpointed: bool = True):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = attention
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
         self.stack = stack
-        self.offload = offload  # this block's checkpointed input goes to host memory
         # selective recomputation in this block (the stack's choice unless the model keeps the
         # attention in some blocks only: Transformer's keep_blocks)
         self.keep_attention = stack.keep_attention if keep_attention is None else keep_attention
+        # whole-block keeping (the stack's keep_block, in Transformer's kept blocks): no
+        # checkpoint, so no checkpointed input to offload either
+        self.checkpointed = stack.checkpoint and checkpointed
+        self.offload = offload and self.checkpointed  # its checkpointed input to host memory
         # Set by the harness (Transformer.set_offload): its tracker's host() so offloaded bytes
         # count as host bytes, and whether host memory is pinned.
         self.host_context: Callable[[], contextlib.AbstractContextManager] = (
@@ -151,7 +157,7 @@ class Block(nn.Module):
         return self.stack.reentrant or getattr(self.attention, "checkpoint_reentrant", False)
 
     def forward(self, x: torch.Tensor, cu_seqlens: list[int] | None = None) -> torch.Tensor:
-        if not self.stack.checkpoint:
+        if not self.checkpointed:
             return self._forward(x, cu_seqlens)
         # Either checkpoint saves only the block input (non-reentrant: its placeholder; reentrant:
         # the Function's save_for_backward), through the saved-tensor hooks active *outside* it:
@@ -182,8 +188,9 @@ def block_offloads(stack: StackConfig, i: int, n_layers: int) -> bool:
 
 
 def kept_blocks(n_layers: int, keep_attention: bool, keep_blocks: int | None) -> range:
-    """The blocks that keep their attention's saved tensors: none without ``keep_attention``,
-    every one with ``keep_blocks`` None, else the last ``keep_blocks``.
+    """The blocks that keep their attention's saved tensors (or, on a ``keep_block`` stack,
+    everything they save: they are not checkpointed): none without ``keep_attention``, every
+    one with ``keep_blocks`` None, else the last ``keep_blocks``.
 
     The last ones because the backward reaches them first: a block's kept tensors are freed as
     soon as its backward has run, so the blocks nearest the loss hold theirs the shortest time
@@ -207,8 +214,9 @@ class Transformer(nn.Module):
             (hybrid methods: a 2-D DeviceMesh with dims ``("ring", "ulysses")``) instead.
         stack: memory-stack switches.
         kernel, method_options: passed to every attention module.
-        keep_blocks: with a stack that keeps the attention (``keep_attention``), the number of
-            blocks that keep it, the last ones (``kept_blocks``); None: every block.
+        keep_blocks: with a stack that keeps the attention (``keep_attention``) or whole
+            blocks (``keep_block``), the number of blocks that keep it, the last ones
+            (``kept_blocks``); None: every block.
     """
 
     def __init__(self, cfg: ModelConfig, method: str, stack: StackConfig, *,
@@ -219,14 +227,16 @@ class Transformer(nn.Module):
         self.cfg, self.stack = cfg, stack
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         n = cfg.n_layers
-        kept = kept_blocks(n, stack.keep_attention, keep_blocks)
+        kept = kept_blocks(n, stack.keep_attention or stack.keep_block, keep_blocks)
         # the method's constructor rejects group and mesh together; pass only the one given
         where = {"group": group} if mesh is None else {"mesh": mesh}
         self.layers = nn.ModuleList(
             Block(cfg, build_method(method, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                     causal=True, rope_theta=cfg.rope_theta, kernel=kernel,
                                     **where, **(method_options or {})),
-                  stack, offload=block_offloads(stack, i, n), keep_attention=i in kept)
+                  stack, offload=block_offloads(stack, i, n),
+                  keep_attention=stack.keep_attention and i in kept,
+                  checkpointed=not (stack.keep_block and i in kept))
             for i in range(n)
         )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)

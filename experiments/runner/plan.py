@@ -54,6 +54,9 @@ LADDER: dict[str, tuple[str, ...]] = {
     # attention's backward needs its saved tensors back on the device, and the MLP's recompute
     # is alst's), so alst over the device rules both out.
     "alst-attn": ("alst",), "alst-attn-host": ("alst",),
+    # whole blocks un-checkpointed: every tensor alst's recompute would make again stays on the
+    # device, so alst over the device rules it out too
+    "alst-block": ("alst",),
 }
 
 # Beyond the paper: the ``long`` level (config.stack) with UPipe's chunked attention backward,
@@ -70,6 +73,11 @@ LONG_CHUNK = 2**16  # tokens per chunk of the backward: FPDT's chunk in the pape
 # (``host_keep_blocks``), the fastest by estimate emulated exactly (the fit cannot mix blocks,
 # ``fit.fit_refusal``; ``plan``).
 KEEP_ON_HOST = {"alst-attn-host": "alst", "long-attn-host": LONG}
+# Levels that keep whole blocks on the device -> the level they are otherwise. Where keeping
+# every block is over the device budget while the level without keeping fits, the plan adds
+# the configuration keeping as many of the last blocks as the device holds by estimate
+# (``device_keep_blocks``), emulated exactly as the host's are.
+KEEP_ON_DEVICE = {"alst-block": "alst"}
 
 # by default the stacks a user chooses between; megatron-ds and torchtitan reproduce the
 # paper's FPDT (DeepSpeed's on Megatron-DeepSpeed) and PyTorch-CP runs and are planned when
@@ -79,7 +87,7 @@ PAPER_ONLY_STACKS = ("megatron-ds", "torchtitan")
 # are emulated in full for every configuration, which made the default plan of Llama3-8B on 8
 # GPUs at 4M take 591 s instead of about 2 minutes (measured on 2 busy cores, 83 of 225 rows
 # emulated), and a cheap bound on what they keep is not built yet.
-SELECTIVE_STACKS = ("alst-attn", "alst-attn-host", "long-attn-host")
+SELECTIVE_STACKS = ("alst-attn", "alst-attn-host", "long-attn-host", "alst-block")
 DEFAULT_STACKS = tuple(s for s in LADDER if s not in PAPER_ONLY_STACKS + SELECTIVE_STACKS) + (
     LONG,)
 
@@ -200,6 +208,12 @@ def _over_device(row: dict) -> bool:
             or row["status"] == Status.OOM and "device peak" in row.get("error", ""))
 
 
+def _over_device_emulated(row: dict) -> bool:
+    """Whether a row was emulated (with its time) and is over the device budget."""
+    return (row["status"] == Status.OOM and "device peak" in (row.get("error") or "")
+            and "plan_inferred_from" not in row)
+
+
 def _over_host_only(row: dict) -> bool:
     """Whether an emulated row is over the host budget and not over the device's."""
     error = row.get("error") or ""
@@ -233,6 +247,27 @@ def host_keep_blocks(light: dict, full: dict, cell: Cell, hw: Hardware) -> int |
     return best
 
 
+def device_keep_blocks(light: dict, full: dict, cell: Cell, hw: Hardware) -> int | None:
+    """How many of the last blocks may run un-checkpointed within the device budget, below the
+    model's depth, on ``cell``'s level (one of ``KEEP_ON_DEVICE``), by estimate; None when the
+    level without keeping (``light``) leaves no room or keeping adds nothing.
+
+    ``light`` is the configuration's row recomputing every block, ``full`` its row keeping
+    every one. The estimate is the chord between their device peaks: k = room / ((full -
+    light) / N), at least 1. The device peak does not grow faster than that chord (exact
+    emulations, tests/test_selective_recompute.py): the last block keeps its tensors only
+    until its own backward, the first of the step's, so it adds least, and each further
+    middle block adds the same bytes. Unlike the host's rule this is an estimate: the plan
+    emulates the configuration it picks exactly (``_partial_rows``), so a k that does not fit
+    is a row over the budget, not a wrong one."""
+    n = cell.validate().n_layers
+    room = hw.device_budget(cell) - light["peak_device_bytes"]
+    per_block = (full["peak_device_bytes"] - light["peak_device_bytes"]) / n
+    if room < 0 or per_block <= 0:
+        return None
+    return max(1, min(n - 1, int(room // per_block)))
+
+
 def _keep_row(cell: Cell, light: dict, hw: Hardware, exact: bool) -> dict:
     """``cell`` (a level of ``KEEP_ON_HOST``) keeping the attention in every block: its row,
     timed even when it is over the host budget only (``partial_candidates`` interpolates its
@@ -251,21 +286,24 @@ def partial_candidates(configs: list[tuple[Cell, list[dict]]],
     """(estimated tokens/s per GPU, cell, the estimate's wording) of every configuration (its
     cell and rows, ``plan_configuration``'s) whose level of ``KEEP_ON_HOST`` is over the host
     budget only while its level without keeping fits: kept in the last ``host_keep_blocks``
-    blocks. The estimate interpolates the step time between the two levels' by the share of
-    blocks kept, as each kept block skips the same recompute (exact emulations of tiny,
+    blocks; likewise a level of ``KEEP_ON_DEVICE`` over the device, in the last
+    ``device_keep_blocks``. The estimate interpolates the step time between the two levels' by
+    the share of blocks kept, as each kept block skips the same recompute (exact emulations of tiny,
     tests/test_selective_recompute.py; Llama3-8B on 8 GPUs, the six cells of
     results/selective_recompute_llama3_8b_h100x8-emulated from 1M to 5M: within 0.12% of their
     exact emulations); it only chooses which to emulate."""
     out = []
     for config, rows in configs:
         by_stack = {r["stack"]: r for r in rows}
-        for stack, lighter in KEEP_ON_HOST.items():
+        for stack, lighter in (KEEP_ON_HOST | KEEP_ON_DEVICE).items():
             full, light = by_stack.get(stack), by_stack.get(lighter)
+            on_host = stack in KEEP_ON_HOST
             if (full is None or light is None or light["status"] != Status.OK
-                    or not _over_host_only(full) or not full.get("step_time_s")):
+                    or not (_over_host_only(full) if on_host else _over_device_emulated(full))
+                    or not full.get("step_time_s")):
                 continue
             cell = Cell.from_dict(config.to_dict() | {"stack": stack})
-            k = host_keep_blocks(light, full, cell, hw)
+            k = (host_keep_blocks if on_host else device_keep_blocks)(light, full, cell, hw)
             if k is None:
                 continue
             n = cell.validate().n_layers
@@ -316,6 +354,9 @@ def plan_configuration(alst: Cell, hw: Hardware, stacks: tuple[str, ...],
             rows[stack] = emulate_cell(cell, hw, exact=exact, bound_first=True)
         elif stack in KEEP_ON_HOST and KEEP_ON_HOST[stack] in rows:
             rows[stack] = _keep_row(cell, rows[KEEP_ON_HOST[stack]], hw, exact)
+        elif stack in KEEP_ON_DEVICE:
+            # memory and time even over the device: partial_candidates interpolates its time
+            rows[stack] = emulate_cell(cell, hw, exact=exact)
         else:
             # over the device by a lower bound (one short exact step, where that is cheap), or
             # memory first (no work counted: three dispatch layers fewer per op); the time of
@@ -438,8 +479,9 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int = 2, exact: bool = False,
     per stage of its mesh (and, overlapped, its blocking twin) have their rows
     (``_next_startable``): it is not emulated on a stack where one of them was over the device
     (``_over_by_u``), whatever the number of workers. Then, per method and level of
-    ``KEEP_ON_HOST``, the configuration keeping the attention in as many blocks as the host
-    holds that is estimated fastest (``partial_candidates``) is emulated exactly (a minute or
+    ``KEEP_ON_HOST`` (``KEEP_ON_DEVICE``), the configuration keeping the attention (whole
+    blocks) in as many blocks as the host (the device) holds that is estimated fastest
+    (``partial_candidates``) is emulated exactly (a minute or
     two each at paper scale: its mix of blocks is beyond the fit); the others are rows saying
     their estimate."""
     hw.validate(world=spec.gpus)
@@ -483,8 +525,9 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int = 2, exact: bool = False,
 
 def _partial_rows(configs: list[tuple[Cell, list[dict]]], hw: Hardware, exact: bool, submit,
                   on_rows: Callable[[list[dict]], None] | None) -> list[dict]:
-    """The configurations keeping the attention in some blocks (``partial_candidates``): the
-    best estimate per method and level emulated, the others rows with their estimate."""
+    """The configurations keeping the attention, or whole blocks, in some blocks
+    (``partial_candidates``): the best estimate per method and level emulated, the others rows
+    with their estimate."""
     best: dict[tuple, tuple[float, Cell, str]] = {}
     others = []
     for cand in sorted(partial_candidates(configs, hw), key=lambda c: -c[0]):

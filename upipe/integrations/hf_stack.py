@@ -24,6 +24,8 @@ docs/design.md#the-memory-stack), put into a ``transformers`` model in place, ea
   the MLP), so each layer keeps its normalised MLP input (the checkpoint's) and the norm's
   input: one (L, hidden) tensor more than the harness's split, which checkpoints norm and MLP
   together from the residual sum.
+- ``uncheckpointed_layers`` (layer-wise selective recomputation): the last N decoder layers
+  run without a checkpoint or offload, all they save kept on the device.
 - ``tiled``: each decoder layer's ``mlp`` runs over ceil(L / hidden) sequence shards
   (``upipe.stack.tiled``, DeepSpeed's ``TiledMLP``); dense, per-token MLPs only.
 - ``chunked_loss``: with ``labels``, the model's forward runs the base decoder and
@@ -90,6 +92,9 @@ def check_stack(model: nn.Module, stack: str | MemoryStack | None) -> MemoryStac
                 raise ValueError(f"MemoryStack.checkpoint needs transformers' "
                                  f"GradientCheckpointingLayer decoder layers; "
                                  f"{type(layer).__name__} is not one")
+    if stack.uncheckpointed_layers > len(layers):
+        raise ValueError(f"MemoryStack.uncheckpointed_layers must be at most the model's "
+                         f"{len(layers)} decoder layers, got {stack.uncheckpointed_layers}")
     for name in ("tiled", "keep_attention"):
         if getattr(stack, name):
             for layer in layers:
@@ -242,7 +247,8 @@ def apply_stack(model: nn.Module, stack: MemoryStack | None, cp: int,
         for layer in layers:
             _with_mixin(layer.mlp, _TiledMLP)
     if stack.checkpoint:
-        for i, layer in enumerate(layers):
+        # the last ``uncheckpointed_layers`` run as they are: no checkpoint, no offload
+        for i, layer in enumerate(layers[:len(layers) - stack.uncheckpointed_layers]):
             offload = stack.offload and 0 < i < len(layers) - 1  # ALST: not the first and last
             fn = _OffloadedCheckpoint(cp, reentrant) if offload else _checkpoint(reentrant)
             if not stack.keep_attention:

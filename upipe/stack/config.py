@@ -25,12 +25,26 @@ class MemoryStack:
     keep_on_host: bool = False
     """with ``keep_attention`` and ``offload``: in the layers that offload, what the attention
     half keeps goes to host memory, as the checkpointed inputs do"""
+    uncheckpointed_layers: int = 0
+    """with ``checkpoint``, layer-wise selective recomputation: the last this many decoder
+    layers run without their checkpoint (and without offload), so all they save stays on the
+    device and their backward recomputes nothing (the harness's ``alst-block`` level with a
+    cell's ``keep_blocks``). The last layers because the backward frees theirs first: the last
+    one alone adds nothing to a peak reached in an earlier layer's backward"""
 
     def __post_init__(self):
         for f in fields(self):
+            if f.name == "uncheckpointed_layers":
+                continue
             if not isinstance(getattr(self, f.name), bool):
                 raise ValueError(f"MemoryStack.{f.name} must be a bool, got "
                                  f"{getattr(self, f.name)!r}")
+        n = self.uncheckpointed_layers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"MemoryStack.uncheckpointed_layers must be an int >= 0, got {n!r}")
+        if n and not self.checkpoint:
+            raise ValueError("MemoryStack.uncheckpointed_layers needs checkpoint=True: without "
+                             "it no layer is checkpointed")
         if self.offload and not self.checkpoint:
             raise ValueError("MemoryStack.offload needs checkpoint=True: it offloads the "
                              "checkpointed layer inputs, which exist only under checkpointing")

@@ -11,7 +11,12 @@ import pytest
 from experiments.config import STACKS, Cell
 from experiments.harness.model import block_offloads
 from experiments.reporting import selective_table
-from experiments.runner.plan import KEEP_ON_HOST, host_keep_blocks
+from experiments.runner.plan import (
+    KEEP_ON_DEVICE,
+    KEEP_ON_HOST,
+    device_keep_blocks,
+    host_keep_blocks,
+)
 from experiments.sweeps import SWEEPS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +86,9 @@ def test_the_sweeps_keep_the_blocks_the_planner_picks(sweep):
     plan's rule (``host_keep_blocks``) picks from the same sweep's rows of the level without
     keeping and the level keeping it everywhere, fits, and has the host peak that rule
     predicts: the level without keeping plus k - 1 blocks' share (to 1 MiB: those two rows
-    are the fit's predictions, rounded to the byte)."""
+    are the fit's predictions, rounded to the byte). Each cell keeping whole blocks
+    (``KEEP_ON_DEVICE``) keeps the k of the plan's device rule (``device_keep_blocks``), fits,
+    and its device peak is at most that rule's chord."""
     rows = pd.read_csv(ROOT / "results" / sweep.name / "rows.csv")
     partial = [c for c in sweep.cells() if c.keep_blocks is not None]
     assert partial
@@ -94,12 +101,19 @@ def test_the_sweeps_keep_the_blocks_the_planner_picks(sweep):
             assert len(mine) == 1, (cell.cell_id(), stack, keep)
             return mine[0]
 
-        light, full = row(KEEP_ON_HOST[cell.stack]), row(cell.stack)
         whole = Cell.from_dict(cell.to_dict() | {"keep_blocks": None})
-        assert host_keep_blocks(light, full, whole, sweep.hardware) == cell.keep_blocks
         kept = row(cell.stack, cell.keep_blocks)
         assert kept["status"] == "ok" and kept["emulation"] == "exact", kept["error"]
         n = cell.validate().n_layers
+        if cell.stack in KEEP_ON_DEVICE:
+            light, full = row(KEEP_ON_DEVICE[cell.stack]), row(cell.stack)
+            assert device_keep_blocks(light, full, whole, sweep.hardware) == cell.keep_blocks
+            chord = light["peak_device_bytes"] + cell.keep_blocks * (
+                full["peak_device_bytes"] - light["peak_device_bytes"]) / n
+            assert kept["peak_device_bytes"] <= chord, cell.cell_id()
+            continue
+        light, full = row(KEEP_ON_HOST[cell.stack]), row(cell.stack)
+        assert host_keep_blocks(light, full, whole, sweep.hardware) == cell.keep_blocks
         n_offloading = sum(block_offloads(STACKS[cell.stack], i, n) for i in range(n))
         share = (full["peak_host_bytes"] - light["peak_host_bytes"]) / n_offloading
         expected = light["peak_host_bytes"] + (cell.keep_blocks - 1) * share

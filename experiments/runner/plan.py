@@ -255,7 +255,8 @@ def device_keep_blocks(light: dict, full: dict, cell: Cell, hw: Hardware) -> int
     ``light`` is the configuration's row recomputing every block, ``full`` its row keeping
     every one. The estimate is the chord between their device peaks: k = room / ((full -
     light) / N), at least 1. The device peak does not grow faster than that chord (exact
-    emulations, tests/test_selective_recompute.py): the last block keeps its tensors only
+    emulations of tiny, tests/test_selective_recompute.py, and of every partial cell of the
+    selective sweeps, tests/test_selective_table.py): the last block keeps its tensors only
     until its own backward, the first of the step's, so it adds least, and each further
     middle block adds the same bytes. Unlike the host's rule this is an estimate: the plan
     emulates the configuration it picks exactly (``_partial_rows``), so a k that does not fit

@@ -1,7 +1,8 @@
 """Selective recomputation (beyond the paper): memory turned into speed. Ulysses and UPipe on
 ALST, which recomputes every block whole, against the same stack keeping the attention's saved
 tensors on the device (``alst-attn``) or in host memory (``alst-attn-host``), so the recompute
-skips the attention (``experiments/config/stack.py``, docs/design.md#the-memory-stack).
+skips the attention, or running whole blocks without their checkpoint (``alst-block``), so it
+skips the block (``experiments/config/stack.py``, docs/design.md#the-memory-stack).
 
 Paper scale (emulated): Llama3-8B on one 8-GPU node from 1M tokens, where the paper's UPipe
 runs at 30-55 GiB of 73 and no faster than Ulysses, and Qwen3-32B on two nodes (16 GPUs, the
@@ -13,7 +14,7 @@ by level); the tokens/s are in the tables (docs/results.md, ``reporting.selectiv
 from experiments.config import Sweep
 
 METHODS = [{"method": "ulysses"}, {"method": "upipe"}]
-STACKS = ["alst", "alst-attn", "alst-attn-host"]
+STACKS = ["alst", "alst-attn", "alst-attn-host", "alst-block"]
 # the long level and long keeping the attention in host memory: paper scale only (the CPU
 # sweeps measure what the alst levels keep; the long ones keep less of the same)
 PAPER_STACKS = STACKS + ["long", "long-attn-host"]
@@ -21,10 +22,13 @@ PAPER_STACKS = STACKS + ["long", "long-attn-host"]
 
 def kept_in(method: str, stack: str, seq_len: str, keep_blocks: int,
             ring_degree: int = 1) -> dict:
-    """A cell keeping the attention in its last ``keep_blocks`` blocks only: where keeping it
-    in every block is over the host budget only, the number the planner picks from the two
-    levels' host peaks (``runner.plan.host_keep_blocks``; tests/test_selective_table.py checks
-    each against the committed rows). Emulated exactly: the fit cannot mix blocks."""
+    """A cell keeping the attention (on ``alst-block``: whole blocks) in its last
+    ``keep_blocks`` blocks only: where keeping it in every block is over the host budget only,
+    the number the planner picks from the two levels' host peaks
+    (``runner.plan.host_keep_blocks``); where keeping every block whole is over the device,
+    the number it reads from their device peaks' chord (``runner.plan.device_keep_blocks``).
+    tests/test_selective_table.py checks each against the committed rows. Emulated exactly:
+    the fit cannot mix blocks."""
     return {"method": method, "stack": stack, "seq_len": seq_len, "keep_blocks": keep_blocks,
             "ring_degree": ring_degree}
 
@@ -33,7 +37,8 @@ SWEEPS = [
     Sweep(
         name="selective_recompute_llama3_8b_h100x8",
         description="Selective recomputation: Llama3-8B, 8x H100, Ulysses and UPipe on ALST "
-                    "with the attention recomputed, kept on the device or kept in host memory",
+                    "with the attention recomputed, kept on the device or kept in host memory, "
+                    "and whole blocks un-checkpointed",
         scale="paper",
         base={"model": "llama3-8b", "nproc": 8, "dtype": "bf16", "warmup": 1, "iters": 2},
         axes={"variant": METHODS, "stack": PAPER_STACKS,
@@ -50,6 +55,16 @@ SWEEPS = [
             kept_in("upipe", "alst-attn-host", "4M", 11),
             kept_in("upipe", "long-attn-host", "4M", 16),
             kept_in("upipe", "long-attn-host", "5M", 10),
+            # and where every block un-checkpointed is over the device while alst fits
+            kept_in("ulysses", "alst-block", "1M", 5),
+            kept_in("ulysses", "alst-block", "2M", 2),
+            kept_in("ulysses", "alst-block", "3M", 1),
+            kept_in("upipe", "alst-block", "1M", 9),
+            kept_in("upipe", "alst-block", "2M", 3),
+            kept_in("upipe", "alst-block", "3M", 1),
+            kept_in("ulysses", "alst-block", "4M", 1),
+            kept_in("upipe", "alst-block", "4M", 1),
+            kept_in("upipe", "alst-block", "5M", 1),
         ),
         plots=("memory_ladder",),
     ),
@@ -57,7 +72,7 @@ SWEEPS = [
         name="selective_recompute_qwen3_32b_h100x16",
         description="Selective recomputation: Qwen3-32B, 16x H100 (2 nodes), Ulysses and UPipe "
                     "(also 8x2) on ALST with the attention recomputed, kept on the device or "
-                    "kept in host memory",
+                    "kept in host memory, and whole blocks un-checkpointed",
         scale="paper",
         base={"model": "qwen3-32b", "nproc": 16, "dtype": "bf16", "warmup": 1, "iters": 2},
         axes={"variant": METHODS + [{"method": "upipe", "ring_degree": 2}],
@@ -77,6 +92,17 @@ SWEEPS = [
             kept_in("upipe", "alst-attn-host", "3M", 20, ring_degree=2),
             kept_in("upipe", "long-attn-host", "3M", 27, ring_degree=2),
             kept_in("upipe", "long-attn-host", "4M", 15, ring_degree=2),
+            kept_in("ulysses", "alst-block", "1M", 4),
+            kept_in("upipe", "alst-block", "1M", 8),
+            kept_in("upipe", "alst-block", "2M", 2),
+            kept_in("upipe", "alst-block", "1M", 8, ring_degree=2),
+            kept_in("upipe", "alst-block", "2M", 2, ring_degree=2),
+            kept_in("ulysses", "alst-block", "2M", 1),
+            kept_in("ulysses", "alst-block", "3M", 1),
+            kept_in("upipe", "alst-block", "3M", 1),
+            kept_in("upipe", "alst-block", "4M", 1),
+            kept_in("upipe", "alst-block", "3M", 1, ring_degree=2),
+            kept_in("upipe", "alst-block", "4M", 1, ring_degree=2),
         ),
         plots=("memory_ladder",),
     ),

@@ -183,6 +183,13 @@ DEEP = BASE | {"method": "ulysses", "seq_len": 4096, "dtype": "bf16",
                    ("n_layers", "6"),)}
 
 
+def _planned(stack: str, hw: Hardware) -> dict:
+    """DEEP's Ulysses planned exactly on alst and ``stack``: rows by (stack, keep_blocks)."""
+    spec = PlanSpec("tiny", 4, 4096, overrides=DEEP["overrides"], methods=("ulysses",),
+                    stacks=("alst", stack), dtype="bf16")
+    return {(r["stack"], r.get("keep_blocks")): r for r in plan(spec, hw, workers=1, exact=True)}
+
+
 def _exact_levels() -> dict:
     """The exact emulations that do not depend on the plan (tests/background.py): alst,
     alst-attn-host in every block, and kept in the last 1 and 5 of them."""
@@ -212,10 +219,7 @@ def test_partial_keeping_host_peak_is_affine_and_the_plan_picks_what_fits(backgr
     hw = Hardware(gpus_per_node=4, host_mem_gib=4 * budget / GiB)
     cell = Cell.from_dict(DEEP | {"stack": "alst-attn-host"})
     assert host_keep_blocks(light, full, cell, hw) == 3
-    spec = PlanSpec("tiny", 4, 4096, overrides=DEEP["overrides"], methods=("ulysses",),
-                    stacks=("alst", "alst-attn-host"), dtype="bf16")
-    by_level = {(r["stack"], r.get("keep_blocks")): r
-                for r in plan(spec, hw, workers=1, exact=True)}
+    by_level = _planned("alst-attn-host", hw)
     assert len(by_level) == 3
     assert by_level[("alst-attn-host", None)]["status"] == "oom"
     assert by_level[("alst-attn-host", 3)]["status"] == "ok"
@@ -270,10 +274,7 @@ def test_uncheckpointed_blocks_stay_under_the_chord_and_the_plan_picks_what_fits
     hw = Hardware(gpu_mem_gib=budget / GiB, reserve_gib=0.0)
     cell = Cell.from_dict(DEEP | {"stack": "alst-block"})
     assert device_keep_blocks(light, full, cell, hw) == 3
-    spec = PlanSpec("tiny", 4, 4096, overrides=DEEP["overrides"], methods=("ulysses",),
-                    stacks=("alst", "alst-block"), dtype="bf16")
-    by_level = {(r["stack"], r.get("keep_blocks")): r
-                for r in plan(spec, hw, workers=1, exact=True)}
+    by_level = _planned("alst-block", hw)
     assert set(by_level) == {("alst", None), ("alst-block", None), ("alst-block", 3)}
     assert by_level[("alst-block", None)]["status"] == "oom"
     assert by_level[("alst-block", 3)]["status"] == "ok"

@@ -47,7 +47,7 @@ for p in "$@"; do
             >"$out/gpu_tests.log" 2>&1 ;;
         attention) part attention 90 python3 -m experiments.gpu costs --out "$out/attention" \
             --skip dispatch,memory,matmul,host_copy,steps,calibrate ;;
-        selective) part selective 260 python3 -m experiments.gpu selective --out "$out" ;;
+        selective) part selective 300 python3 -m experiments.gpu selective --out "$out" ;;
         validate) part validate 240 python3 -m experiments.cli validate-time --device cuda \
             --quick --out "$out" --no-progress ;;
         profile) part profile 180 python3 -m experiments.gpu costs --out "$out/steps" \

@@ -40,14 +40,14 @@ def test_the_run_measures_and_predicts_every_cell(monkeypatch, tmp_path):
     """Every method x length x level is a row; a prediction that fails keeps the measurement."""
     monkeypatch.setattr(selective_gpu, "measure_steps", lambda cell, device, iters: (
         {"step_s": {"alst": 2.0, "alst-attn": 1.6, "alst-attn-host": 1.8,
-                    "long-attn-host": 1.7}[cell.stack],
+                    "long-attn-host": 1.7, "alst-block": 1.5}[cell.stack],
          "status": "ok"}, None, []))
 
     def predict(cell, profiles):
         if cell.method == "ulysses" and cell.stack == "alst-attn-host":
             raise ValueError("no fit")
         return {"predicted_s_shipped": {"alst": 3.0, "alst-attn": 2.5, "alst-attn-host": 2.4,
-                                        "long-attn-host": 2.3}[cell.stack]}
+                                        "long-attn-host": 2.3, "alst-block": 2.2}[cell.stack]}
 
     monkeypatch.setattr(selective_gpu, "predict", predict)
     table = selective_gpu.run(tmp_path, small=True, progress=False)

@@ -7,9 +7,10 @@ communication), Llama3-8B shapes with 4 layers, bf16, at 128K and 256K tokens: U
 on ``alst`` (full checkpointing: every block's forward runs again in the backward, attention
 included), ``alst-attn`` (the attention's outputs kept on the device, so the recomputed forward
 skips the attention kernels), ``alst-attn-host`` (kept in pinned host memory, copied back on
-a side stream) and ``long-attn-host`` (the same on the ``long`` level: UPipe saves its block input
-once). Each cell is measured as ``gpu_costs.measure_steps`` does (a warm-up step, then
-the median of two, the allocator cleaned between cells) and emulated exactly, its step priced
+a side stream), ``long-attn-host`` (the same on the ``long`` level: UPipe saves its block input
+once) and ``alst-block`` (no block checkpointed: nothing recomputed, nothing offloaded). Each
+cell is measured as ``gpu_costs.measure_steps`` does (a warm-up step, then the median of two,
+the allocator cleaned between cells) and emulated exactly, its step priced
 on the GPU's shipped profile without communication (``time_validation_gpu.predict``).
 
 Writes ``<out>/selective_recompute_gpu/``: ``rows.csv`` (measured and predicted step, allocator
@@ -41,7 +42,8 @@ FOLDER = "selective_recompute_gpu"
 ITERS = 2  # timed steps per cell after a warm-up step
 METHODS = ("ulysses", "upipe")
 LENGTHS = (2**17, 2**18)
-LEVELS = ("alst", "alst-attn", "alst-attn-host", "long-attn-host")  # alst first: the baseline
+# alst first: the baseline
+LEVELS = ("alst", "alst-attn", "alst-attn-host", "long-attn-host", "alst-block")
 TARGET = 0.05  # the issue's: each level's measured speed-up within 5% of the emulated one
 
 

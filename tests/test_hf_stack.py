@@ -134,6 +134,7 @@ def test_bad_stack_is_refused_before_any_change():
         model.model.layers) + 1)
     with pytest.raises(ValueError, match=r"uncheckpointed_layers must be at most the model's "):
         hf.parallelize(model, "ulysses", stack=too_many)
+    assert not hasattr(model, "upipe_cp_method")  # refused before any change
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(VOCAB))
     with pytest.raises(ValueError, match=r"MemoryStack.chunked_loss needs .* bias-free"):
         hf.parallelize(model, "ulysses", stack="alst")
@@ -164,8 +165,7 @@ M_SEQ, M_HIDDEN, M_FFN, M_VOCAB, M_LAYERS = 4096, 64, 256, 8192, 4
 MEMORY_STACKS = {"none": None, "ac": "ac", "offload": "offload",
                  "offload+chunked_loss": MemoryStack(True, True, False, True), "alst": "alst",
                  "alst-attn": "alst-attn", "alst-attn-host": "alst-attn-host",
-                 "alst+2 uncheckpointed": dataclasses.replace(LEVELS["alst"],
-                                                                    uncheckpointed_layers=2)}
+                 "alst+2 uncheckpointed": UNCHECKPOINTED}
 
 
 class _VocabRows:

@@ -169,6 +169,10 @@ def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
                    help="with a stack that keeps the attention (alst-attn, alst-attn-host, "
                         "long-attn-host) or whole blocks (alst-block): keep it in the last K "
                         "blocks only, the others recompute it (default: every block)")
+    p.add_argument("--global-rope-table", action="store_true",
+                   help="hold the paper's TorchTitan RoPE table on every rank: every position "
+                        "of the global sequence, 512 bytes a token at head dim 128, as the "
+                        "paper's runs of every method but ds-fpdt kept it (memory only)")
     dtype_default = dtype or "fp32; with --emulate bf16, the paper's"
     p.add_argument("--dtype", default=dtype,
                    help=f"one of {', '.join(DTYPES)} (default {dtype_default})")
@@ -318,6 +322,7 @@ def cell_from_args(a: argparse.Namespace, *, emulated: bool = False,
                 options={name: getattr(a, name, None) for name in every_option()},
                 ring_degree=ring_degree, doc_len=a.doc_len,
                 keep_blocks=getattr(a, "keep_blocks", None),
+                global_rope_table=getattr(a, "global_rope_table", False),
                 dtype=a.dtype or ("bf16" if emulated else "fp32"),
                 kernel=a.kernel, overrides=parse_overrides(a.override),
                 budget_mib=a.budget_mib, warmup=getattr(a, "warmup", 1),

@@ -57,6 +57,8 @@ class Row(_Identity, total=False):
     doc_len: int | None
     keep_blocks: int | None
     """blocks that keep the attention (selective recomputation), the last ones; null: all"""
+    global_rope_table: bool
+    """the paper's TorchTitan RoPE table held on every rank (``Cell.global_rope_table``)"""
     world_size: int
     """dp x nproc ranks"""
     sweep: str

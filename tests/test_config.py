@@ -92,6 +92,9 @@ def test_overrides_are_typed_and_checked():
     ({"dtype": "fp8"}, "dtype must be one of"),
     ({"budget_mib": 0}, "budget_mib must be positive"),
     ({"kernel": "cudnn-v9"}, "kernel"),
+    ({"global_rope_table": "yes"}, "global_rope_table must be true or false, got 'yes'"),
+    ({"global_rope_table": True, "workload": "attention"},
+     "global_rope_table needs the 'step' workload"),
 ])
 def test_cell_validation_names_field_and_rule(fields, msg):
     cell = Cell.from_dict({"method": "upipe"} | fields)
@@ -222,8 +225,9 @@ def test_cell_id_is_stable_and_distinct():
     assert a.cell_id().startswith("upipe-U8-tiny-4K-p4-alst-fp32-")
     others = [dataclasses.replace(a, **kw) for kw in (
         {"options": {"heads_per_stage": 4}}, {"budget_mib": 64.0},
-        {"overrides": (("n_layers", "2"),)}, {"iters": 3})]
-    assert len({c.cell_id() for c in [a, *others]}) == 5
+        {"overrides": (("n_layers", "2"),)}, {"iters": 3}, {"global_rope_table": True})]
+    assert len({c.cell_id() for c in [a, *others]}) == 6
+    assert others[-1].cell_id().startswith("upipe-U8-tiny-4K-p4-alst-rope-fp32-")
     assert Cell.from_dict(a.to_dict()) == a
 
 
@@ -239,7 +243,8 @@ def test_every_committed_cell_keeps_its_id_and_its_dict():
         assert cell.cell_id() == path.parent.name, path
         again = cell.to_dict()
         assert {k: again[k] for k in d} == d and [k for k in again if k in d] == list(d), path
-        assert set(again) - set(d) <= {"dp", "doc_len", "overlap", "keep_blocks"}, path
+        assert set(again) - set(d) <= {"dp", "doc_len", "overlap", "keep_blocks",
+                                       "global_rope_table"}, path
 
 
 @needs(*SWEEP_METHODS)

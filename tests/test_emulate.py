@@ -58,6 +58,8 @@ CASES = [
     ("upipe", "long-attn-host", {}),
     # ... and the last two blocks not checkpointed at all (the first recomputes)
     ("upipe", "alst-block", {"keep_blocks": 2}),
+    # the paper's TorchTitan RoPE table held on every rank (tests/test_global_rope_table.py)
+    ("upipe", "alst", {"global_rope_table": True}),
 ]
 
 

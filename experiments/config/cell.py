@@ -104,6 +104,12 @@ class Cell:
     """with a stack that keeps the attention (``alst-attn``, ``alst-attn-host``,
     ``long-attn-host``) or whole blocks (``alst-block``): how many blocks keep it, the last ones
     (``harness.model.kept_blocks``); the others recompute it. None: every block"""
+    global_rope_table: bool = False
+    """hold the paper's TorchTitan RoPE table on every rank for the run
+    (``harness.model.global_rope_table``): complex64 (seq_len, head_dim / 2), every position of
+    the global sequence, 512 bytes a token at head_dim 128, as TorchTitan keeps it (the paper's
+    runs of every method but DeepSpeed's FPDT). Memory only: the methods compute their RoPE from
+    their own positions either way"""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """free-form labels carried into the row (e.g. the sweep's ``rep``); not part of the id"""
 
@@ -149,6 +155,12 @@ class Cell:
                              f"applies to the training step), got {self.dp}")
         if self.keep_blocks is not None:
             self._check_keep_blocks(model.n_layers)
+        if not isinstance(self.global_rope_table, bool):
+            raise ValueError(f"global_rope_table must be true or false, got "
+                             f"{self.global_rope_table!r}")
+        if self.global_rope_table and self.workload != "step":
+            raise ValueError(f"global_rope_table needs the 'step' workload (the table belongs "
+                             f"to the model, not to one attention layer), got {self.workload!r}")
         cls = get_method(self.method)
         self._check_documents(cls)
         check_options(self.method, dict(self.options))
@@ -250,8 +262,9 @@ class Cell:
         dp = "" if self.dp == 1 else f"-D{self.dp}"
         docs = "" if self.doc_len is None else f"-d{format_size(self.doc_len)}"
         keep = "" if self.keep_blocks is None else f"-k{self.keep_blocks}"
+        rope = "-rope" if self.global_rope_table else ""
         return (f"{self.method}{r}{opts}-{self.model}-{format_size(self.seq_len)}{docs}"
-                f"-p{self.nproc}{dp}-{self.stack}{keep}-{self.dtype}{scope}{rep}-{digest}")
+                f"-p{self.nproc}{dp}-{self.stack}{keep}{rope}-{self.dtype}{scope}{rep}-{digest}")
 
 
 # What a cell runs: a training step of the whole model, or one attention layer (forward and
@@ -261,12 +274,13 @@ WORKLOADS = ("step", "attention")
 # Cell fields added after the first committed results, with their defaults: they enter a cell's
 # id only when they differ from these (see cell_id), so ids stay stable as fields are added.
 _LATER_FIELDS = {"ring_degree": 1, "workload": "step", "dp": 1, "doc_len": None,
-                 "keep_blocks": None}
+                 "keep_blocks": None, "global_rope_table": False}
 # The key order of a cell's dict form, as committed cell.json files have it (the options that
 # were fields at their places; the dict is also a row's first columns).
 _DICT_ORDER = ("method", "model", "seq_len", "nproc", "stack", "heads_per_stage", "ring_degree",
                "chunk_size", "dtype", "kernel", "overrides", "budget_mib", "warmup", "iters",
-               "lr", "seed", "workload", "dp", "doc_len", "overlap", "keep_blocks", "extra")
+               "lr", "seed", "workload", "dp", "doc_len", "overlap", "keep_blocks",
+               "global_rope_table", "extra")
 
 
 def check_independent_of_method(*, seq_len: int, nproc: int, dtype: str, kernel: str,

@@ -175,7 +175,7 @@ def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True,
                 tracker.observers.append(step_work)
             try:
                 with tracker, metadata_pure_hook(CallReplay(tracker) if replay else None):
-                    tracker.track(model, state.tokens, state.labels, states, category="model")
+                    state.track(tracker, *states)
                     block_states = _block_state_bytes(model, opt, tracker)
                     with tracker.phase("forward"):
                         loss_sum = state.loss_sum()

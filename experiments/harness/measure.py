@@ -60,7 +60,7 @@ def memory_steps(state: TrainState, steps: int, device: torch.device,
     model.set_offload(host_context=tracker.host)
     try:
         with tracker:
-            tracker.track(model, state.tokens, state.labels, category="model")
+            state.track(tracker)
             for i in range(steps):
                 loss_sum = state.loss_sum()
                 (loss_sum / state.n_label_tokens).backward()

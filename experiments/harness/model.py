@@ -51,6 +51,7 @@ from baselines.ds_fpdt import DEFAULT_CHUNK_SIZE as DEFAULT_FPDT_CHUNK
 from baselines.megatron_stack import fpdt_ffn, fpdt_ffn_chunk, fused_norm
 from experiments.config import ModelConfig, StackConfig
 from upipe.registry import build_method
+from upipe.rope import default_inv_freq
 from upipe.stack import (
     IGNORE_INDEX,
     chunked_linear_cross_entropy,
@@ -240,6 +241,9 @@ class Transformer(nn.Module):
             for i in range(n)
         )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # the paper's TorchTitan RoPE table when the cell holds it (``global_rope_table``): a
+        # plain attribute, not a buffer, so that neither FSDP2 nor ``.to(dtype)`` touches it
+        self.rope_table: torch.Tensor | None = None
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size,
                                                                 bias=False)
         self.reset_parameters()
@@ -293,6 +297,26 @@ class Transformer(nn.Module):
         logits = F.linear(h, weight).float()
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
+
+
+def global_rope_table(cfg: ModelConfig, seq_len: int, device: torch.device) -> torch.Tensor:
+    """The RoPE table the paper's TorchTitan keeps on every GPU: complex64 (seq_len,
+    head_dim / 2), e^(i p theta^(-2j/d)) for every position p of the global sequence (512 bytes
+    a token at head_dim 128: 1.5 GiB at 3M tokens).
+
+    TorchTitan makes it for its ``max_seq_len``, which the paper's scripts set to the training
+    length (togethercomputer/Untied-Ulysses: torchtitan/torchtitan/models/llama3/model.py,
+    ``precompute_freqs_cis`` and ``TransformerModelArgs.update_from_config``; the Qwen3-32B
+    flavour is the same Llama class, head_dim 128), then hands CP each rank's positions by
+    ``buffer.resize_(chunk.shape)`` on the full table (torchtitan/torchtitan/train.py), and
+    ``resize_`` never shrinks a storage: every rank keeps the whole table for the run. The
+    methods here compute their RoPE from their own positions, so the table is held, not read:
+    a cell with ``global_rope_table`` has the paper's memory and the same numbers as one
+    without. Made before the tracked steps (TorchTitan makes it at initialisation), so its
+    fp32 angles are not in a peak."""
+    inv_freq = default_inv_freq(cfg.head_dim, cfg.rope_theta, device)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return torch.polar(torch.ones_like(angles), angles)
 
 
 def shifted_labels(tokens: torch.Tensor, cu_seqlens: list[int] | None = None) -> torch.Tensor:

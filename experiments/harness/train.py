@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from experiments.config import STACKS, Cell, ModelConfig
-from experiments.harness.model import Transformer, shifted_labels
+from experiments.harness.model import Transformer, global_rope_table, shifted_labels
 from upipe.stack import pin_host_memory
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -57,6 +57,15 @@ class TrainState:
     def loss_sum(self) -> torch.Tensor:
         """The forward: this rank's summed token loss (fp32 scalar)."""
         return self.model(self.tokens, self.labels, self.cu_seqlens)
+
+    def track(self, tracker, *states: torch.Tensor) -> None:
+        """Count on ``tracker`` (an ``instruments.memory.MemoryTracker``) what exists before
+        the step: the model's parameters and gradients, the tokens and labels and ``states``
+        (the optimizer's) as ``model``; the paper's RoPE table where the model holds it as
+        ``other``: it is no model state, which is how the paper's memory figure splits them."""
+        if self.model.rope_table is not None:
+            tracker.track(self.model.rope_table, category="other")
+        tracker.track(self.model, self.tokens, self.labels, *states, category="model")
 
     def step(self) -> torch.Tensor:
         """One forward/backward/AdamW step; returns this rank's summed loss (detached)."""
@@ -218,6 +227,8 @@ def build(cell: Cell, cfg: ModelConfig, distributed: bool = True,
     elif meshes is None:
         meshes = make_meshes(cell, device)
     model = build_model(cell, cfg, meshes, device)
+    if cell.global_rope_table:
+        model.rope_table = global_rope_table(cfg, cell.seq_len, device)
     # AdamW as in Llama 3 pre-training (betas 0.9/0.95, weight decay 0.1); foreach on both
     # devices so CPU and GPU run the same update.
     optimizer = torch.optim.AdamW(model.parameters(), lr=cell.lr, betas=(0.9, 0.95),

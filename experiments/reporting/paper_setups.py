@@ -93,16 +93,20 @@ FINDINGS: tuple[Finding, ...] = (
         "keeps, after its kernel and until it returns, the bf16 kernel buffers, fp32 copies "
         "of dq/dk/dv, fp32 dK/dV receive buffers (it sends them to itself) and the bf16 "
         "casts, all at once. upipe's `ulysses` keeps the kernel's outputs and workspace "
-        "only, and fits 4M; the paper's OOMs there. Not modelled: the paper's TorchTitan "
-        "also keeps a full-length RoPE table on every GPU (`precompute_freqs_cis` over the "
-        "global length, sharded with `resize_`, which keeps the storage: length x 512 B, "
-        "1.5 GiB at 3M), for every method it runs; the two-node figure's USP peaks stand "
-        "above ours by about that much at every length.",
+        "only, and fits 4M; the paper's OOMs there. Besides, the paper's TorchTitan keeps a "
+        "full-length RoPE table on every GPU for every method it runs (`precompute_freqs_cis` "
+        "over the training length, handed to CP with `resize_`, which keeps the storage: "
+        "complex64, length x 512 B, 1.5 GiB at 3M); before it was modelled, the two-node "
+        "figure's USP peaks stood above ours by about that much at every length.",
         "torchtitan/exps/llama3_8b/run_all_8B.sh (usp-ulysses ... 8 1); long-context-"
         "attention/yunchang/hybrid/attn_layer.py and ring/zigzag_ring_flash_attn.py "
-        "(backward); torchtitan train.py (freqs_cis resize_)",
+        "(backward); torchtitan/torchtitan/train.py (freqs_cis resize_) and "
+        "models/llama3/model.py (precompute_freqs_cis, max_seq_len = training.seq_len)",
         "modelled since issue 32: method `usp-ulysses` (baselines/usp_ulysses.py) in the "
-        "Table 3 'Ulysses' cells and the memory wall; the RoPE table is not modelled"),
+        "Table 3 'Ulysses' cells and the memory wall; the RoPE table in every cell of the "
+        "paper's sweeps (Tables 3 and 4, the memory wall, the two-node figure) but DeepSpeed's "
+        "FPDT's (`Cell.global_rope_table`, experiments/harness/model.py's "
+        "`global_rope_table`)"),
     Finding(
         "Ring speed trend (T3: paper 0.89 -> 0.985 x Ulysses; T4: 0.77 -> 0.97 x USP)",
         "The paper's Ring is yunchang's zigzag ring on FA3. Three things in our model made "
@@ -121,6 +125,24 @@ FINDINGS: tuple[Finding, ...] = (
         "partly modelled since issue 32: the last ring rank is emulated and a ring step is "
         "priced at its slowest hop; the P2P's exposure and FA3's causal rates beyond 16K "
         "need a GPU measurement"),
+    Finding(
+        "UPipe's peaks in the two-node figure (above ours by a gap that grows with the length; "
+        "the USP peaks beside them agree)",
+        "The paper's UPipe op (`upipe_attn_gqa_backward`) takes the whole output gradient "
+        "`dout` (B, L, H, D) from autograd, since its output projection runs outside the op, "
+        "and holds it, chunked by stage, through every stage of its backward, beside the "
+        "residual stream's gradient. upipe's UPipe forms each stage's output-gradient heads "
+        "from that gradient and the stage's columns of wo, so the whole one never exists: "
+        "one bf16 (L, dim) tensor per rank less at the attention backward, 8 KiB a local token "
+        "on Llama3-8B (4 GiB at 8M tokens on 16 GPUs), about the gap the two-node table above "
+        "shows. Not modelled: `upipe` is the method as this suite builds it, and with that "
+        "tensor its Table 3 cell at 5M would need about 5 GiB more (640K local tokens), over "
+        "the 73.35 GiB budget where the paper trains 5M; what the paper's Table 3 run held "
+        "instead is not in the code or the paper.",
+        "untied_ulysses/fully_fused_attn.py (upipe_attn_gqa_backward: dout, dout_chunks); "
+        "upipe/untied.py and upipe/projections.py (OutputGrad: a stage's output gradient from dy "
+        "and wo)",
+        "traced, not modelled: the paper's UPipe holds one (L, dim) tensor more than ours"),
     Finding(
         "UPipe / USP at 128K on Qwen3-32B (0.968 emulated, 0.886 paper)",
         "What a UPipe stage costs beyond its FLOPs and bytes (launches, small memory-bound "

@@ -44,7 +44,8 @@ ring attention) -> "zigzag-ring" (1xN); Ulysses -> "usp-ulysses" 8x1 in Table 3,
 scripts run it as yunchang's USP (``usp-ulysses 8 1``, ``usp 8 2``), not DeepSpeed's code;
 "ds-ulysses" is DeepSpeed's own and "ulysses" upipe's. yunchang's USP at ring degree 1 runs
 its ring over one rank, whose backward keeps fp32 gradient copies (``baselines.usp_ulysses``);
-at 8x2 its memory is ``usp``'s (the paper's two-node figure agrees with it to the RoPE table).
+at 8x2 its memory is ``usp``'s (with the RoPE table the paper's TorchTitan holds,
+``Cell.global_rope_table``, as the paper-scale sweeps run it).
 FPDT (DeepSpeed) -> "ds-fpdt" (Megatron-DeepSpeed's FPDT; our "fpdt" is a different, stronger
 implementation): 8x1 in Table 3, 16x1 in Table 4 (sequence-parallel size 16, as the authors'
 32B script and our emulated Table 4 sweep run it). UPipe -> "upipe" 8x1 (Table 3), 8x2 (Table

@@ -137,6 +137,8 @@ def summarize(base: Cell, res: dict, hardware: Hardware | None = None) -> dict:
     best = max(passing, key=lambda p: p["seq_len"]) if passing else {}
     cell = base.to_dict()
     out = {k: cell[k] for k in IDENTITY}
+    if base.global_rope_table:  # only where set: committed summaries predate the field
+        out["global_rope_table"] = True
     out |= {k: v for k, v in base.options.items() if k not in out}
     out |= {k: v for k, v in res.items() if k != "probes"}
     out |= {k: best.get(k) for k in PEAK_KEYS}

@@ -7,6 +7,7 @@ they would need.
 """
 
 from experiments.config import Sweep
+from experiments.sweeps.table3_llama3_8b_h100x8 import TITAN
 
 STACKS = ["none", "ac", "offload", "alst"]
 METHODS = [{"method": "ulysses"}, {"method": "upipe"}]
@@ -29,7 +30,7 @@ SWEEPS = [
         description="Llama3-8B, 8x H100, 3M tokens: the memory wall, rung by rung",
         scale="paper",
         base={"model": "llama3-8b", "nproc": 8, "seq_len": 3 * 2**20, "dtype": "bf16",
-              "warmup": 2, "iters": 4},
+              "warmup": 2, "iters": 4} | TITAN,
         axes={"variant": WALL_RUNGS},
         plots=("memory_wall",),
     ),

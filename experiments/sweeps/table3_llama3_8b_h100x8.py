@@ -19,7 +19,9 @@ METHODS = [
     {"method": "ulysses"},
     {"method": "ds-ulysses"},
     {"method": "fpdt", "chunk_size": "64K"},
-    {"method": "ds-fpdt", "chunk_size": "64K", "stack": "megatron-ds"},
+    # on Megatron-DeepSpeed, not TorchTitan: no TorchTitan RoPE table (TITAN)
+    {"method": "ds-fpdt", "chunk_size": "64K", "stack": "megatron-ds",
+     "global_rope_table": False},
     {"method": "upipe"},
     {"method": "upipe", "overlap": True},  # beyond the paper: upipe_overlap.py
 ]
@@ -34,6 +36,12 @@ CPU_METHODS = [
     {"method": "ds-fpdt", "chunk_size": "1K", "stack": "megatron-ds"},
     {"method": "upipe"},
 ]
+# Every paper-scale cell holds the RoPE table of the paper's TorchTitan (Cell.global_rope_table,
+# docs/design.md#the-comparison), in which the paper ran every method but DeepSpeed's FPDT; the
+# methods beside the paper's (ulysses, ds-ulysses, fpdt, overlapped UPipe) hold it too, so that
+# every row of the table compares like with like. The CPU counterpart measures the methods
+# alone.
+TITAN = {"global_rope_table": True}
 PLOTS = ("max_context", "memory_vs_seq", "throughput_vs_seq", "throughput_vs_ulysses")
 
 SWEEPS = [
@@ -42,7 +50,7 @@ SWEEPS = [
         description="Llama3-8B, 8x H100: tokens/s per GPU, peak memory and max context",
         scale="paper",
         base={"model": "llama3-8b", "nproc": 8, "stack": "alst", "dtype": "bf16",
-              "warmup": 2, "iters": 8},
+              "warmup": 2, "iters": 8} | TITAN,
         axes={"variant": METHODS,
               "seq_len": ["128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M"]},
         search=SearchSpec(start=2**20, block=2**14, limit=2**23),

@@ -6,6 +6,11 @@ heads per KV head, more heads than ranks) and the hybrids as 2 x 2 on 4 ranks.
 """
 
 from experiments.config import SearchSpec, Sweep
+from experiments.sweeps.table3_llama3_8b_h100x8 import TITAN
+
+# on Megatron-DeepSpeed, not TorchTitan: no TorchTitan RoPE table (TITAN: table3's)
+DS_FPDT = {"method": "ds-fpdt", "chunk_size": "64K", "stack": "megatron-ds",
+           "global_rope_table": False}
 
 METHODS = [
     {"method": "torch-cp", "stack": "torchtitan"},
@@ -13,7 +18,7 @@ METHODS = [
     {"method": "ulysses"},
     {"method": "ds-ulysses"},
     {"method": "fpdt", "chunk_size": "64K"},
-    {"method": "ds-fpdt", "chunk_size": "64K", "stack": "megatron-ds"},
+    DS_FPDT,
     {"method": "usp", "ring_degree": 2},
     {"method": "upipe"},
     {"method": "upipe", "overlap": True},  # beyond the paper: upipe_overlap.py
@@ -35,11 +40,10 @@ SWEEPS = [
         description="Qwen3-32B, 16x H100 (2 nodes): tokens/s per GPU, peak memory, max context",
         scale="paper",
         base={"model": "qwen3-32b", "nproc": 16, "stack": "alst", "dtype": "bf16",
-              "warmup": 2, "iters": 8},
+              "warmup": 2, "iters": 8} | TITAN,
         axes={"variant": METHODS, "seq_len": ["128K", "256K", "512K", "1M", "2M", "3M", "4M"]},
         # The paper's Table 4 has two cells at 5M (both OOM): DeepSpeed's FPDT and UPipe 8x2.
-        extra_cells=({"method": "ds-fpdt", "chunk_size": "64K", "stack": "megatron-ds",
-                      "seq_len": "5M"},
+        extra_cells=(DS_FPDT | {"seq_len": "5M"},
                      {"method": "upipe", "ring_degree": 2, "seq_len": "5M"}),
         search=SearchSpec(start=2**20, block=2**14, limit=2**23),
         plots=PLOTS,

@@ -9,6 +9,7 @@ The figure's numbers: ``experiments/reporting/paper_tables.PAPER_TWO_NODE``.
 """
 
 from experiments.config import Sweep
+from experiments.sweeps.table3_llama3_8b_h100x8 import TITAN
 
 METHODS = [
     {"method": "usp", "ring_degree": 2},
@@ -22,7 +23,7 @@ SWEEPS = [
                     "tokens/s per GPU, 512K-8M tokens",
         scale="paper",
         base={"model": "llama3-8b", "nproc": 16, "stack": "alst", "dtype": "bf16",
-              "warmup": 2, "iters": 8},
+              "warmup": 2, "iters": 8} | TITAN,
         axes={"variant": METHODS, "seq_len": ["512K", "1M", "2M", "4M", "6M", "8M"]},
         plots=("memory_vs_seq", "throughput_vs_seq"),
     ),

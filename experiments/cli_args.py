@@ -37,7 +37,7 @@ from experiments.config import (
     parse_size,
 )
 from experiments.config.options import default, every_option
-from experiments.runner.plan import DEFAULT_STACKS, PlanSpec
+from experiments.runner.plan import DEFAULT_STACKS, PlanSpec, default_workers
 from experiments.timing.profile import ProfileError, profile_for, shipped_profiles
 from upipe.kernels import KERNELS
 from upipe.options import MethodOption
@@ -407,8 +407,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stacks", default=None, metavar="A,B",
                    help=f"only these stacks, of {', '.join(STACKS)} (default: "
                         f"{', '.join(DEFAULT_STACKS)})")
-    p.add_argument("--workers", type=positive_int, default=2,
-                   help="emulations run at once, one process each (default 2)")
+    p.add_argument("--workers", type=positive_int, default=None,
+                   help="emulations run at once, one process each (default: one per CPU this "
+                        f"process may use, {default_workers()} here)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_progress_arg(p)
 

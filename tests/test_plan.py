@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +17,14 @@ from experiments.config import Cell, Hardware, Status
 from experiments.emulation.emulate import device_lower_bound, emulate_cell
 from experiments.emulation.fit import N_SAMPLE, depth_lower_bound
 from experiments.runner import plan as plan_mod
-from experiments.runner.plan import LADDER, PlanSpec, configurations, plan, rank
+from experiments.runner.plan import (
+    LADDER,
+    PlanSpec,
+    configurations,
+    default_workers,
+    plan,
+    rank,
+)
 
 CPU_PROFILE = str(Path(__file__).parent / "data" / "profile_unit_cpu.json")
 
@@ -321,3 +329,17 @@ def test_bad_plan_input_is_a_clear_error(capsys, argv, match):
     code = cli.main(["plan", *[x for kv in base.items() for x in kv]])
     assert code == 2
     assert match in capsys.readouterr().err
+
+
+def test_the_default_workers_are_the_cpus_this_process_may_use(monkeypatch):
+    """``plan``'s default (and the CLI's ``--workers``): one emulation per CPU of the process's
+    affinity, not of the machine, and ``os.cpu_count`` where affinity is unknown."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert default_workers() == 3
+    assert cli.parser().parse_args(["plan", "--model", "tiny", "--gpus", "4",
+                                      "--seq-len", "4096"]).workers is None
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert default_workers() == 64
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert default_workers() == 1

@@ -31,6 +31,7 @@ import concurrent.futures
 import contextlib
 import functools
 import multiprocessing
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -470,12 +471,24 @@ def _done(fn, *args) -> concurrent.futures.Future:
     return f
 
 
-def plan(spec: PlanSpec, hw: Hardware, *, workers: int = 2, exact: bool = False,
+def default_workers() -> int:
+    """The plan's emulations at once by default: one per CPU this process may run on
+    (``os.sched_getaffinity``, ``os.cpu_count`` where that does not exist). Memory does not
+    bind first: an emulation is one process of a few hundred MB (an exact 32-layer Llama3-8B
+    step at 2M tokens, the plan's dearest kind, peaked at 370 MB resident, ``/usr/bin/time
+    -v`` on this project's 2-core CI machine), and the fake tensors hold no data."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def plan(spec: PlanSpec, hw: Hardware, *, workers: int | None = None, exact: bool = False,
          on_rows: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Every configuration of ``spec`` on ``hw``, ranked (``rank``). ``on_rows`` sees each
     configuration's rows as they arrive (progress).
 
-    Configurations start longest first (``_cost``), at most ``workers`` at once, each when a
+    Configurations start longest first (``_cost``), at most ``workers`` at once (default
+    ``default_workers()``: the table is the same for any number), each when a
     worker is free, except that a UPipe configuration waits until the smaller numbers of heads
     per stage of its mesh (and, overlapped, its blocking twin) have their rows
     (``_next_startable``): it is not emulated on a stack where one of them was over the device
@@ -486,6 +499,7 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int = 2, exact: bool = False,
     two each at paper scale: its mix of blocks is beyond the fit); the others are rows saying
     their estimate."""
     hw.validate(world=spec.gpus)
+    workers = default_workers() if workers is None else workers
     cells, rows = configurations(spec)
     stacks = tuple(spec.stacks)
     pending = sorted(cells, key=_cost, reverse=True)

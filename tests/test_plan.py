@@ -333,13 +333,19 @@ def test_bad_plan_input_is_a_clear_error(capsys, argv, match):
 
 def test_the_default_workers_are_the_cpus_this_process_may_use(monkeypatch):
     """``plan``'s default (and the CLI's ``--workers``): one emulation per CPU of the process's
-    affinity, not of the machine, and ``os.cpu_count`` where affinity is unknown."""
+    affinity, not of the machine, and ``os.cpu_count`` where affinity is unknown; never more
+    than physical memory holds at ``WORKER_BYTES`` each."""
+    pages = {"SC_PHYS_PAGES": 2**20, "SC_PAGE_SIZE": 2**12}  # 4 GiB
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     assert default_workers() == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert default_workers() == 4 * 2**30 // plan_mod.WORKER_BYTES == 4
     assert cli.parser().parse_args(["plan", "--model", "tiny", "--gpus", "4",
                                       "--seq-len", "4096"]).workers is None
     monkeypatch.delattr(os, "sched_getaffinity")
+    pages["SC_PHYS_PAGES"] = 2**30  # 4 TiB: the CPUs decide
     assert default_workers() == 64
     monkeypatch.setattr(os, "cpu_count", lambda: None)
     assert default_workers() == 1

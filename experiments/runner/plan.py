@@ -471,15 +471,28 @@ def _done(fn, *args) -> concurrent.futures.Future:
     return f
 
 
+# Memory one plan worker may take: an exact 32-layer Llama3-8B step at 2M tokens, the plan's
+# dearest kind of emulation, peaked at 370 MB resident (``/usr/bin/time -v`` on this
+# project's 2-core CI machine; the fake tensors hold no data), rounded up to 1 GiB for the
+# pool's own processes and headroom.
+WORKER_BYTES = 2**30
+
+
 def default_workers() -> int:
     """The plan's emulations at once by default: one per CPU this process may run on
-    (``os.sched_getaffinity``, ``os.cpu_count`` where that does not exist). Memory does not
-    bind first: an emulation is one process of a few hundred MB (an exact 32-layer Llama3-8B
-    step at 2M tokens, the plan's dearest kind, peaked at 370 MB resident, ``/usr/bin/time
-    -v`` on this project's 2-core CI machine), and the fake tensors hold no data."""
+    (``os.sched_getaffinity``, ``os.cpu_count`` where that does not exist), but no more than
+    the machine's physical memory holds at ``WORKER_BYTES`` each."""
     if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
+        cpus = len(os.sched_getaffinity(0))
+    else:
+        cpus = os.cpu_count() or 1
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not POSIX: the CPUs alone decide
+        memory = None
+    if memory and memory > 0:
+        cpus = min(cpus, memory // WORKER_BYTES)
+    return max(1, cpus)
 
 
 def plan(spec: PlanSpec, hw: Hardware, *, workers: int | None = None, exact: bool = False,

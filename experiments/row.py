@@ -126,6 +126,12 @@ class Row(_Identity, total=False):
     fit_layers: list
     fit_nonaffine_phases: list
     fit_time_approximate: list
+    fit_certified: bool
+    """the fit's peaks certified by samples around the length (``emulation.certify``), or its
+    window's lines (the CI guard's check)"""
+    fit_checked_lens: list
+    """the fit's samples besides its window's: those before it (the window moved past them) and
+    those its predictions sampled to certify their peaks"""
     converted_from: str
     plan_inferred_from: str
     """a plan's row not emulated: from which lighter stack or smaller U it follows"""

@@ -116,6 +116,8 @@ def test_fit_predicts_the_exact_emulation(method, options, background):
     exact, fit = rows["exact"], rows["fit"]
     assert exact["status"] == fit["status"] == "ok", (exact["error"], fit["error"])
     assert fit["emulation"] == "fit" and fit["fit_nonaffine_phases"] == []
+    # beyond the window (2K-4K) the peaks were certified by memory-only samples at the target
+    assert fit["fit_certified"] is True and 7 * 1024 in fit["fit_checked_lens"]
     keys = KEYS + ("rank_flops_per_step", "comm_bytes_per_step", "comm_bytes_by_op")
     assert {k: fit[k] for k in keys} == {k: exact[k] for k in keys}
     # the time model's work, predicted window by window (work_fit), prices nearly the same.

@@ -141,13 +141,15 @@ def time_columns(cell: Cell, cfg: ModelConfig, profile: Profile | None, m: Measu
 
 
 def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
-                 count: bool = True, bound_first: bool = False) -> Row:
+                 count: bool = True, bound_first: bool = False, certify: bool = True) -> Row:
     """The row of ``cell`` emulated on ``hw`` (statuses as ``run_cell``'s: ok, oom over the
     device or host budget, invalid, skipped, error). ``count=False``: memory only (FLOPs and
     bytes sent are None), for searches that need only the status. ``bound_first``: a cell whose
     fit's 4-layer samples already put it over the device (``fit.depth_lower_bound``) is an
     ``oom`` row with that lower bound, without the fit's 5-layer samples or a time (for the
-    planner, whose question about it is only whether it fits)."""
+    planner, whose question about it is only whether it fits). ``certify=False``: the fit's
+    window lines, uncertified beyond the window (``fit.Fit.predict``; the CI guard's cheap
+    check)."""
     try:
         cfg = cell.validate()
         hw.validate(world=cell.world)
@@ -172,7 +174,8 @@ def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
                 "layers"))
         else:
             fit = fitted(cell, hw, count)
-            m, extra = fit.predict(cell.seq_len, cfg.n_layers), fit.summary()
+            m = fit.predict(cell.seq_len, cfg.n_layers, certify)
+            extra = fit.summary(certify)
     except Exception as e:  # a method that fails under fake tensors: a row, not a crash
         return describe(cell, cfg) | provenance() | {
             "status": Status.ERROR, "mode": "emulated",

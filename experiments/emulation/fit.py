@@ -19,10 +19,17 @@ of the same phase takes over. The fit therefore works phase by phase:
 - emulate N = 5 layers at the window's first two lengths, and require the extra middle block to
   lie exactly between its neighbours; phases that fail are
   listed in ``fit_nonaffine_phases`` (the prediction is then not trusted: ``exact=True``);
-- predict every phase at (S, N) by the two lines, the peak as their maximum; host bytes and
-  communication bytes by the same bilinear rule, FLOPs as A(S) + N B(S) with A linear and B
-  quadratic in S (attention); the work per window that the time model prices window by
-  window from the 4-layer samples (``work_fit``).
+- predict every phase at (S, N) by its value at S with 4 and 5 layers, then the line in N, the
+  peak as their maximum; host bytes likewise; communication bytes (sums, not peaks) by the
+  window's lines; FLOPs as A(S) + N B(S) with A linear and B quadratic in S (attention); the
+  work per window that the time model prices window by window from the 4-layer samples
+  (``work_fit``).
+- certify each peak at S (``certify``): a phase's peak is the largest of its moments' lines,
+  so a moment the window does not show may overtake beyond it (FPDT's steps do, from 1M to
+  3M tokens on Qwen3-32B). Where the samples around S do not pin its value, the fit samples
+  S itself (memory only) and, between two samples, where the neighbouring lines cross, and
+  keeps those samples for the predictions after. ``predict(certify=False)`` keeps to the
+  window's lines (the CI guard's cheap check).
 
 Lattice: Q = lcm(P x dim (the tiled MLP's shards of dim tokens), 2 x P x 128 (zigzag halves
 and the flash kernels' 128-row blocks), the method's chunk size, a packed cell's doc_len). Off
@@ -37,11 +44,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 
 from experiments.config import Cell, Hardware
 from experiments.config.options import declared, default
+from experiments.emulation.certify import convex_at
 from experiments.emulation.fake_step import Measurement, emulated_gpu, measure_fake
 from experiments.timing.work_fit import predict_work
 from upipe.registry import get_method
@@ -151,24 +160,72 @@ def _quadratic(xs, ys) -> tuple[Fraction, Fraction, Fraction]:
 
 @dataclass
 class Fit:
-    """Exact emulations at ``seq_lens`` for N = 4 and 5 layers, and predictions from them."""
+    """Exact emulations of a cell's family at N = 4 and 5 layers and lattice lengths, and
+    predictions from them. The window's samples come first; a prediction that they do not
+    certify (``certify.convex_at``) adds memory-only samples through ``sample``, kept for the
+    predictions after it."""
 
-    seq_lens: tuple[int, ...]  # three lattice lengths
-    samples: dict[int, list[Measurement]]  # 4 layers: at seq_lens; 5 layers: the first two
+    seq_lens: tuple[int, ...]  # the window: three lattice lengths, every 4-layer series collinear
+    samples: dict[int, dict[int, Measurement]]  # depth -> length -> exact emulation
+    quantum: int  # the lattice (``lattice``)
+    shortest: int  # the shortest length the fit samples (``_first_quantum``)
+    sample: Callable[[int, int], Measurement] | None = None  # (depth, length) -> emulation
     nonaffine: list[str] = field(default_factory=list)
     time_approximate: list[str] = field(default_factory=list)  # work_fit's approximate keys
 
     def __post_init__(self):
-        self._phases = {n: [_phases(m, n) for m in ms] for n, ms in self.samples.items()}
-        self.counted = self.samples[N_SAMPLE[0]][0].flops is not None
+        self._phase_cache: dict[tuple[int, int], dict] = {}
+        self._uncertified: list[str] = []  # the last prediction's series left uncertified
+        first = self.samples[N_SAMPLE[0]][self.seq_lens[0]]
+        self.counted = first.flops is not None
+        for m in self.samples[N_SAMPLE[1]].values():
+            self.nonaffine += _check_mid(m, N_SAMPLE[1])
 
-    def _bilinear(self, get, seq_len: int, n_layers: int, label: str) -> int:
-        """``get(measurement, phases)`` at (seq_len, n_layers): a line in S per sample depth,
-        then a line in N. A series that is not collinear (``_line``) is recorded in ``nonaffine``
-        and continued from its last two points."""
+    def _phases_of(self, n: int, x: int) -> dict:
+        if (n, x) not in self._phase_cache:
+            self._phase_cache[(n, x)] = _phases(self.samples[n][x], n)
+        return self._phase_cache[(n, x)]
+
+    def _window(self, n: int) -> list[Measurement]:
+        """The samples of depth ``n`` at the window's lengths (5 layers: its first two), those
+        that count FLOPs and bytes sent when the fit does."""
+        return [self.samples[n][x]
+                for x in (self.seq_lens if n == N_SAMPLE[0] else self.seq_lens[:2])]
+
+    def _certified(self, get, n: int, seq_len: int, label: str) -> Fraction:
+        """``get(measurement, phases)`` with ``n`` layers at ``seq_len``, certified by the
+        samples around it (``convex_at``), sampling where they do not; what stays uncertified
+        is recorded for this prediction's summary."""
+        while True:
+            xs = sorted(self.samples[n])
+            ys = [get(self.samples[n][x], self._phases_of(n, x)) for x in xs]
+            p = convex_at(xs, ys, seq_len, self.quantum, self.shortest, TOLERANCE_BYTES)
+            if p.exact or p.sample is None or self.sample is None:
+                break
+            self.samples[n][p.sample] = self.sample(n, p.sample)
+            if n == N_SAMPLE[1]:
+                self.nonaffine += _check_mid(self.samples[n][p.sample], n)
+        if not p.exact and seq_len >= self.shortest:
+            why = "no sampler" if self.sample is None else "changes within one quantum"
+            self._uncertified.append(f"{label} ({why} of {seq_len})")
+        return p.value
+
+    def _bilinear(self, get, seq_len: int, n_layers: int, label: str, certify: bool) -> int:
+        """``get(measurement, phases)`` at (seq_len, n_layers): certified at each sample depth
+        (``_certified``), or the window's line there (``certify=False``), then a line in N."""
+        if not certify:
+            return self._window_bilinear(lambda m, n: get(m, _phases(m, n)), seq_len,
+                                         n_layers, label)
+        at_n = [self._certified(get, n, seq_len, label) for n in N_SAMPLE]
+        return int(round(at_n[0] + (n_layers - N_SAMPLE[0]) * (at_n[1] - at_n[0])))
+
+    def _window_bilinear(self, get, seq_len: int, n_layers: int, label: str) -> int:
+        """A line in S through the window's samples at each depth, then a line in N: exact for a
+        sum the step adds up rather than a peak (bytes sent). A series that is not collinear is
+        recorded in ``nonaffine`` and continued from its last two points."""
         at_n = []
         for n in N_SAMPLE:
-            ys = [get(m, ph) for m, ph in zip(self.samples[n], self._phases[n], strict=True)]
+            ys = [get(m, n) for m in self._window(n)]
             xs = self.seq_lens[:len(ys)]
             line = _line(xs, ys)
             if line is None:
@@ -180,9 +237,9 @@ class Fit:
     def _flops(self, seq_len: int, n_layers: int) -> int:
         """FLOPs F(S, N) = A(S) + N B(S): A linear (the loss head; embedding lookups, FSDP and
         the optimizer count none), B quadratic (a block: attention is quadratic in S). The
-        3 + 2 samples determine the 5 coefficients exactly."""
-        f4 = [m.flops for m in self.samples[N_SAMPLE[0]]]
-        f5 = [m.flops for m in self.samples[N_SAMPLE[1]]]
+        window's 3 + 2 samples determine the 5 coefficients exactly."""
+        f4 = [m.flops for m in self._window(N_SAMPLE[0])]
+        f5 = [m.flops for m in self._window(N_SAMPLE[1])[:2]]
         a4, b4, c4 = _quadratic(self.seq_lens, f4)  # A + 4B
         per_layer = [y5 - y4 for y4, y5 in zip(f4[:2], f5, strict=True)]  # B at the first two
         (x0, x1), c = self.seq_lens[:2], c4 / N_SAMPLE[0]
@@ -191,35 +248,49 @@ class Fit:
         at_4 = a4 + b4 * seq_len + c4 * seq_len * seq_len
         return int(round(at_4 + (n_layers - N_SAMPLE[0]) * (a + b * seq_len + c * seq_len**2)))
 
-    def predict(self, seq_len: int, n_layers: int) -> Measurement:
-        every = [ph for n in N_SAMPLE for ph in self._phases[n]]
+    def predict(self, seq_len: int, n_layers: int, certify: bool = True) -> Measurement:
+        """The step at (seq_len, n_layers). ``certify``: every peak certified by samples around
+        ``seq_len`` (``_certified``, sampling where needed: the default); False: the window's
+        lines, as cheap as the window and blind to a moment overtaking beyond it (``certify``),
+        for a check that compares like with like (the CI guard)."""
+        self._uncertified = []
+        every = [_phases(m, n) for n in N_SAMPLE for m in self._window(n)]
         keys = sorted(set.intersection(*(set(ph) for ph in every)))
-        peaks = {k: self._bilinear(lambda m, ph, k=k: ph[k][0], seq_len, n_layers,
-                                   " > ".join(k)) for k in keys}
+        peaks = {k: self._bilinear(lambda m, ph, k=k: ph.get(k, (0, {}))[0], seq_len,
+                                   n_layers, " > ".join(k), certify) for k in keys}
         top = max(peaks, key=peaks.get)
         cats = sorted(set().union(*(ph[top][1] for ph in every)))
-        breakdown = {c: self._bilinear(lambda m, ph, c=c: ph[top][1].get(c, 0), seq_len,
-                                       n_layers, f"{' > '.join(top)} [{c}]") for c in cats}
-        host = self._bilinear(lambda m, ph: m.peak_host_bytes, seq_len, n_layers, "host")
+        breakdown = {c: self._bilinear(lambda m, ph, c=c: ph.get(top, (0, {}))[1].get(c, 0),
+                                       seq_len, n_layers, f"{' > '.join(top)} [{c}]", certify)
+                     for c in cats}
+        host = self._bilinear(lambda m, ph: m.peak_host_bytes, seq_len, n_layers, "host",
+                              certify)
         comm, flops = None, None
         if self.counted:
-            ops = sorted(set().union(*(m.comm_bytes for n in N_SAMPLE for m in self.samples[n])))
-            comm = {op: self._bilinear(lambda m, ph, op=op: m.comm_bytes.get(op, 0), seq_len,
-                                       n_layers, f"comm {op}") for op in ops}
+            window = [m for n in N_SAMPLE for m in self._window(n)]
+            ops = sorted(set().union(*(m.comm_bytes for m in window)))
+            comm = {op: self._window_bilinear(lambda m, n, op=op: m.comm_bytes.get(op, 0),
+                                              seq_len, n_layers, f"comm {op}") for op in ops}
             flops = self._flops(seq_len, n_layers)
         work = None
-        if self.counted and self.samples[N_SAMPLE[0]][0].work is not None:
+        if self.counted and self._window(N_SAMPLE[0])[0].work is not None:
             work, self.time_approximate = predict_work(
-                [m.work for m in self.samples[N_SAMPLE[0]]], self.seq_lens, N_SAMPLE[0],
+                [m.work for m in self._window(N_SAMPLE[0])], self.seq_lens, N_SAMPLE[0],
                 seq_len, n_layers)
         self.nonaffine = sorted(set(self.nonaffine))
         return Measurement(peaks[top], host, breakdown, {top: peaks[top]}, {top: breakdown},
                            flops, comm, work)
 
-    def summary(self) -> dict:
+    def summary(self, certify: bool = True) -> dict:
+        """The fit's provenance for a row: its window, depths, what it could not certify,
+        whether the prediction was certified (``predict``) and the lengths of its samples
+        besides the window's (before it, and those sampled to certify predictions so far)."""
+        checked = sorted({x for n in N_SAMPLE for x in self.samples[n]} - set(self.seq_lens))
         return {"emulation": "fit", "fit_seq_lens": list(self.seq_lens),
-                "fit_layers": list(N_SAMPLE), "fit_nonaffine_phases": list(self.nonaffine),
-                "fit_time_approximate": list(self.time_approximate)}
+                "fit_layers": list(N_SAMPLE),
+                "fit_nonaffine_phases": sorted(set(self.nonaffine + self._uncertified)),
+                "fit_time_approximate": list(self.time_approximate),
+                "fit_certified": certify, "fit_checked_lens": checked}
 
 
 def _phases(m: Measurement, n_layers: int) -> dict[tuple[str, ...], tuple[int, dict]]:
@@ -282,6 +353,12 @@ def _sampler(cell: Cell, hw: Hardware, count: bool, n_layers: int):
                                   work=n_layers == N_SAMPLE[0])
 
 
+def _memory_sampler(cell: Cell, hw: Hardware):
+    """``(N, S) -> measure_fake`` of ``cell``, memory only: the samples a prediction adds to
+    certify its peaks (``Fit._certified``); bytes sent and FLOPs come from the window."""
+    return lambda n, s: _sampler(cell, hw, False, n)(s)
+
+
 def _window(cell: Cell, hw: Hardware, count: bool) -> tuple[list[int], list[Measurement]]:
     """The 4-layer samples, in length order, whose last three lengths are the fit's window:
     three lattice lengths from the first quantum on, moved one quantum longer while a phase
@@ -317,9 +394,14 @@ def fitted(cell: Cell, hw: Hardware, count: bool = True) -> Fit:
         lengths, at_4 = _window(cell, hw, count)
         # the window is in one regime throughout: its two shortest lengths are the cheapest
         run = _sampler(cell, hw, count, N_SAMPLE[1])
-        at_5 = [run(s) for s in lengths[-3:-1]]
-        return Fit(tuple(lengths[-3:]), {N_SAMPLE[0]: at_4[-3:], N_SAMPLE[1]: at_5},
-                   _check_mid(at_5[-1], N_SAMPLE[1]))
+        at_5 = {s: run(s) for s in lengths[-3:-1]}
+        dim = cell.validate().dim
+        q = lattice(cell, dim)
+        # every 4-layer sample, the window's and those before it: they certify predictions
+        # between them (``certify``)
+        return Fit(tuple(lengths[-3:]), {N_SAMPLE[0]: dict(zip(lengths, at_4, strict=True)),
+                                         N_SAMPLE[1]: at_5},
+                   q, _first_quantum(cell, q, dim) * q, _memory_sampler(cell, hw))
 
     return _cached(_CACHE, cell, hw, count, make)
 

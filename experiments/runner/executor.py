@@ -48,11 +48,13 @@ class Launcher:
 class Emulator:
     """Emulates a cell at its own scale in this process (docs/design.md#emulation), rows with
     ``mode`` ``emulated``: on ``hardware``, by the fit (``exact``: the target size itself), with
-    FLOPs and bytes sent (``count``) or memory only."""
+    FLOPs and bytes sent (``count``) or memory only, its peaks certified (``certify``) or the
+    fit window's lines (``emulation.certify``)."""
 
     hardware: Hardware = field(default_factory=Hardware)
     exact: bool = False
     count: bool = True
+    certify: bool = True
 
     def __post_init__(self):
         self.hardware.validate()
@@ -64,4 +66,9 @@ class Emulator:
         return emulation_unavailable(cell, self.hardware)
 
     def run(self, cell: Cell) -> dict:
-        return emulate_cell(cell, self.hardware, exact=self.exact, count=self.count)
+        # a search's probe (no timed steps, ``runner.search``) asks only whether the cell fits:
+        # a lower bound over the budget answers that without the samples that would certify
+        # its peak at millions of tokens (``emulate_cell``'s ``bound_first``)
+        probe = cell.iters == 0 and self.certify
+        return emulate_cell(cell, self.hardware, exact=self.exact, count=self.count,
+                            bound_first=probe, certify=self.certify)

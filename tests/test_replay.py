@@ -4,7 +4,8 @@
    would: peaks (device, host, per category, per phase, and the breakdown at each), current
    bytes, FLOPs, collective bytes and the work of the window, the outputs' shapes and strides.
 2. What a replay could not repeat is run every time instead: a view of an argument returned,
-   memory kept alive past the call, a phase opened inside, real tensors, unhashable arguments.
+   memory kept alive past the call, a phase left open, real tensors, unhashable arguments. A
+   phase opened and closed inside is replayed with the call.
 3. A whole emulated step measures the same with replay as without on an emulated CUDA device
    (UPipe on a 2 x 2 mesh runs every replayed function of upipe; DeepSpeed's FPDT its merge,
    and on the megatron-ds stack its norm tiles and MLP chunks), and each names the functions it
@@ -133,13 +134,42 @@ def test_what_a_replay_cannot_repeat_runs_every_time(fn):
     assert r_outs == d_outs
 
 
-def test_a_call_opening_a_phase_or_taking_unhashable_or_real_arguments_runs_every_time():
+def test_a_call_with_a_phase_inside_replays_it_at_its_turn():
+    """A module's phase label (pushed and popped by its hooks) inside a pure call: the replay
+    opens and closes it again around the same counts, so the nested phase's peak (the call's
+    temporary, above the bytes live before it) comes out as running the call gives it."""
+
+    @metadata_pure
+    def phased(tracker, x):
+        y = x * 2
+        with tracker.phase("inner"):
+            tmp = torch.empty(3, *x.shape)
+            out = y + 1
+            del tmp
+        return out
+
+    def calls(tracker):
+        x = torch.randn(64, 8)
+        outs = [phased(tracker, x)]
+        held = torch.empty(777)  # the second call starts from more live bytes
+        outs.append(phased(tracker, x))
+        del held
+        return outs
+
+    direct, d_obs, d_outs, _ = _run(False, calls)
+    replayed, r_obs, r_outs, hook = _run(True, calls)
+    assert (hook.recorded, hook.replayed, hook.direct) == (1, 1, 0)
+    assert _state(replayed, r_obs) == _state(direct, d_obs) and r_outs == d_outs
+    assert direct.peak_by_phase[("forward", "inner")] > direct.peak_by_phase[("forward",)]
+
+
+def test_a_call_leaving_a_phase_open_or_taking_unhashable_or_real_arguments_runs_every_time():
     seen = []
 
     @metadata_pure
     def phased(tracker, x):
-        with tracker.phase("inner"):
-            return x + 1
+        tracker.push_phase("inner")  # closed by the caller
+        return x + 1
 
     @metadata_pure
     def takes(x, options):
@@ -148,7 +178,10 @@ def test_a_call_opening_a_phase_or_taking_unhashable_or_real_arguments_runs_ever
 
     def calls(tracker):
         x = torch.randn(4)
-        outs = [phased(tracker, x) for _ in range(2)]
+        outs = []
+        for _ in range(2):
+            outs.append(phased(tracker, x))
+            tracker.pop_phase()
         outs += [takes(x, {"a": {1}}) for _ in range(2)]  # a set inside: unhashable
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
             outs += [takes(torch.ones(2), None) for _ in range(2)]  # real tensors
@@ -182,8 +215,9 @@ def test_without_a_hook_a_pure_function_is_the_function():
 # included (tests/test_emulate.py)
 STEPS = [
     # ring loops, all-to-alls, attention calls, merges and projections of every stage
+    # with the ALST stack's tiled MLP and norms (upipe/stack/tiled.py)
     ("upipe", {"ring_degree": 2, "heads_per_stage": 2},
-     {"ring_attention_forward", "ring_attention_backward"}),
+     {"ring_attention_forward", "ring_attention_backward", "_shard_forward", "_shard_backward"}),
     ("ds-fpdt", {"chunk_size": 1024}, {"_update_out_and_lse"}),  # per chunk pair
     # the megatron-ds stack's fused-norm tiles and FPDT_FFN chunks (baselines/megatron_stack.py)
     ("ds-fpdt", {"chunk_size": 1024, "stack": "megatron-ds"},

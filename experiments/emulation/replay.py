@@ -24,8 +24,10 @@ object with an equality of its own is refused); grad mode, the kernel dispatch i
 the tracker's current kind and category. A recording is refused (the function then always runs)
 when the call did anything a replay could not repeat: freed or resized memory it did not
 allocate, kept memory alive beyond its outputs, returned a view of an argument or a tensor that
-requires grad, opened or closed a phase, category or host scope, or added work outside its
-window. Real tensors never match: in a real run the hook calls the function.
+requires grad, closed a phase it did not open or left one open, opened or closed a category
+or host scope, or added work outside its window. Phases it opened and closed (a module's
+phase label, pushed by its hooks) are recorded among the allocations and opened and closed
+again at their turn. Real tensors never match: in a real run the hook calls the function.
 
 Written by hand: FakeTensorMode's own cache works op by op (each call still pays a dispatch);
 nothing in torch replays a whole function's effect on a dispatch-mode tracker.
@@ -175,13 +177,22 @@ class CallReplay:
                                     t.storage_offset()))
         # which allocations survive the call (storage ids are reused once freed: by position)
         live: dict[int, int] = {}  # storage key -> index of its allocation event
+        depth = 0  # phases opened inside and not closed yet
         for i, event in enumerate(events):
             if event[0] == "alloc":
                 live[event[1]] = i
             elif event[0] == "free" and event[1] in live:
                 del live[event[1]]
+            elif event[0] == "phase":
+                depth += 1 if event[1] is not None else -1
+                if depth < 0:
+                    return None  # closed a phase opened outside
             elif event[0] != "resize" or event[1] not in live:
-                return None  # memory it did not allocate, or a carried collective result
+                # memory it did not allocate, a carried collective result, or a category or
+                # kind changed
+                return None
+        if depth:  # left a phase open
+            return None
         if set(live) != set(out_storage):  # an output not made inside, or a temporary kept
             return None
         survivors = {i: key for key, i in live.items()}
@@ -192,6 +203,8 @@ class CallReplay:
                 if (event[2].kind, event[2].category) != (kind, category):
                     return None
                 replay.append(("output", out_storage[event[1]]))
+            elif event[0] == "phase":  # opened and closed at its turn: the phase peaks follow
+                replay.append(event)
             elif event[0] == "alloc":
                 counted[event[1]] = alloc = dataclasses.replace(event[2])
                 replay.append(("count", alloc, alloc.nbytes))
@@ -213,6 +226,8 @@ class CallReplay:
         for event in rec.events:
             if event[0] == "count":
                 tr.count_replayed(event[1], event[2])
+            elif event[0] == "phase":
+                tr.push_phase(event[1]) if event[1] is not None else tr.pop_phase()
             else:
                 numel, dtype, device, whole = rec.storages[event[1]]
                 bases[event[1]] = (torch.empty_strided(*whole, dtype=dtype, device=device)

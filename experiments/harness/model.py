@@ -16,9 +16,9 @@ each level changes how the forward runs:
 - ``offload``: the checkpointed block input goes to host memory (``upipe.stack.offload``),
   all blocks but the first and last (ALST), all but the first (``offload_last``: the paper's
   TorchTitan wrapper), or all (``offload_all``: --checkpoint-in-cpu);
-- ``tiled``: MLP and RMSNorm through DeepSpeed's ``TiledMLP`` in ceil(L / dim) sequence shards
-  (ALST, ``upipe.stack.tiled``); it recomputes each shard in backward and accumulates the input
-  gradient in place;
+- ``tiled``: MLP and RMSNorm in ceil(L / dim) sequence shards, DeepSpeed's ``TiledMLP``
+  algorithm (ALST, ``upipe.stack.tiled``); it recomputes each shard in backward and
+  accumulates the input gradient in place;
 - ``chunked_loss``: ``upipe.stack.loss.chunked_linear_cross_entropy``;
 - beyond ALST (the ``long`` level): ``offload_first`` offloads the first block's input too;
   ``residual_ffn`` runs ``h + mlp(norm(h))`` as one tiled op (``upipe.stack.tiled_residual``);

@@ -243,8 +243,8 @@ class MemoryTracker(TorchDispatchMode):
         self.breakdown_by_phase: dict[tuple[str, ...], dict[str, int]] = {}
         self.observers: list[Observer] = []
         # the bookkeeping events while ``log()`` is open: ("alloc", key, Allocation),
-        # ("free", key), ("resize", key, delta), ("carry", key), ("context",) (for the
-        # emulator's replay)
+        # ("free", key), ("resize", key, delta), ("carry", key), ("phase", name | None),
+        # ("context",) (for the emulator's replay)
         self._log: list[tuple] | None = None
 
     # -- public API ----------------------------------------------------------------------------
@@ -323,7 +323,9 @@ class MemoryTracker(TorchDispatchMode):
         The new key's peak starts at (or is raised to) the current device bytes, so a phase that
         allocates nothing still has an entry: the bytes live while it ran.
         """
-        self._context_changed()
+        self._settle_comm()
+        if self._log is not None:
+            self._log.append(("phase", name))
         self._phase_stack.append(name)
         self._phase_key = tuple(self._phase_stack)
         self._raise_phase_peak()
@@ -331,7 +333,9 @@ class MemoryTracker(TorchDispatchMode):
     def pop_phase(self) -> None:
         """Close the innermost phase (at the root: nothing to close)."""
         if self._phase_stack:
-            self._context_changed()
+            self._settle_comm()
+            if self._log is not None:
+                self._log.append(("phase", None))
             self._phase_stack.pop()
             self._phase_key = tuple(self._phase_stack)
 
@@ -359,8 +363,9 @@ class MemoryTracker(TorchDispatchMode):
     def log(self):
         """Record the bookkeeping events inside into the list yielded: ("alloc", storage key,
         Allocation), ("free", key), ("resize", key, delta bytes), ("carry", key) (a functional
-        collective's result), ("context",) (a phase, category or kind opened or closed) --
-        what ``experiments.emulation.replay`` needs to replay a call. Not nested."""
+        collective's result), ("phase", name) and ("phase", None) (a phase opened, the innermost
+        closed), ("context",) (a category or kind opened or closed) -- what
+        ``experiments.emulation.replay`` needs to replay a call. Not nested."""
         if self._log is not None:
             raise RuntimeError("MemoryTracker.log() is already open")
         self._log = events = []
@@ -370,9 +375,9 @@ class MemoryTracker(TorchDispatchMode):
             self._log = None
 
     def _context_changed(self) -> None:
-        """A phase, category or kind opens or closes: logged (a call during which one does
-        cannot be replayed under a single context). A new phase starts from the live bytes, so
-        a collective's buffers are settled first."""
+        """A category or kind opens or closes: logged (a call during which one does cannot be
+        replayed under a single context). Settles a collective's buffers first, as a phase
+        change does (a new phase starts from the live bytes)."""
         self._settle_comm()
         if self._log is not None:
             self._log.append(("context",))

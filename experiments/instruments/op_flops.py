@@ -52,8 +52,9 @@ class CountedFlops(TorchDispatchMode):
     (``torch.utils.flop_counter.flop_registry``, which ``register_flop_formula`` extends).
 
     ``torch.utils.flop_counter.FlopCounterMode`` counts the same ops but also tracks modules
-    with global hooks, which fail on DeepSpeed's ``TiledMLP`` (it calls the MLP under no_grad
-    on inputs that require grad); only the total is needed here.
+    with global hooks, which fail on a tiled MLP (``upipe.stack.tiled``, as DeepSpeed's
+    ``TiledMLP``, calls the MLP under no_grad on inputs that require grad); only the total is
+    needed here.
     """
 
     def __init__(self):

@@ -27,7 +27,7 @@ docs/design.md#the-memory-stack), put into a ``transformers`` model in place, ea
 - ``uncheckpointed_layers`` (layer-wise selective recomputation): the last N decoder layers
   run without a checkpoint or offload, all they save kept on the device.
 - ``tiled``: each decoder layer's ``mlp`` runs over ceil(L / hidden) sequence shards
-  (``upipe.stack.tiled``, DeepSpeed's ``TiledMLP``); dense, per-token MLPs only.
+  (``upipe.stack.tiled``, DeepSpeed's ``TiledMLP`` algorithm); dense, per-token MLPs only.
 - ``chunked_loss``: with ``labels``, the model's forward runs the base decoder and
   ``chunked_linear_cross_entropy`` over its own ``lm_head.weight`` (the embedding when tied), so
   (L, vocab) logits never exist; it returns ``CausalLMOutputWithPast(loss=..., logits=None)``.
@@ -158,7 +158,7 @@ class _TiledMLP:
 
 
 def _mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The MLP's own forward (its class's, behind the mixin), as TiledMLP calls it per shard."""
+    """The MLP's own forward (its class's, behind the mixin), as ``tiled`` calls it per shard."""
     return super(_TiledMLP, mlp).forward(x)
 
 

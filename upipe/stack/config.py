@@ -15,7 +15,8 @@ class MemoryStack:
     offload: bool
     """checkpointed layer inputs to host memory, all layers but the first and last"""
     tiled: bool
-    """each layer's MLP over ceil(L / dim) sequence shards (DeepSpeed's TiledMLP)"""
+    """each layer's MLP over ceil(L / dim) sequence shards (DeepSpeed's TiledMLP algorithm,
+    ``upipe.stack.tiled``)"""
     chunked_loss: bool
     """linear + cross-entropy over token chunks, so full-vocabulary logits never exist"""
     keep_attention: bool = False

@@ -75,6 +75,10 @@ class Row(_Identity, total=False):
     attention_peak_bytes: int | None
     """the attention category's own peak, wherever in the step it falls (measured rows)"""
     tracked_peak_device_bytes: int | None
+    peak_device_is_lower_bound: bool
+    """an emulated ``oom`` row whose device peak is a lower bound that is already over the
+    budget (``emulation.emulate``: fewer layers exactly, or the fit's 4-layer samples), not the
+    step's peak; its memory columns are the bound's"""
     unsettled_collectives: int
     """gloo collectives whose buffers the backend still held 10 s after the program waited on
     them, on the rank with most (``MemoryTracker.unsettled_collectives``): the tracked peaks may

@@ -25,6 +25,7 @@ from experiments.runner.plan import (
     plan,
     rank,
 )
+from experiments.store import row_problem
 
 CPU_PROFILE = str(Path(__file__).parent / "data" / "profile_unit_cpu.json")
 
@@ -217,6 +218,7 @@ def test_the_device_lower_bound_is_below_the_peak_and_decides_only_when_over():
     row = device_lower_bound(cell(8, budget_mib=(one + four) / 2 / 2**20), Hardware())
     assert row["status"] == Status.OOM and row["peak_device_is_lower_bound"]
     assert row["peak_device_bytes"] == four and "(4 of the model's 8 layers" in row["error"]
+    assert row_problem(row) is None  # a row a sweep's store takes
     # below one layer: one layer proves it
     below = cell(8, budget_mib=one / 2 / 2**20)
     row = device_lower_bound(below, Hardware())
@@ -262,6 +264,7 @@ def test_the_fits_shallow_bound_is_below_the_peak_and_decides_only_when_over():
     assert row["peak_device_bytes"] == bound.peak_device_bytes
     assert "device peak at least" in row["error"] and "4-layer samples" in row["error"]
     assert row.get("step_time_s") is None and row["emulation"] == "lower bound"
+    assert row_problem(row) is None  # a search's probe: a row its sweep stores
 
 
 def test_ranking_puts_what_fits_first_fastest_first():

@@ -135,6 +135,22 @@ def test_tiled_is_deepspeeds_tiled_mlp(module, batch):
     assert ours[3:] == theirs[3:]
 
 
+def test_tiled_gives_parameter_gradients_when_only_they_require_grad():
+    """An input that needs no gradient (the parameters are the Function's inputs too): the
+    shards' backward still reaches the weights, as the untiled module's does."""
+    from experiments.harness.model import FeedForward
+    from upipe.stack import tiled
+
+    torch.manual_seed(0)
+    m, x = FeedForward(CFG.dim, CFG.ffn_dim), torch.randn(2, 620, CFG.dim)
+    tiled(m, x).pow(2).sum().backward()
+    tiled_grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    m(x).pow(2).sum().backward()
+    for g, p in zip(tiled_grads, m.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad)  # shard-wise fp32 sums: round-off only
+
+
 def test_offload_moves_saved_input_to_host_and_back():
     lin = torch.nn.Linear(64, 64)
     x = torch.randn(128, 64, requires_grad=True)

@@ -96,8 +96,8 @@ FIT_CASES = [
 
 def _fit_and_exact(method: str, options: dict) -> dict:
     """tiny with 8 layers at 7K tokens (lattice quantum 1K on 4 ranks), emulated as a GPU (kernel
-    models and 512-byte rounding) exactly and by the fit, whose samples are 2K-4K tokens at 4
-    and 5 layers: two independent emulations (tests/background.py)."""
+    models and 512-byte rounding) exactly and by the fit, whose window's samples start at 2K-4K
+    tokens at 4 and 5 layers: two independent emulations (tests/background.py)."""
     cell = Cell.from_dict(dict(method=method, model="tiny", seq_len=7 * 1024, nproc=4,
                                dtype="bf16", overrides=(("n_layers", "8"),)) | options)
     hw = Hardware(gpu_mem_gib=1.0, reserve_gib=0.0)
@@ -116,8 +116,11 @@ def test_fit_predicts_the_exact_emulation(method, options, background):
     exact, fit = rows["exact"], rows["fit"]
     assert exact["status"] == fit["status"] == "ok", (exact["error"], fit["error"])
     assert fit["emulation"] == "fit" and fit["fit_nonaffine_phases"] == []
-    # beyond the window (2K-4K) the peaks were certified by memory-only samples at the target
-    assert fit["fit_certified"] is True and 7 * 1024 in fit["fit_checked_lens"]
+    # the peaks at the target rest on a sample there: a memory-only one that certifies them
+    # beyond a window at 2K-4K, or one of the window's own where a phase that is not yet
+    # collinear moved the window past the target (UPipe's long level: to 6K-8K)
+    assert fit["fit_certified"] is True
+    assert 7 * 1024 in fit["fit_checked_lens"] + fit["fit_seq_lens"], fit["fit_seq_lens"]
     keys = KEYS + ("rank_flops_per_step", "comm_bytes_per_step", "comm_bytes_by_op")
     assert {k: fit[k] for k in keys} == {k: exact[k] for k in keys}
     # the time model's work, predicted window by window (work_fit), prices nearly the same.

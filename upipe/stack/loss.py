@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from upipe.pure import metadata_pure
+
 IGNORE_INDEX = -100
 
 
@@ -21,6 +23,35 @@ def loss_chunk_tokens(dim: int, vocab_size: int) -> int:
     return max(1, min(dim, 2**27 // vocab_size))
 
 
+# Each chunk is one function call, for two reasons: a chunk's temporaries (its logits, its
+# gradient) are freed when it returns, before the next chunk makes its own, and the emulator
+# replays the calls of one shape instead of running each chunk's kernels again
+# (upipe/pure.py); a 1M-token sequence has hundreds of chunks.
+@metadata_pure
+def _chunk_loss_into(total: torch.Tensor, hc: torch.Tensor, weight: torch.Tensor,
+                     lc: torch.Tensor) -> None:
+    """Add one chunk's summed cross-entropy into ``total`` (fp32 scalar) in place.
+    hc: (n, dim) hidden states; weight: (V, dim); lc: (n,) labels."""
+    logits = F.linear(hc, weight).float()  # (n, V) fp32
+    total += F.cross_entropy(logits, lc, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@metadata_pure
+def _chunk_backward_into(dh: torch.Tensor, dw: torch.Tensor, hc: torch.Tensor,
+                         weight: torch.Tensor, lc: torch.Tensor, grad_total: torch.Tensor) -> None:
+    """One chunk's gradients, written in place: ``dh`` (n, dim) the chunk's rows of the hidden
+    states' gradient; ``dw`` (V, dim) fp32, the head's gradient, added into. The gradient of a
+    chunk's logits is ``softmax(logits) - onehot(label)`` scaled by ``grad_total`` (scalar),
+    zero where the label is IGNORE_INDEX."""
+    valid = (lc != IGNORE_INDEX).unsqueeze(1)  # (n, 1); no data-dependent shapes
+    g = torch.softmax(F.linear(hc, weight).float(), dim=-1)
+    g.scatter_add_(1, lc.clamp(min=0).unsqueeze(1), -valid.float())
+    g.mul_(valid * grad_total)
+    g = g.to(hc.dtype)
+    dh.copy_(g @ weight)
+    dw.addmm_(g.t().float(), hc.float())  # no copies when h is fp32
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, chunk):
@@ -28,9 +59,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.chunk = chunk
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for i in range(0, h.shape[0], chunk):
-            logits = F.linear(h[i:i + chunk], weight).float()
-            total += F.cross_entropy(logits, labels[i:i + chunk], ignore_index=IGNORE_INDEX,
-                                     reduction="sum")
+            _chunk_loss_into(total, h[i:i + chunk], weight, labels[i:i + chunk])
         return total
 
     @staticmethod
@@ -41,14 +70,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # fp32 accumulation of the head's gradient across chunks (one weight-sized buffer)
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for i in range(0, h.shape[0], chunk):
-            hc, lc = h[i:i + chunk], labels[i:i + chunk]
-            valid = (lc != IGNORE_INDEX).unsqueeze(1)  # (n, 1); no data-dependent shapes
-            g = torch.softmax(F.linear(hc, weight).float(), dim=-1)
-            g.scatter_add_(1, lc.clamp(min=0).unsqueeze(1), -valid.float())
-            g.mul_(valid * grad_total)
-            g = g.to(h.dtype)
-            dh[i:i + chunk] = g @ weight
-            dw.addmm_(g.t().float(), hc.float())  # no copies when h is fp32
+            _chunk_backward_into(dh[i:i + chunk], dw, h[i:i + chunk], weight,
+                                 labels[i:i + chunk], grad_total)
         return dh, dw.to(weight.dtype), None, None
 
 

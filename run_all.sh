@@ -87,11 +87,12 @@ if [[ " ${sweeps[*]} " == *" table3_llama3_8b_h100x8-emulated "* || \
 fi
 # The provenance index in $OUT/README.md, rewritten from the tables just written.
 python -m experiments.reporting.results_index --results "$OUT"
-# The README's headline table and docs/results.md's selective-recomputation tables, rewritten
-# from the same tables (when they are the committed ones).
+# The README's headline table and docs/results.md's selective-recomputation and UPipe-speed
+# tables, rewritten from the same tables (when they are the committed ones).
 if [[ "$OUT" == results ]]; then
     python -m experiments.reporting.readme_headline
     python -m experiments.reporting.selective_table
+    python -m experiments.reporting.speed_table
 fi
 
 echo "run_all.sh: done in $((SECONDS - start)) s. Tables and plots:"

@@ -26,10 +26,10 @@ from experiments.reporting.plots import (
     _paper,
     _read,
     _throughput,
-    _vs_ulysses,
     draw_plots,
     format_tokens,
     variant_label,
+    vs_ulysses,
 )
 from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
 
@@ -183,7 +183,7 @@ def test_new_variants_get_their_own_labels(tmp_path):
         "ulysses", "fpdt (upipe's, ALST stack) c=1K", "torch-cp, stack native", "upipe",
         "upipe 2x2", "usp 2x2"]
     tp = _throughput(_read(tmp_path / ROWS, ROW_COLUMNS))
-    ratio = _vs_ulysses(tp, "tps", ["seq_len", "model", "nproc", "stack"])
+    ratio = vs_ulysses(tp, "tps", ["seq_len", "model", "nproc", "stack"])
     assert not np.isnan(ratio).any()  # torch-cp (native) against Ulysses (alst)
     assert set(draw_plots(tmp_path, ["memory_vs_seq", "throughput_vs_ulysses"])) == {
         "memory_vs_seq", "throughput_vs_ulysses"}
@@ -246,7 +246,7 @@ def test_throughput_and_ratio_vs_ulysses():
     assert len(tp) == 3  # the oom row has no throughput
     assert np.allclose(tp["tps"], tp["seq_len"] / tp["nproc"] / tp["time_median_s"])
     assert (tp["lo"] < tp["tps"]).all() and (tp["hi"] > tp["tps"]).all()
-    ratio = _vs_ulysses(tp.reset_index(drop=True), "tps", ["seq_len", "model", "nproc", "stack"])
+    ratio = vs_ulysses(tp.reset_index(drop=True), "tps", ["seq_len", "model", "nproc", "stack"])
     assert ratio[0] == pytest.approx(1.0) and ratio[1] == pytest.approx(0.5)
     assert np.isnan(ratio[2])  # no Ulysses row at 8K
 

@@ -209,7 +209,7 @@ def _focus_length(df: pd.DataFrame, cols: list[str]) -> int:
     return counts[counts == counts.max()].index.max()
 
 
-def _vs_ulysses(df: pd.DataFrame, value: str, keys: list[str]) -> np.ndarray:
+def vs_ulysses(df: pd.DataFrame, value: str, keys: list[str]) -> np.ndarray:
     """`value` of each row over Ulysses' (median) at the same `keys`; NaN where Ulysses has none.
 
     A method measured on a stack of its own (torch-cp on ``native``, as the paper runs it) is
@@ -472,7 +472,7 @@ def plot_throughput_vs_ulysses(rows: pd.DataFrame, maxctx: pd.DataFrame, path: P
     stack), bars grouped by length, a line at 1.0. Reads rows.csv: method, heads_per_stage,
     model, nproc, stack, seq_len, status, tokens_per_s_per_gpu, time_*_s, device."""
     df = _throughput(rows)
-    df = df.assign(ratio=_vs_ulysses(df, "tps", ["seq_len", *SETTINGS]))
+    df = df.assign(ratio=vs_ulysses(df, "tps", ["seq_len", *SETTINGS]))
     df = df[df["ratio"].notna() & ~((df["method"] == "ulysses") & df["heads_per_stage"].isna())]
     if df.empty:
         return False
@@ -616,7 +616,7 @@ def plot_heads_per_stage(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -
         for ax, (col, name) in zip(axes, panels, strict=True):
             agg = df.groupby(["label", "method", "heads_per_stage", *keys], dropna=False,
                              sort=False)[col].median().reset_index()
-            agg = agg.assign(ratio=_vs_ulysses(agg, col, keys)).set_index("label").loc[labels]
+            agg = agg.assign(ratio=vs_ulysses(agg, col, keys)).set_index("label").loc[labels]
             sns.barplot(agg.reset_index(), x="label", y=col, hue="label", order=labels,
                         hue_order=labels, palette=_palette(labels), legend=False, ax=ax)
             for i, (v, r) in enumerate(zip(agg[col], agg["ratio"], strict=True)):

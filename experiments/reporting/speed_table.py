@@ -1,0 +1,113 @@
+"""docs/results.md's "UPipe at Ulysses speed" table, rendered from the committed rows.
+
+One row per length, one column per UPipe variant (mesh, overlapped stages) of each emulated
+paper table (Table 3: Llama3-8B on 8 GPUs; Table 4: Qwen3-32B on 16), each cell the variant's
+emulated tokens/s per GPU over Ulysses' at the same length, stack and kernel
+(``plots.vs_ulysses``, the ratio the ``throughput_vs_ulysses`` plots draw). A ratio whose
+UPipe or Ulysses cell does not fit the device is marked: the emulated step still has a time,
+but no run would. Rendered from ``rows.csv``, never typed; written between two markers in
+docs/results.md, which ``./run_all.sh`` rewrites after the results index.
+
+    python -m experiments.reporting.speed_table          # rewrite the section
+    python -m experiments.reporting.speed_table --check  # exit 1 when it is stale (a test)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from experiments.reporting.plots import format_tokens, variant_label, vs_ulysses
+from experiments.reporting.sections import is_stale, section_main
+
+BEGIN, END = "<!-- upipe-speed-table:begin -->", "<!-- upipe-speed-table:end -->"
+COMMAND = "python -m experiments.reporting.speed_table"
+ROOT = Path(__file__).resolve().parents[2]
+# the emulated paper tables, in the order of their columns
+SWEEPS = ("table3_llama3_8b_h100x8-emulated", "table4_qwen3_32b_h100x16-emulated")
+MODEL_NAMES = {"llama3-8b": "Llama3-8B", "qwen3-32b": "Qwen3-32B"}
+NOT_FIT = "†"  # marks a ratio whose UPipe or Ulysses cell is over a budget
+
+
+def _timed(rows: pd.DataFrame) -> pd.DataFrame:
+    """The timed Ulysses and UPipe rows (not a search's probes), one per cell."""
+    df = rows[(rows["iters"] > 0) & rows["method"].isin(["ulysses", "upipe"])
+              & rows["heads_per_stage"].isna() & rows["tokens_per_s_per_gpu"].notna()]
+    return df.drop_duplicates("cell_id").reset_index(drop=True)
+
+
+def _overlapped(v) -> int:
+    """1 for a row whose ``overlap`` is set (True, or "True" read back from a CSV), else 0."""
+    return int(v is True or v == "True" or v == 1)
+
+
+def _column_name(r: pd.Series) -> str:
+    """'Llama3-8B, 8 GPUs: upipe overlap' (the mesh only where it is not 1 x P)."""
+    ring = r["ring_degree"] if pd.notna(r["ring_degree"]) and r["ring_degree"] > 1 else None
+    overlap = True if _overlapped(r["overlap"]) else None
+    label = variant_label("upipe", ring_degree=ring, nproc=r["nproc"], overlap=overlap)
+    return f"{MODEL_NAMES.get(r['model'], r['model'])}, {int(r['nproc'])} GPUs: {label}"
+
+
+def ratios(rows: pd.DataFrame) -> pd.DataFrame:
+    """One emulated sweep's UPipe variants over Ulysses: a row per (column, seq_len) with the
+    ratio and whether both cells fit (``fits``). rows: a sweep's rows.csv."""
+    df = _timed(rows)
+    df = df.assign(ratio=vs_ulysses(df, "tokens_per_s_per_gpu",
+                                    ["seq_len", "model", "nproc", "stack", "kernel"]))
+    ulysses_ok = df[df["method"] == "ulysses"].set_index("seq_len")["status"].eq("ok")
+    up = df[(df["method"] == "upipe") & df["ratio"].notna()]
+    # columns in a fixed order: the 1 x P mesh first, blocking stages before overlapped ones
+    order = up["ring_degree"].fillna(1).astype(int) * 2 + up["overlap"].map(_overlapped)
+    up = up.assign(_order=order).sort_values(["_order", "seq_len"], kind="stable")
+    return pd.DataFrame({
+        "column": [_column_name(r) for _, r in up.iterrows()],
+        "seq_len": up["seq_len"].astype(int).to_numpy(),
+        "ratio": up["ratio"].to_numpy(),
+        "fits": (up["status"].eq("ok").to_numpy()
+                 & up["seq_len"].map(ulysses_ok).fillna(False).to_numpy(dtype=bool)),
+    })
+
+
+def table(frames: list[pd.DataFrame]) -> list[str]:
+    """The markdown table of ``ratios`` frames side by side: a row per length."""
+    df = pd.concat(frames, ignore_index=True)
+    columns = list(dict.fromkeys(df["column"]))
+    cells = {(r.column, r.seq_len): f"{r.ratio:.4f}" + ("" if r.fits else f" {NOT_FIT}")
+             for r in df.itertuples()}
+    lines = ["| length | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for s in sorted(df["seq_len"].unique()):
+        lines.append(f"| {format_tokens(s)} | "
+                     + " | ".join(cells.get((c, s), "—") for c in columns) + " |")
+    return lines
+
+
+def render(results: Path) -> str:
+    """The generated section, markers included (without rows: a line saying so)."""
+    frames = [ratios(pd.read_csv(results / name / "rows.csv")) for name in SWEEPS
+              if (results / name / "rows.csv").exists()]
+    frames = [f for f in frames if len(f)]
+    body = (table(frames) + ["", f"{NOT_FIT}: UPipe's or Ulysses' cell does not fit the device "
+                             "at that length; the ratio is of the emulated steps all the same."]
+            if frames else ["No emulated Table 3 or Table 4 rows with Ulysses and UPipe."])
+    return "\n".join([
+        BEGIN, f"<!-- generated by `{COMMAND}` from results/: edit those files, not this -->",
+        "", *body, "", END])
+
+
+def stale(results: Path, doc: Path) -> bool:
+    """Whether ``doc``'s committed section differs from ``render(results)``."""
+    return is_stale(doc, render(results), BEGIN, END)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CLI: rewrite the section, or with ``--check`` exit 1 when it is stale."""
+    return section_main(argv, description=__doc__.splitlines()[0], results=ROOT / "results",
+                        doc=ROOT / "docs" / "results.md", render=render, begin=BEGIN, end=END,
+                        what="the UPipe-at-Ulysses-speed table", command=COMMAND)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

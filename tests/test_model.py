@@ -104,6 +104,29 @@ def test_chunked_loss_never_holds_full_logits():
     assert loss_chunk_tokens(4096, 128256) == 1046 and loss_chunk_tokens(256, 1024) == 256
 
 
+def _loss_peak_over_base(n: int, dim: int, vocab: int, chunk: int) -> int:
+    """Peak tracked bytes of the chunked loss's forward and backward over what lives before."""
+    h = torch.randn(n, dim, requires_grad=True)
+    w = torch.randn(vocab, dim, requires_grad=True)
+    labels = torch.randint(0, vocab, (n,))
+    with MemoryTracker() as mt:
+        mt.track(h, w, labels)
+        base = mt.current_device_bytes
+        chunked_linear_cross_entropy(h, w, labels, chunk).backward()
+    return mt.peak_device_bytes - base
+
+
+def test_one_chunks_temporaries_live_at_a_time():
+    """Each chunk is one call (upipe/stack/loss.py): its logits and gradient are freed before
+    the next chunk's exist. Three more chunks then add only their rows of the gradient dh (which
+    autograd hands on as h.grad), where a loop that kept the previous chunk's (n, V) gradient
+    alive while making the next one's held one chunk's logits more (here 256 KB)."""
+    dim, vocab, chunk = 32, 1000, 64
+    one, four = (_loss_peak_over_base(k * chunk, dim, vocab, chunk) for k in (1, 4))
+    rows = 3 * chunk * dim * 4  # fp32 rows of dh
+    assert four - one == rows, (one, four)
+
+
 @pytest.mark.parametrize("module", ["mlp", "norm"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_tiled_is_deepspeeds_tiled_mlp(module, batch):

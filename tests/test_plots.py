@@ -258,3 +258,23 @@ def test_memory_wall_rungs_are_the_papers():
     rungs = [ladder_rung(r["method"], r["stack"], r.get("nproc", 8)) for r in WALL_RUNGS]
     assert rungs == ["FSDP only", "+ Ulysses", "+ checkpointing", "+ offload", "ALST", "UPipe"]
     assert ladder_rung("fpdt", "alst", 8) == "fpdt alst"
+
+
+def test_memory_plot_draws_a_lower_bound_apart_from_a_peak_reached(tmp_path, monkeypatch):
+    """A search's probe that a lower bound put over the device (``peak_device_is_lower_bound``)
+    has no peak of its own: memory_vs_seq marks it as "at least", not as the peak reached."""
+    from matplotlib.figure import Figure
+
+    probe = _row("ulysses", None, 32768, status="oom") | {"peak_device_is_lower_bound": True}
+    cols = [*ROW_COLUMNS, "peak_device_is_lower_bound"]
+    pd.DataFrame([*_rows(), probe]).reindex(columns=cols).to_csv(tmp_path / ROWS, index=False)
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    draw_plots(tmp_path, ["memory_vs_seq"])
+    (ax,) = drawn[0].axes
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "OOM (peak reached)" in legend and "OOM (its peak at least)" in legend
+    # each mark at its own length: the 16K cell's peak, the 32K probe's bound
+    marks = [[int(x) for x, _ in c.get_offsets()] for c in ax.collections
+             if len(c.get_offsets())]
+    assert sorted(marks) == [[16384], [32768]], marks

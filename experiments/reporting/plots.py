@@ -391,9 +391,10 @@ def plot_max_context(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bo
 
 def plot_memory_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bool:
     """Peak device memory against length, a line per variant (ok rows); OOM cells as crosses at
-    the peak they reached; the device-memory or budget line. Reads rows.csv: method,
-    heads_per_stage, model, nproc, stack, seq_len, status, peak_device_bytes,
-    device_memory_bytes, device."""
+    the peak they reached, or as triangles at the lower bound that put a search's probe over the
+    device (``peak_device_is_lower_bound``); the device-memory or budget line. Reads rows.csv:
+    method, heads_per_stage, model, nproc, stack, seq_len, status, peak_device_bytes,
+    peak_device_is_lower_bound (when present), device_memory_bytes, device."""
     df = rows[rows["status"].isin(Status.RESULTS) & rows["peak_device_bytes"].notna()]
     if not (df["status"] == Status.OK).any():
         return False
@@ -405,11 +406,15 @@ def plot_memory_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
         sns.lineplot(df[df["status"] == Status.OK], x="seq_len", y="mem", hue="label", palette=pal,
                      hue_order=labels, marker="o", estimator="median", errorbar=None, ax=ax)
         oom = df[df["status"] == Status.OOM]
-        if len(oom):  # the legend's cross in grey: each in its variant's colour
-            ax.scatter(oom["seq_len"], oom["mem"], marker="x", s=80, linewidths=2, zorder=3,
-                       color=[pal[lb] for lb in oom["label"]])
-            ax.scatter([], [], marker="x", s=80, linewidths=2, color="0.3",
-                       label="OOM (peak reached)")
+        # a search probe that a lower bound put over the device has no peak of its own, only
+        # that bound: drawn apart ("at least"), never as a peak reached
+        bound = _column(oom, "peak_device_is_lower_bound").map(lambda v: v is True or v == "True")
+        for part, marker, what in ((oom[~bound], "x", "OOM (peak reached)"),
+                                   (oom[bound], "^", "OOM (its peak at least)")):
+            if len(part):  # the legend's mark in grey: each in its variant's colour
+                ax.scatter(part["seq_len"], part["mem"], marker=marker, s=80, linewidths=2,
+                           zorder=3, color=[pal[lb] for lb in part["label"]])
+                ax.scatter([], [], marker=marker, s=80, linewidths=2, color="0.3", label=what)
         figures = set()
         for label, run in _paper_runs(df).items():
             peaks = [p for p in paper_peaks(*run) if p["seq_len"] in set(df["seq_len"])]

@@ -408,7 +408,8 @@ def plot_memory_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
         oom = df[df["status"] == Status.OOM]
         # a search probe that a lower bound put over the device has no peak of its own, only
         # that bound: drawn apart ("at least"), never as a peak reached
-        bound = _column(oom, "peak_device_is_lower_bound").map(lambda v: v is True or v == "True")
+        bound = _column(oom, "peak_device_is_lower_bound").map(
+            lambda v: v is True or v == "True").astype(bool)
         for part, marker, what in ((oom[~bound], "x", "OOM (peak reached)"),
                                    (oom[bound], "^", "OOM (its peak at least)")):
             if len(part):  # the legend's mark in grey: each in its variant's colour

@@ -209,6 +209,18 @@ def test_cli_rejects_bad_input_listing_choices(capsys, argv, says):
     assert all(text in err for text in says), err
 
 
+def test_a_paper_sweep_without_cuda_is_refused_before_any_cell(tmp_path, capsys, monkeypatch):
+    """A paper-scale sweep launched on CPU ranks ran GPU-sized cells (Llama3-8B at 1M tokens)
+    until the kernel killed each one; without CUDA it is refused up front, naming its emulated
+    twin and its CPU counterpart, and nothing is written (its dry run still answers: above)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    name = "selective_recompute_llama3_8b_h100x8"
+    assert main(["sweep", name, "--out", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "paper scale" in err and f"{name}-emulated" in err and f"{name}-cpu" in err, err
+    assert not any(tmp_path.iterdir())
+
+
 def test_cli_rejects_a_length_that_is_not_a_size(capsys):
     with pytest.raises(SystemExit) as e:
         main(["run", "--method", "upipe", "--seq-len", "1.5M"])

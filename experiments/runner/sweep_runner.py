@@ -24,6 +24,7 @@ import datetime
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
@@ -186,7 +187,15 @@ class SweepRunner:
 
     def __call__(self) -> dict:
         """Run every cell, then every search; returns the table and plot paths. Refused
-        (``ResultsInUse``, on every rank) while another sweep runs on the same directory."""
+        (``ResultsInUse``, on every rank) while another sweep runs on the same directory, and
+        (``ValueError``, on every rank, before any cell) for a paper-scale sweep on a machine
+        without CUDA: its cells are GPU-sized (a Llama3-8B rank at 1M tokens), and launched on
+        CPU ranks they exhaust host memory and are killed one by one."""
+        if self.sweep.scale == "paper" and not torch.cuda.is_available():
+            raise ValueError(
+                f"sweep {self.sweep.name!r} is paper scale: its cells run on GPUs, and torch sees "
+                f"no CUDA device here; run {self.sweep.name}-emulated (its emulated twin) "
+                f"or {self.sweep.name}-cpu (its CPU counterpart) instead")
         with contextlib.ExitStack() as held:
             refused = None
             if _is_writer():

@@ -80,6 +80,13 @@ done
 if [[ " ${sweeps[*]} " == *" time_validation_cpu "* ]]; then
     python -m experiments.cli validate-time --out "$OUT" --no-progress
 fi
+# The ladder to 8M tokens on one node (and Qwen3-32B's on 16 GPUs), with the emulated twins
+# and without ONLY: a rung whose record stands is kept, as a sweep resumes its cells.
+if [[ -z "${ONLY:-}" && ",$SCALE," == *",emulated,"* ]]; then
+    python -m experiments.runner.long_ladder --results "$OUT"
+    python -m experiments.runner.long_ladder --results "$OUT" --model qwen3-32b --gpus 16 \
+        --seq-len 6M
+fi
 # The emulated Table 3/4 outcomes beside the paper's, when those sweeps ran.
 if [[ " ${sweeps[*]} " == *" table3_llama3_8b_h100x8-emulated "* || \
       " ${sweeps[*]} " == *" table4_qwen3_32b_h100x16-emulated "* ]]; then
@@ -87,12 +94,13 @@ if [[ " ${sweeps[*]} " == *" table3_llama3_8b_h100x8-emulated "* || \
 fi
 # The provenance index in $OUT/README.md, rewritten from the tables just written.
 python -m experiments.reporting.results_index --results "$OUT"
-# The README's headline table and docs/results.md's selective-recomputation and UPipe-speed
-# tables, rewritten from the same tables (when they are the committed ones).
+# The README's headline table and docs/results.md's selective-recomputation, UPipe-speed and
+# ladder tables, rewritten from the same tables (when they are the committed ones).
 if [[ "$OUT" == results ]]; then
     python -m experiments.reporting.readme_headline
     python -m experiments.reporting.selective_table
     python -m experiments.reporting.speed_table
+    python -m experiments.reporting.ladder_table
 fi
 
 echo "run_all.sh: done in $((SECONDS - start)) s. Tables and plots:"

@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from experiments.config.sizes import format_size
 from experiments.config.status import Status
 from experiments.reporting.sections import section, write_section
 
@@ -30,6 +31,7 @@ COMMAND = "python -m experiments.reporting.results_index"
 GUARD_COMMAND = "python -m experiments.runner.max_context_guard --update"
 GPU_CHECK_COMMAND = "python -m experiments.gpu allocator"
 PAPER_GRID_COMMAND = "python -m experiments.reporting.paper_grid"
+LADDER_COMMAND = "python -m experiments.runner.long_ladder"
 # GPU checks: (folder, what it shows, mode of every row, the command that regenerates it)
 GPU_FOLDERS = (
     ("emulate_vs_allocator", "emulator check on a GPU (no paper table)",
@@ -182,6 +184,18 @@ def other_lines(results: Path) -> list[str]:
                 name, what, moded, "gpu",
                 _provenance([], env, _distinct(r.get("device", "") for r in rows)),
                 _tally("rows", f"{name}/rows.csv", rows), "", f"`{command}` (needs a GPU)"))
+    for path in sorted(results.glob("long_ladder_*-emulated/ladder.csv")):
+        # runner.long_ladder's records: a rung each, its provenance in env.json
+        if rows := _csv(path):
+            name, env = path.parent.name, _json(path.parent / "env.json")
+            lines.append(_line(
+                name, "UPipe from ALST to the long level, one mechanism a rung (beyond the "
+                "paper; docs/results.md#one-node-to-8m-tokens-beyond-the-paper)",
+                [{"mode": "emulated"}], "emulated",
+                _provenance([], env, _distinct(f"emulated {r.get('device', '')}" for r in rows)),
+                _tally("rungs", f"{name}/{path.name}", rows), "",
+                f"`{LADDER_COMMAND} --model {rows[0]['model']} --gpus {rows[0]['nproc']} "
+                f"--seq-len {format_size(int(rows[0]['seq_len']))}`"))
     if rows := _csv(results / "paper_grid" / "grid_vs_paper.csv"):
         # derived from the emulated Table 3/4 rows, whose provenance is their sweeps'
         agree = _counts((r.get("agree", "?") for r in rows), ("yes", "no", "—"))

@@ -6,7 +6,7 @@ input offloaded, the residual FFN tiled in place, the attention's pre-norm fused
 ``experiments/config/stack.py``) with its chunked attention backward (``chunk_size``, 64K-token
 chunks: ``upipe/chunked.py``), from 3M tokens up; max context, peak memory, tokens/s and MFU per
 GPU. Qwen3-32B also on the paper's 8 x 2 mesh (the chunked backward needs the plain Ulysses
-mesh). Scripts/long_ladder.py adds the mechanisms one at a time (the ladder in
+mesh). ``runner.long_ladder`` adds the mechanisms one at a time (the ladder in
 docs/results.md#one-node-to-8m-tokens-beyond-the-paper). The CPU counterparts keep the
 comparison at CPU size (gloo, 4 ranks, 512-token chunks), with a measured max-context search
 under Table 3's CPU budget.

@@ -1,0 +1,114 @@
+"""The ladder to 8M tokens (``experiments.runner.long_ladder``) and its tables in
+docs/results.md (``experiments.reporting.ladder_table``): the last rung is the level the library
+ships, a run keeps the records it has, and the committed tables are the records rendered."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from experiments.config import STACKS
+from experiments.reporting import ladder_table, results_index
+from experiments.runner import long_ladder
+from experiments.runner.plan import LONG, LONG_CHUNK
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_last_rung_is_the_long_level_with_its_chunks_and_the_first_is_alst():
+    last = long_ladder.rung_cell(len(long_ladder.RUNGS) - 1, "llama3-8b", 8, 2**23)
+    assert STACKS[last.stack] == STACKS[LONG] and last.options == {"chunk_size": LONG_CHUNK}
+    first = long_ladder.rung_cell(0, "llama3-8b", 8, 2**23)
+    assert STACKS[first.stack] == STACKS["alst"] and first.options == {}
+    # each rung keeps every mechanism of the rung before it
+    fields = [f for _, f, _ in long_ladder.RUNGS]
+    assert all(a.items() <= b.items() for a, b in itertools.pairwise(fields))
+
+
+def _record(i: int, model="llama3-8b", gpus=8, seq_len=2**23, **kw) -> dict:
+    label, fields, options = long_ladder.RUNGS[i]
+    cell = long_ladder.rung_cell(i, model, gpus, seq_len)
+    return {"rung": i, "label": label, "model": model, "nproc": gpus, "seq_len": seq_len,
+            "kernel": "fa3", "device": "cuda (79.65 GiB)",
+            "stack_fields": json.dumps(fields, sort_keys=True),
+            "options": json.dumps(options, sort_keys=True), "cell_id": cell.cell_id(),
+            "status": "oom", "error": "", "peak_device_bytes": 80 * 2**30,
+            "peak_phase": "backward > attention:bwd", "peak_model_bytes": 15 * 2**30,
+            "peak_attention_bytes": 40 * 2**30, "peak_other_bytes": 25 * 2**30,
+            "peak_host_bytes": 240 * 2**30, "device_budget_bytes": int(73.35 * 2**30),
+            "host_budget_bytes": 256 * 2**30, "fit_certified": True,
+            "fit_nonaffine_phases": "", "search_status": "ok", "max_seq_len": 5898240,
+            "first_failing_seq_len": 5963776,
+            "failing_error": "device peak 73.86 GiB > budget 73.35 GiB",
+            "failing_is_lower_bound": False, "search_error": "", "emulation_s": 1.0} | kw
+
+
+def test_a_run_keeps_the_records_it_has_and_runs_the_rest(tmp_path, monkeypatch):
+    ran = []
+
+    def fake_run(i, model, gpus, seq_len, hw=None):
+        ran.append(i)
+        return _record(i, model, gpus, seq_len, status="ok")
+
+    monkeypatch.setattr(long_ladder, "run_rung", fake_run)
+    out = long_ladder.folder("llama3-8b", 8, tmp_path)
+    out.mkdir(parents=True)
+    kept = _record(0, peak_device_bytes=123)
+    # a record of rung 1 whose mechanisms have changed since: run again
+    stale = _record(1) | {"stack_fields": json.dumps({"offload_first": False})}
+    pd.DataFrame([kept, stale]).to_csv(out / long_ladder.FILE, index=False)
+    path = long_ladder.run_ladder("llama3-8b", 8, 2**23, tmp_path, progress=lambda _: None)
+    assert ran == list(range(1, len(long_ladder.RUNGS)))
+    got = pd.read_csv(path)
+    assert list(got["rung"]) == list(range(len(long_ladder.RUNGS)))
+    assert got.loc[0, "peak_device_bytes"] == 123 and (got["status"][1:] == "ok").all()
+    assert "git_rev" in json.loads((out / "env.json").read_text())
+
+
+def test_the_table_renders_each_rung_and_marks_what_is_not_certified():
+    rows = pd.DataFrame([
+        _record(0),
+        _record(3, status="ok", peak_device_bytes=72 * 2**30, fit_certified=False),
+        _record(4, max_seq_len=float("nan"), search_status="error",
+                search_error="fit refused"),
+    ])
+    lines = ladder_table.table(rows)
+    assert lines[0].startswith("**Llama3-8B on 8 GPUs**") and "73.35 GiB" in lines[0]
+    assert lines[2].startswith("| rung | device peak at 8M (GiB) |")
+    assert lines[4] == ("| ALST (the paper's stack) | 80.00 (oom) | backward > attention:bwd | "
+                        "15.00 / 40.00 / 25.00 | 240.0 | 5760K (device peak 73.86 GiB) |")
+    assert lines[5].startswith("| + chunked attention backward (64K) | 72.00 (ok) ‡ |")
+    assert lines[6].endswith("| — (error: fit refused) |")
+    assert lines[-1].startswith("‡ the step's fit is not certified")
+
+
+def test_the_committed_tables_are_up_to_date():
+    assert not ladder_table.stale(ROOT / "results", ROOT / "docs" / "results.md"), (
+        f"docs/results.md's ladder tables are stale: run `{ladder_table.COMMAND}` and commit "
+        "docs/results.md")
+
+
+def test_without_records_the_section_says_so(tmp_path):
+    assert "No ladder records" in ladder_table.render(tmp_path)
+
+
+def test_the_ladder_registers_its_rungs_without_changing_a_shipped_level():
+    before = {k: dataclasses.asdict(v) for k, v in STACKS.items() if not k.startswith("ladder-")}
+    long_ladder.rung_cell(2, "qwen3-32b", 16, 2**22)
+    after = {k: dataclasses.asdict(v) for k, v in STACKS.items() if not k.startswith("ladder-")}
+    assert before == after
+
+
+def test_the_results_index_lists_a_ladder_with_its_command(tmp_path):
+    d = long_ladder.folder("qwen3-32b", 16, tmp_path)
+    d.mkdir(parents=True)
+    pd.DataFrame([_record(0, "qwen3-32b", 16, 6 * 2**20)]).to_csv(d / "ladder.csv", index=False)
+    (line,) = results_index.other_lines(tmp_path)
+    assert line.startswith("| [`long_ladder_qwen3_32b_h100x16-emulated`]")
+    assert "| emulated cuda (79.65 GiB) · host: " in line and "[1 rungs](" in line
+    assert line.endswith("| `python -m experiments.runner.long_ladder --model qwen3-32b "
+                         "--gpus 16 --seq-len 6M` |")

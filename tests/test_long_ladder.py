@@ -33,7 +33,7 @@ def _record(i: int, model="llama3-8b", gpus=8, seq_len=2**23, **kw) -> dict:
     label, fields, options = long_ladder.RUNGS[i]
     cell = long_ladder.rung_cell(i, model, gpus, seq_len)
     return {"rung": i, "label": label, "model": model, "nproc": gpus, "seq_len": seq_len,
-            "kernel": "fa3", "device": "cuda (79.65 GiB)",
+            "kernel": "fa3", "device": "emulated cuda (79.65 GiB)",
             "stack_fields": json.dumps(fields, sort_keys=True),
             "options": json.dumps(options, sort_keys=True), "cell_id": cell.cell_id(),
             "status": "oom", "error": "", "peak_device_bytes": 80 * 2**30,

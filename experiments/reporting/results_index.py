@@ -192,7 +192,7 @@ def other_lines(results: Path) -> list[str]:
                 name, "UPipe from ALST to the long level, one mechanism a rung (beyond the "
                 "paper; docs/results.md#one-node-to-8m-tokens-beyond-the-paper)",
                 [{"mode": "emulated"}], "emulated",
-                _provenance([], env, _distinct(f"emulated {r.get('device', '')}" for r in rows)),
+                _provenance([], env, _distinct(r.get("device", "") for r in rows)),
                 _tally("rungs", f"{name}/{path.name}", rows), "",
                 f"`{LADDER_COMMAND} --model {rows[0]['model']} --gpus {rows[0]['nproc']} "
                 f"--seq-len {format_size(int(rows[0]['seq_len']))}`"))

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from experiments.config import STACKS
 from experiments.reporting import ladder_table, results_index
@@ -48,24 +49,32 @@ def _record(i: int, model="llama3-8b", gpus=8, seq_len=2**23, **kw) -> dict:
 
 
 def test_a_run_keeps_the_records_it_has_and_runs_the_rest(tmp_path, monkeypatch):
-    ran = []
+    ran, stop_at = [], [2]
 
     def fake_run(i, model, gpus, seq_len, hw=None):
+        if i in stop_at:
+            raise KeyboardInterrupt  # the run is interrupted at rung 2
         ran.append(i)
         return _record(i, model, gpus, seq_len, status="ok")
 
     monkeypatch.setattr(long_ladder, "run_rung", fake_run)
     out = long_ladder.folder("llama3-8b", 8, tmp_path)
     out.mkdir(parents=True)
-    kept = _record(0, peak_device_bytes=123)
+    kept, later = _record(0, peak_device_bytes=123), _record(3, peak_device_bytes=456)
     # a record of rung 1 whose mechanisms have changed since: run again
     stale = _record(1) | {"stack_fields": json.dumps({"offload_first": False})}
-    pd.DataFrame([kept, stale]).to_csv(out / long_ladder.FILE, index=False)
+    pd.DataFrame([kept, stale, later]).to_csv(out / long_ladder.FILE, index=False)
+    with pytest.raises(KeyboardInterrupt):
+        long_ladder.run_ladder("llama3-8b", 8, 2**23, tmp_path, progress=lambda _: None)
+    # what the interrupted run measured is written, and no standing record is lost
+    got = pd.read_csv(out / long_ladder.FILE)
+    assert list(got["rung"]) == [0, 1, 3] and list(got["status"]) == ["oom", "ok", "oom"]
+    stop_at.clear()
     path = long_ladder.run_ladder("llama3-8b", 8, 2**23, tmp_path, progress=lambda _: None)
-    assert ran == list(range(1, len(long_ladder.RUNGS)))
+    assert ran == [1, 2, 4]
     got = pd.read_csv(path)
     assert list(got["rung"]) == list(range(len(long_ladder.RUNGS)))
-    assert got.loc[0, "peak_device_bytes"] == 123 and (got["status"][1:] == "ok").all()
+    assert list(got["peak_device_bytes"][[0, 3]]) == [123, 456]
     assert "git_rev" in json.loads((out / "env.json").read_text())
 
 

@@ -126,17 +126,20 @@ def run_ladder(model: str, gpus: int, seq_len: int, results: Path = RESULTS,
     # a record stands for its cell and its rung's mechanisms (the stack's name is the rung's
     # number, so the name alone would keep a record of a rung since redefined)
     kept = {(r["cell_id"], r["stack_fields"]): r for r in have.to_dict("records")}
+    keys = [(rung_cell(i, model, gpus, seq_len).cell_id(), json.dumps(fields, sort_keys=True))
+            for i, (_, fields, _) in enumerate(RUNGS)]
     records = []
-    for i, (label, fields, _) in enumerate(RUNGS):
-        key = (rung_cell(i, model, gpus, seq_len).cell_id(), json.dumps(fields, sort_keys=True))
-        if key in kept:
-            records.append(kept[key])
+    for i, (label, _, _) in enumerate(RUNGS):
+        if keys[i] in kept:
+            records.append(kept[keys[i]])
             progress(f"  [kept] rung {i}: {label}")
             continue
         records.append(run_rung(i, model, gpus, seq_len))
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "env.json", provenance() | {"argv": sys.argv})
-        pd.DataFrame(records).to_csv(path, index=False)
+        # the later rungs' standing records too: an interrupted run loses none
+        later = [kept[k] for k in keys[i + 1:] if k in kept]
+        pd.DataFrame(records + later).to_csv(path, index=False)
         r = records[-1]
         progress(f"  rung {i}: {label}: {r['status']} at {seq_len}, max {r['max_seq_len']} "
                  f"({r['emulation_s']} s)")

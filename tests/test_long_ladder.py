@@ -86,7 +86,8 @@ def test_the_table_renders_each_rung_and_marks_what_is_not_certified():
                 search_error="fit refused"),
     ])
     lines = ladder_table.table(rows)
-    assert lines[0].startswith("**Llama3-8B on 8 GPUs**") and "73.35 GiB" in lines[0]
+    assert lines[0].startswith("**Llama3-8B on 8 GPUs** (emulated cuda (79.65 GiB); "
+                               "device budget 73.35 GiB per rank")
     assert lines[2].startswith("| rung | device peak at 8M (GiB) |")
     assert lines[4] == ("| ALST (the paper's stack) | 80.00 (oom) | backward > attention:bwd | "
                         "15.00 / 40.00 / 25.00 | 240.0 | 5760K (device peak 73.86 GiB) |")

@@ -22,12 +22,12 @@ import pandas as pd
 from experiments.config import format_size
 from experiments.reporting.plots import format_tokens
 from experiments.reporting.sections import is_stale, section_main
+from experiments.reporting.speed_table import MODEL_NAMES
 
 BEGIN, END = "<!-- long-ladder-table:begin -->", "<!-- long-ladder-table:end -->"
 COMMAND = "python -m experiments.reporting.ladder_table"
 ROOT = Path(__file__).resolve().parents[2]
 PATTERN = "long_ladder_*-emulated"  # runner.long_ladder's result folders
-MODEL_NAMES = {"llama3-8b": "Llama3-8B", "qwen3-32b": "Qwen3-32B"}
 GiB = 2**30
 
 
@@ -59,7 +59,7 @@ def table(rows: pd.DataFrame, source: str = "") -> list[str]:
     first = rows.iloc[0]
     s = format_tokens(first["seq_len"])
     model = MODEL_NAMES.get(first["model"], first["model"])
-    head = (f"**{model} on {int(first['nproc'])} GPUs** (80 GB each, device budget "
+    head = (f"**{model} on {int(first['nproc'])} GPUs** ({first['device']}; device budget "
             f"{_gib(first['device_budget_bytes'])} GiB per rank; host budget "
             f"{_gib(first['host_budget_bytes'], 0)} GiB per rank)"
             + (f", from [{source.removeprefix('../')}]({source})" if source else "") + ":")
@@ -70,7 +70,8 @@ def table(rows: pd.DataFrame, source: str = "") -> list[str]:
     uncertified = False
     for r in rows.to_dict("records"):
         mark = ""
-        if not r["fit_certified"] or r["fit_certified"] == "False":
+        # False: the window's lines (an exact emulation has no fit: NaN, exact)
+        if r["fit_certified"] in (False, "False"):
             mark, uncertified = " ‡", True
         split = " / ".join(_gib(r[f"peak_{k}_bytes"]) for k in ("model", "attention", "other"))
         lines.append(f"| {_label(r)} | {_gib(r['peak_device_bytes'])} ({r['status']}){mark} | "

@@ -122,3 +122,13 @@ def test_the_results_index_lists_a_ladder_with_its_command(tmp_path):
     assert "| emulated cuda (79.65 GiB) · host: " in line and "[1 rungs](" in line
     assert line.endswith("| `python -m experiments.runner.long_ladder --model qwen3-32b "
                          "--gpus 16 --seq-len 6M` |")
+
+
+@pytest.mark.parametrize("argv, says", [(["--model", "gpt9"], "model must be one of"),
+                                        (["--gpus", "3"], "divisible by nproc (3)"),
+                                        (["--seq-len", "1001"], "seq_len (1001)")])
+def test_bad_input_is_refused_before_anything_runs_or_is_written(tmp_path, capsys, argv, says):
+    assert long_ladder.main([*argv, "--results", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("long_ladder: ") and says in err, err
+    assert not any(tmp_path.iterdir())

@@ -119,7 +119,10 @@ def run_ladder(model: str, gpus: int, seq_len: int, results: Path = RESULTS,
                progress=print) -> Path:
     """Every rung's record into ``folder(model, gpus)/ladder.csv``, keeping a rung whose record
     is there for the same cell; the file is rewritten after each rung, so an interrupted run
-    keeps what it measured."""
+    keeps what it measured. ValueError, naming the field and its rule, for a cell that is not
+    valid (before anything runs or is written)."""
+    for i in range(len(RUNGS)):  # bad input (a model, a rank count, a length) before any run
+        rung_cell(i, model, gpus, seq_len).validate()
     out = folder(model, gpus, results)
     path = out / FILE
     have = read(path)
@@ -154,7 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", default="8M", help="the length each rung's step is shown at")
     p.add_argument("--results", type=Path, default=RESULTS, help="results root")
     a = p.parse_args(argv)
-    path = run_ladder(a.model, a.gpus, parse_size(a.seq_len), a.results)
+    try:
+        path = run_ladder(a.model, a.gpus, parse_size(a.seq_len), a.results)
+    except ValueError as e:  # the rule a field breaks, without a traceback or a record
+        print(f"long_ladder: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {path}")
     return 0
 

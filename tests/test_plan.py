@@ -53,13 +53,28 @@ def test_configurations_cover_every_mesh_and_heads_per_stage():
 
 
 def test_the_long_variant_is_planned_on_its_level_only_and_when_asked(monkeypatch):
-    monkeypatch.setattr(plan_mod, "emulate_cell", _fake_emulation({"long": "ok"}))
+    monkeypatch.setattr(plan_mod, "emulate_cell",
+                        _fake_emulation({"long": "ok", "long-attn-host": "host"}))
     spec = PlanSpec("tiny", 4, 4096, methods=("upipe",))
     (cell,) = [c for c in configurations(spec)[0] if c.stack == "long"]
+    # by default beside its level keeping the attention in host memory (selective levels)
     rows = plan_mod.plan_configuration(cell, Hardware(), spec.stacks)
+    assert [(r["stack"], r["status"]) for r in rows] == [("long", Status.OK),
+                                                          ("long-attn-host", Status.OOM)]
+    rows = plan_mod.plan_configuration(cell, Hardware(), ("alst", "long"))
     assert [(r["stack"], r["status"]) for r in rows] == [("long", Status.OK)]
     without = PlanSpec("tiny", 4, 4096, methods=("upipe",), stacks=("alst",))
     assert all(c.stack == "alst" for c in configurations(without)[0])
+
+
+def test_the_default_plan_weighs_selective_recomputation_and_not_the_paper_only_stacks():
+    """Memory into speed is the default question: every selective level is planned unless
+    ``--stacks`` leaves it out; the stacks that reproduce the paper's FPDT and PyTorch-CP runs
+    are planned when named."""
+    stacks = PlanSpec("tiny", 4, 4096).stacks
+    assert {"alst-attn", "alst-attn-host", "alst-block", "long-attn-host"} <= set(stacks)
+    assert {"alst", "offload", "native", "ac", "none", "long"} <= set(stacks)
+    assert not {"megatron-ds", "torchtitan"} & set(stacks)
 
 
 def test_a_cluster_a_method_cannot_use_is_an_invalid_row_naming_the_rule():

@@ -322,3 +322,49 @@ def test_the_plan_emulates_the_fastest_estimate_of_each_method_and_level(monkeyp
     assert rows[0]["status"] == "ok" and rows[1]["status"] == "skipped"
     assert rows[1]["keep_blocks"] == 4 and "not emulated: estimated 118.2 tokens/s" in (
         rows[1]["error"])
+
+
+def test_a_partial_estimated_below_what_fits_is_not_emulated(monkeypatch):
+    """Candidates are taken fastest estimate first, one at a time: one estimated above every
+    row that fits is emulated, and once it fits, a candidate of another method estimated below
+    it is a row naming it instead of a minute's exact emulation; so is every candidate below a
+    fitted configuration that is faster still."""
+    gib, hw = 2**30, Hardware(gpus_per_node=4, host_mem_gib=4 * 100.0)  # 100 GiB per rank
+
+    def config(method: str, light_s: float, full_s: float) -> tuple[Cell, list[dict]]:
+        cell = Cell.from_dict(DEEP | {"method": method})
+        light = {"stack": "alst", "status": "ok", "peak_host_bytes": 10 * gib,
+                 "step_time_s": light_s, "method": method,
+                 "tokens_per_s_per_gpu": 4096 / 4 / light_s}
+        full = {"stack": "alst-attn-host", "status": "oom", "step_time_s": full_s,
+                "error": "host peak 130.00 GiB > budget 100.00 GiB per rank",
+                "peak_host_bytes": 130 * gib, "method": method}
+        return cell, [light, full]
+
+    # estimates (k = 4 of 6): upipe 10 - 4/6 * 3 = 8 s, ulysses 10 - 4/6 * 1.5 = 9 s
+    configs = [config("ulysses", 10.0, 8.5), config("upipe", 10.0, 7.0)]
+    emulated = []
+
+    def fake_emulate(cell, hw, exact=False):
+        emulated.append(cell.method)
+        return {"stack": cell.stack, "keep_blocks": cell.keep_blocks, "status": "ok",
+                "method": cell.method, "ring_degree": 1, "step_time_s": 8.0,
+                "tokens_per_s_per_gpu": 4096 / 4 / 8.0}
+
+    monkeypatch.setattr(planner, "emulate_cell", fake_emulate)
+    rows = planner._partial_rows(configs, hw, False, planner._done, None)
+    assert emulated == ["upipe"]
+    assert [(r["method"], r["status"]) for r in rows] == [("upipe", "ok"), ("ulysses", "skipped")]
+    assert "not above the fastest configuration that fits (upipe on alst-attn-host k4" in (
+        rows[1]["error"])
+    assert "estimated 113.8 tokens/s" in rows[1]["error"]
+
+    # a configuration that fits at 7.5 s is faster than both estimates: neither is emulated
+    faster = Cell.from_dict(DEEP | {"method": "ring"})
+    configs.append((faster, [{"stack": "alst", "status": "ok", "method": "ring",
+                              "ring_degree": 1, "tokens_per_s_per_gpu": 4096 / 4 / 7.5}]))
+    emulated.clear()
+    rows = planner._partial_rows(configs, hw, False, planner._done, None)
+    assert emulated == [] and [r["status"] for r in rows] == ["skipped", "skipped"]
+    assert all("(ring on alst, ring degree 1: 136.5 tokens/s per GPU)" in r["error"]
+               for r in rows)

@@ -84,13 +84,15 @@ KEEP_ON_DEVICE = {"alst-block": "alst"}
 # paper's FPDT (DeepSpeed's on Megatron-DeepSpeed) and PyTorch-CP runs and are planned when
 # asked for by name
 PAPER_ONLY_STACKS = ("megatron-ds", "torchtitan")
-# Selective recomputation's levels are planned when asked for (--stacks): where alst fits they
-# are emulated in full for every configuration, which made the default plan of Llama3-8B on 8
-# GPUs at 4M take 591 s instead of about 2 minutes (measured on 2 busy cores, 83 of 225 rows
-# emulated), and a cheap bound on what they keep is not built yet.
-SELECTIVE_STACKS = ("alst-attn", "alst-attn-host", "long-attn-host", "alst-block")
-DEFAULT_STACKS = tuple(s for s in LADDER if s not in PAPER_ONLY_STACKS + SELECTIVE_STACKS) + (
-    LONG,)
+# Selective recomputation's levels are planned by default
+# (docs/results.md#memory-into-speed-selective-recomputation-beyond-the-paper): the fastest
+# configuration that trains is often one of them (Llama3-8B on 8 GPUs at 4M: UPipe keeping the
+# attention in host memory in 11 blocks, 7% above the fastest on alst). Measured on 2 cores
+# with two workers (docs/emulation.md#the-planner), that plan took 11:17 and 1,302 CPU-s, of
+# which the rows of these levels (alst-attn, alst-attn-host, alst-block, long-attn-host) 727
+# CPU-s; ``--stacks`` without them plans the rest.
+DEFAULT_STACKS = tuple(s for s in LADDER if s not in PAPER_ONLY_STACKS) + (
+    LONG, "long-attn-host")
 
 
 @dataclass(frozen=True)
@@ -505,12 +507,12 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int | None = None, exact: boo
     worker is free, except that a UPipe configuration waits until the smaller numbers of heads
     per stage of its mesh (and, overlapped, its blocking twin) have their rows
     (``_next_startable``): it is not emulated on a stack where one of them was over the device
-    (``_over_by_u``), whatever the number of workers. Then, per method and level of
-    ``KEEP_ON_HOST`` (``KEEP_ON_DEVICE``), the configuration keeping the attention (whole
-    blocks) in as many blocks as the host (the device) holds that is estimated fastest
-    (``partial_candidates``) is emulated exactly (a minute or
-    two each at paper scale: its mix of blocks is beyond the fit); the others are rows saying
-    their estimate."""
+    (``_over_by_u``), whatever the number of workers. Then the configurations keeping the
+    attention (whole blocks) in as many blocks as the host (the device) holds, on the levels of
+    ``KEEP_ON_HOST`` (``KEEP_ON_DEVICE``), fastest estimate first (``partial_candidates``): one
+    is emulated exactly (17 s to 8 minutes each at paper scale: its mix of blocks is beyond
+    the fit) when it is the fastest estimate of its method and level and above every row that fits
+    so far (``_partial_rows``); the others are rows saying their estimate."""
     hw.validate(world=spec.gpus)
     workers = default_workers() if workers is None else workers
     cells, rows = configurations(spec)
@@ -551,31 +553,58 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int | None = None, exact: boo
     return rank(rows)
 
 
+def _best_fitting(rows: list[dict]) -> dict | None:
+    """The fastest row that fits (``status`` ok, with a time), or None."""
+    timed = [r for r in rows if r["status"] == Status.OK and r.get("tokens_per_s_per_gpu")]
+    return max(timed, key=lambda r: (r["tokens_per_s_per_gpu"], _identity(r)), default=None)
+
+
+def _configuration_name(row: dict) -> str:
+    """How a skipped row names another row: method, level, heads per stage, ring degree."""
+    keep = f" k{row['keep_blocks']}" if row.get("keep_blocks") else ""
+    u = f", U={row['heads_per_stage']}" if row.get("heads_per_stage") else ""
+    return f"{row['method']} on {row['stack']}{keep}{u}, ring degree {row.get('ring_degree', 1)}"
+
+
 def _partial_rows(configs: list[tuple[Cell, list[dict]]], hw: Hardware, exact: bool, submit,
                   on_rows: Callable[[list[dict]], None] | None) -> list[dict]:
     """The configurations keeping the attention, or whole blocks, in some blocks
-    (``partial_candidates``): the best estimate per method and level emulated, the others rows
-    with their estimate."""
-    best: dict[tuple, tuple[float, Cell, str]] = {}
-    others = []
-    for cand in sorted(partial_candidates(configs, hw), key=lambda c: -c[0]):
-        key = (cand[1].method, cand[1].stack)
-        if key in best:
-            others.append(cand)
-        else:
-            best[key] = cand
+    (``partial_candidates``), fastest estimate first, one at a time: a candidate is emulated
+    (exactly: 17 s to 8 minutes at paper scale) when its estimate is above every row that fits
+    so far (``configs``' and the candidates' emulated before it) and it is the fastest estimate
+    of its method and level; otherwise it is a row saying its estimate and what it is below.
+
+    The estimate is the step time interpolated by the share of blocks kept, within 0.12% of
+    the exact emulations (``partial_candidates``); what it is not sure of is the memory (the
+    device's k is read from a chord). So a candidate estimated slower than a configuration that
+    fits can only be slower than the plan's best: emulating it would not change the plan's
+    answer. One at a time, so which are emulated does not depend on ``submit``'s workers
+    (the table is the same for any number); most plans emulate one or two."""
+    ranked = sorted(partial_candidates(configs, hw),
+                    key=lambda c: (-c[0], _identity(c[1].to_dict())))
+    best = _best_fitting([r for _, rows in configs for r in rows])
+    leaders: dict[tuple, Cell] = {}
     emulate = functools.partial(emulate_cell, exact=exact)  # keyword-only; pickles for a pool
-    futures = [submit(emulate, cell, hw) for _, cell, _ in best.values()]
     out = []
-    for f in futures:
-        out.append(f.result())
-        if on_rows is not None:
-            on_rows([out[-1]])
-    for _, cell, estimate in others:
-        leader = best[(cell.method, cell.stack)][1]
-        row = unrun(cell, None, Status.SKIPPED,
-                    f"not emulated: estimated {estimate}, below the configuration of "
-                    f"{cell.method} emulated on this level (U={leader.option('heads_per_stage')}"
-                    f", ring degree {leader.ring_degree})", "emulated")
+    for tokens, cell, estimate in ranked:
+        key = (cell.method, cell.stack)
+        if key in leaders:
+            leader = leaders[key]
+            why = (f"below the configuration of {cell.method} emulated on this level "
+                   f"(U={leader.option('heads_per_stage')}, ring degree {leader.ring_degree})")
+        elif best is not None and tokens <= best["tokens_per_s_per_gpu"]:
+            why = (f"not above the fastest configuration that fits "
+                   f"({_configuration_name(best)}: {best['tokens_per_s_per_gpu']:.4g} tokens/s "
+                   "per GPU), so it cannot be the plan's best")
+        else:
+            leaders[key] = cell
+            row = submit(emulate, cell, hw).result()
+            out.append(row)
+            if on_rows is not None:
+                on_rows([row])
+            best = _best_fitting([r for r in (best, row) if r is not None])
+            continue
+        row = unrun(cell, None, Status.SKIPPED, f"not emulated: estimated {estimate}, {why}",
+                    "emulated")
         out.append(row | kernel_column(cell, cell.validate(), hw))
     return out

@@ -577,9 +577,10 @@ def _partial_rows(configs: list[tuple[Cell, list[dict]]], hw: Hardware, exact: b
     The estimate is the step time interpolated by the share of blocks kept, within 0.12% of
     the exact emulations (``partial_candidates``); what it is not sure of is the memory (the
     device's k is read from a chord). So a candidate estimated slower than a configuration that
-    fits can only be slower than the plan's best: emulating it would not change the plan's
-    answer. One at a time, so which are emulated does not depend on ``submit``'s workers
-    (the table is the same for any number); most plans emulate one or two."""
+    fits is no faster than the plan's answer by more than that error, and emulating it would
+    tell only whether it fits. One at a time, so which are emulated does not depend on
+    ``submit``'s workers (the table is the same for any number); the plan of Llama3-8B on 8
+    GPUs at 4M emulates one of its ten (docs/emulation.md#the-planner)."""
     ranked = sorted(partial_candidates(configs, hw),
                     key=lambda c: (-c[0], _identity(c[1].to_dict())))
     best = _best_fitting([r for _, rows in configs for r in rows])
@@ -595,7 +596,7 @@ def _partial_rows(configs: list[tuple[Cell, list[dict]]], hw: Hardware, exact: b
         elif best is not None and tokens <= best["tokens_per_s_per_gpu"]:
             why = (f"not above the fastest configuration that fits "
                    f"({_configuration_name(best)}: {best['tokens_per_s_per_gpu']:.4g} tokens/s "
-                   "per GPU), so it cannot be the plan's best")
+                   "per GPU), so not the plan's answer by its estimate")
         else:
             leaders[key] = cell
             row = submit(emulate, cell, hw).result()

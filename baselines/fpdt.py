@@ -52,6 +52,7 @@ from upipe.layout import SeqLayout
 from upipe.merge import merge_attention
 from upipe.module import ContextParallelAttention, replicate_kv_heads
 from upipe.options import MethodOption
+from upipe.pure import metadata_pure
 from upipe.registry import register_method
 from upipe.rope import apply_rope, apply_rope_inverse, rope_tables
 
@@ -117,9 +118,13 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def _project_chunk(x, wq, wk, wv, plan: ChunkPlan, i: int, group):
     """q (B, c_i, H/C, D), k, v (B, c_i, H'/C, D) of global chunk i in head layout, rotated."""
     off, n = plan.local_span(i)
-    xi = x[:, off:off + n]
-    cos, sin = plan.rope(i, x)
-    cp, d = group_size(group), plan.head_dim
+    return _project(x[:, off:off + n], *plan.rope(i, x), wq, wk, wv, plan.head_dim, group)
+
+
+@metadata_pure  # one recording serves every chunk of a length, in every layer (emulation)
+def _project(xi, cos, sin, wq, wk, wv, d: int, group):
+    """``_project_chunk`` of the chunk's tokens xi (B, n, dim) and rotary tables (n, D)."""
+    cp = group_size(group)
     heads = lambda w: (xi @ w.t()).unflatten(-1, (-1, d))  # noqa: E731  (B, n, h, D)
     q = seq_to_head(apply_rope(heads(wq), cos, sin), group)
     k = seq_to_head(replicate_kv_heads(apply_rope(heads(wk), cos, sin), cp), group)
@@ -145,11 +150,13 @@ def _kv_chunks(plan: ChunkPlan, store: HostStore, ks, vs, i: int, diag=None):
             yield j, store.get(ks[j]), store.get(vs[j])
 
 
+@metadata_pure  # one recording per query chunk serves every layer (emulation)
 def _attend(q, ks, vs, plan: ChunkPlan, i: int, store: HostStore, diag=None):
     """Attention of query chunk i over its visible K/V chunks, merged by LSE.
 
     q (B, c_i, H/C, D). Returns out (B, c_i, H/C, D) in the accumulation dtype and lse
-    (B, H/C, c_i) fp32.
+    (B, H/C, c_i) fp32. Every chunk it prefetches it also uses, so the store holds nothing
+    after it (``HostStore.metadata_key``).
     """
     out = lse = None
     for j, k, v in _kv_chunks(plan, store, ks, vs, i, diag):
@@ -204,11 +211,11 @@ class _FPDTFunction(torch.autograd.Function):
         x, wq, wk, wv, wo, *saved = ctx.saved_tensors
         nc = ctx.plan.n_chunks
         chunks = [saved[t * nc:(t + 1) * nc] for t in range(6)]  # qs, ks, vs, outs, seqs, lses
-        bwd = _Backward(x, (wq, wk, wv, wo), ctx.plan, ctx.group, ctx.store, *chunks)
+        bwd = _Backward.start(x, (wq, wk, wv, wo), ctx.plan, ctx.group, ctx.store, *chunks)
         for i in range(nc):
-            bwd.query_chunk(i, dy)
+            _query_chunk(bwd, i, dy)
         for j in range(nc):
-            bwd.kv_chunk(j)
+            _kv_chunk(bwd, j)
         ctx.store.sync()
         return bwd.dx, *(g.to(x.dtype) for g in bwd.dw), None, None, None, None
 
@@ -223,86 +230,113 @@ def _accumulate_input_grad(g, xi, dxi, w, dw) -> None:
     dw.addmm_(g2.t().to(dw.dtype), x2.to(dw.dtype))
 
 
+@dataclass
 class _Backward:
     """State of one backward pass: inputs, saved chunk handles and gradient accumulators.
 
     dx (B, L, dim) in the input dtype (accumulated in place, like autograd would hold it);
     dw: dWq, dWk, dWv, dWo in the accumulation dtype (they sum over chunks); dks/dvs: per K/V
     chunk, a (B, c_j, H'/C, D) accumulation-dtype host accumulator (it sums over the query
-    chunks that see chunk j, so it is complete only at the end).
+    chunks that see chunk j, so it is complete only at the end). A dataclass, so an emulated
+    step's chunk steps (``_query_chunk``, ``_kv_chunk``) replay from one layer to the next by
+    the state's metadata (``upipe.pure``).
     """
 
-    def __init__(self, x, weights, plan: ChunkPlan, group, store: HostStore,
-                 qs, ks, vs, outs, seqs, lses):
-        self.x, self.weights, self.plan, self.group, self.store = x, weights, plan, group, store
-        self.qs, self.ks, self.vs, self.outs, self.seqs, self.lses = qs, ks, vs, outs, seqs, lses
+    x: torch.Tensor
+    weights: tuple[torch.Tensor, ...]
+    plan: ChunkPlan
+    group: object
+    store: HostStore
+    qs: tuple
+    ks: tuple
+    vs: tuple
+    outs: tuple
+    seqs: tuple
+    lses: tuple
+    dx: torch.Tensor
+    dw: list[torch.Tensor]
+    dks: list[torch.Tensor]
+    dvs: list[torch.Tensor]
+
+    @classmethod
+    def start(cls, x, weights, plan: ChunkPlan, group, store: HostStore,
+              qs, ks, vs, outs, seqs, lses) -> _Backward:
+        """The state with zeroed accumulators."""
         acc = _acc_dtype(x.dtype)
-        self.dx = torch.zeros_like(x)
-        self.dw = [torch.zeros(w.shape, dtype=acc, device=w.device) for w in weights]
-        self.dks = [store.zeros(k.shape, acc) for k in ks]
-        self.dvs = [store.zeros(v.shape, acc) for v in vs]
+        return cls(x, weights, plan, group, store, tuple(qs), tuple(ks), tuple(vs), tuple(outs),
+                   tuple(seqs), tuple(lses), torch.zeros_like(x),
+                   [torch.zeros(w.shape, dtype=acc, device=w.device) for w in weights],
+                   [store.zeros(k.shape, acc) for k in ks],
+                   [store.zeros(v.shape, acc) for v in vs])
 
-    def _add_to_host(self, h: torch.Tensor, t: torch.Tensor) -> None:
-        """h += t for a host accumulator h (fetch, add on the device, write back)."""
-        a = self.store.get(h)
-        a.add_(t)
-        self.store.write(h, a)
 
-    def _output_grad(self, i: int, dy: torch.Tensor) -> torch.Tensor:
-        """dWo += dy_i^T out_i; returns dO_i = dy_i @ wo in head layout (B, c_i, H/C, D)."""
-        off, n = self.plan.local_span(i)
-        dy_i, wo, dwo = dy[:, off:off + n], self.weights[3], self.dw[3]
-        o_seq = self.store.get(self.seqs[i])  # (B, n_i, H, D): the input of wo
-        dwo.addmm_(dy_i.reshape(-1, dy_i.shape[-1]).t().to(dwo.dtype),
-                   o_seq.reshape(-1, wo.shape[1]).to(dwo.dtype))
-        del o_seq
-        return seq_to_head((dy_i @ wo).unflatten(-1, (-1, self.plan.head_dim)), self.group)
+def _add_to_host(b: _Backward, h: torch.Tensor, t: torch.Tensor) -> None:
+    """h += t for a host accumulator h (fetch, add on the device, write back)."""
+    a = b.store.get(h)
+    a.add_(t)
+    b.store.write(h, a)
 
-    def query_chunk(self, i: int, dy: torch.Tensor) -> None:
-        """Through query chunk i: dWo, dQ_i (into dx_i, dWq), its dK_j/dV_j contributions."""
-        plan, store = self.plan, self.store
-        do = self._output_grad(i, dy)
-        q, out, lse = store.get(self.qs[i]), store.get(self.outs[i]), store.get(self.lses[i])
-        dq = torch.zeros(q.shape, dtype=_acc_dtype(q.dtype), device=q.device)
-        for j, k, v in _kv_chunks(plan, store, self.ks, self.vs, i):
-            # the merged (final) out/lse make each block's gradients exact on their own
-            dq_j, dk_j, dv_j = attention_backward(
-                do, q, k, v, out, lse, causal=plan.causal and j == i, kernel=plan.kernel,
-                blocks=plan.blocks(i, j),
-            )
-            del k, v
-            dq.add_(dq_j)
-            self._add_to_host(self.dks[j], dk_j)
-            self._add_to_host(self.dvs[j], dv_j)
-            del dq_j, dk_j, dv_j
-        del q, out, lse, do
-        off, n = plan.local_span(i)
-        cos, sin = plan.rope(i, self.x)
-        dq = apply_rope_inverse(head_to_seq(dq.to(self.x.dtype), self.group), cos, sin)
-        _accumulate_input_grad(dq.flatten(2), self.x[:, off:off + n], self.dx[:, off:off + n],
-                               self.weights[0], self.dw[0])
 
-    def _from_heads(self, h: torch.Tensor) -> torch.Tensor:
-        """A dK/dV host accumulator -> (B, n_j, Hkv, D): all-to-all back, replicas summed.
+def _output_grad(b: _Backward, i: int, dy: torch.Tensor) -> torch.Tensor:
+    """dWo += dy_i^T out_i; returns dO_i = dy_i @ wo in head layout (B, c_i, H/C, D)."""
+    off, n = b.plan.local_span(i)
+    dy_i, wo, dwo = dy[:, off:off + n], b.weights[3], b.dw[3]
+    o_seq = b.store.get(b.seqs[i])  # (B, n_i, H, D): the input of wo
+    dwo.addmm_(dy_i.reshape(-1, dy_i.shape[-1]).t().to(dwo.dtype),
+               o_seq.reshape(-1, wo.shape[1]).to(dwo.dtype))
+    del o_seq
+    return seq_to_head((dy_i @ wo).unflatten(-1, (-1, b.plan.head_dim)), b.group)
 
-        Replicas are consecutive (``replicate_kv_heads`` repeats each KV head C/Hkv times);
-        they are summed in the accumulation dtype, then cast to the input dtype.
-        """
-        g = head_to_seq(self.store.get(h), self.group)
-        b, n, hh, d = g.shape
-        kv = self.plan.n_kv_heads
-        return g.view(b, n, kv, hh // kv, d).sum(3).to(self.x.dtype)
 
-    def kv_chunk(self, j: int) -> None:
-        """dK_j, dV_j (complete once every query chunk is done) into dx_j, dWk, dWv."""
-        off, n = self.plan.local_span(j)
-        cos, sin = self.plan.rope(j, self.x)
-        xj, dxj = self.x[:, off:off + n], self.dx[:, off:off + n]
-        dk = apply_rope_inverse(self._from_heads(self.dks[j]), cos, sin)
-        _accumulate_input_grad(dk.flatten(2), xj, dxj, self.weights[1], self.dw[1])
-        del dk
-        dv = self._from_heads(self.dvs[j])
-        _accumulate_input_grad(dv.flatten(2), xj, dxj, self.weights[2], self.dw[2])
+@metadata_pure  # one recording per query chunk serves every layer (emulation)
+def _query_chunk(b: _Backward, i: int, dy: torch.Tensor) -> None:
+    """Through query chunk i: dWo, dQ_i (into dx_i, dWq), its dK_j/dV_j contributions."""
+    plan, store = b.plan, b.store
+    do = _output_grad(b, i, dy)
+    q, out, lse = store.get(b.qs[i]), store.get(b.outs[i]), store.get(b.lses[i])
+    dq = torch.zeros(q.shape, dtype=_acc_dtype(q.dtype), device=q.device)
+    for j, k, v in _kv_chunks(plan, store, b.ks, b.vs, i):
+        # the merged (final) out/lse make each block's gradients exact on their own
+        dq_j, dk_j, dv_j = attention_backward(
+            do, q, k, v, out, lse, causal=plan.causal and j == i, kernel=plan.kernel,
+            blocks=plan.blocks(i, j),
+        )
+        del k, v
+        dq.add_(dq_j)
+        _add_to_host(b, b.dks[j], dk_j)
+        _add_to_host(b, b.dvs[j], dv_j)
+        del dq_j, dk_j, dv_j
+    del q, out, lse, do
+    off, n = plan.local_span(i)
+    cos, sin = plan.rope(i, b.x)
+    dq = apply_rope_inverse(head_to_seq(dq.to(b.x.dtype), b.group), cos, sin)
+    _accumulate_input_grad(dq.flatten(2), b.x[:, off:off + n], b.dx[:, off:off + n],
+                           b.weights[0], b.dw[0])
+
+
+def _from_heads(b: _Backward, h: torch.Tensor) -> torch.Tensor:
+    """A dK/dV host accumulator -> (B, n_j, Hkv, D): all-to-all back, replicas summed.
+
+    Replicas are consecutive (``replicate_kv_heads`` repeats each KV head C/Hkv times);
+    they are summed in the accumulation dtype, then cast to the input dtype.
+    """
+    g = head_to_seq(b.store.get(h), b.group)
+    bsz, n, hh, d = g.shape
+    kv = b.plan.n_kv_heads
+    return g.view(bsz, n, kv, hh // kv, d).sum(3).to(b.x.dtype)
+
+
+@metadata_pure  # one recording per K/V chunk serves every layer (emulation)
+def _kv_chunk(b: _Backward, j: int) -> None:
+    """dK_j, dV_j (complete once every query chunk is done) into dx_j, dWk, dWv."""
+    off, n = b.plan.local_span(j)
+    cos, sin = b.plan.rope(j, b.x)
+    xj, dxj = b.x[:, off:off + n], b.dx[:, off:off + n]
+    dk = apply_rope_inverse(_from_heads(b, b.dks[j]), cos, sin)
+    _accumulate_input_grad(dk.flatten(2), xj, dxj, b.weights[1], b.dw[1])
+    del dk
+    dv = _from_heads(b, b.dvs[j])
+    _accumulate_input_grad(dv.flatten(2), xj, dxj, b.weights[2], b.dw[2])
 
 
 @register_method("fpdt")

@@ -8,8 +8,9 @@
    phase opened and closed inside is replayed with the call.
 3. A whole emulated step measures the same with replay as without on an emulated CUDA device
    (UPipe on a 2 x 2 mesh runs every replayed function of upipe; DeepSpeed's FPDT its merge,
-   and on the megatron-ds stack its norm tiles and MLP chunks), and each names the functions it
-   must have replayed;
+   and on the megatron-ds stack its norm tiles and MLP chunks; our FPDT its chunk steps, whose
+   host store is made anew in each layer and keyed by its settings), and each names the
+   functions it must have replayed;
    on the CPU device tests/test_emulate.py compares every method's emulation, replay included,
    with a real gloo run.
 """
@@ -31,6 +32,7 @@ from experiments.instruments.collectives import CollectiveCounter
 from experiments.instruments.memory import MemoryTracker
 from experiments.instruments.op_flops import CountedFlops
 from experiments.timing.op_costs import StepWork
+from upipe.host import HostStore
 from upipe.pure import metadata_pure, metadata_pure_hook
 
 _KEPT: list[torch.Tensor] = []
@@ -194,6 +196,44 @@ def test_a_call_leaving_a_phase_open_or_taking_unhashable_or_real_arguments_runs
     assert direct.peak_by_phase.get(("forward", "inner"))  # the phase ran, and ran inside
 
 
+def test_an_object_with_a_metadata_key_is_the_same_argument_by_its_key():
+    """Two host stores with the same settings are one argument (each layer makes its own); a
+    store holding a prefetched copy is none (``get`` would hand that copy over), nor is an
+    object whose key is unhashable: the call then runs."""
+
+    class Keyed:
+        def __init__(self, key):
+            self.key = key
+
+        def metadata_key(self):
+            return self.key
+
+    @metadata_pure
+    def fetch(store, h):
+        return store.get(h) * 2
+
+    @metadata_pure
+    def scale(obj, x):
+        return x * 3
+
+    def calls(tracker):
+        h = torch.randn(8, 4)
+        outs = [fetch(HostStore(torch.device("cpu")), h) for _ in range(2)]
+        held = HostStore(torch.device("cpu"))
+        held.prefetch(h)
+        assert held.metadata_key() is None
+        outs.append(fetch(held, h))
+        outs += [scale(Keyed(("a", 1)), h) for _ in range(2)]
+        outs += [scale(Keyed(("a", [1])), h) for _ in range(2)]  # a list inside: unhashable
+        return outs
+
+    direct, d_obs, d_outs, _ = _run(False, calls)
+    replayed, r_obs, r_outs, hook = _run(True, calls)
+    # fetch: recorded, replayed, run (prefetched); scale: recorded, replayed, run twice
+    assert (hook.recorded, hook.replayed, hook.direct) == (2, 2, 3)
+    assert _state(replayed, r_obs) == _state(direct, d_obs) and r_outs == d_outs
+
+
 def test_without_a_hook_a_pure_function_is_the_function():
     x = torch.randn(6, 4)
     w = torch.randn(4, 3)
@@ -219,6 +259,9 @@ STEPS = [
     ("upipe", {"ring_degree": 2, "heads_per_stage": 2},
      {"ring_attention_forward", "ring_attention_backward", "_shard_forward", "_shard_backward"}),
     ("ds-fpdt", {"chunk_size": 1024}, {"_update_out_and_lse"}),  # per chunk pair
+    # per chunk: its projection, its attention over the chunks it sees, and both backward steps
+    # (a new host store each layer, keyed by its settings: upipe.pure)
+    ("fpdt", {"chunk_size": 1024}, {"_project", "_attend", "_query_chunk", "_kv_chunk"}),
     # the megatron-ds stack's fused-norm tiles and FPDT_FFN chunks (baselines/megatron_stack.py)
     ("ds-fpdt", {"chunk_size": 1024, "stack": "megatron-ds"},
      {"rms_norm", "rms_norm_backward", "_swiglu_into", "_swiglu_backward_into"}),

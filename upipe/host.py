@@ -140,6 +140,14 @@ class HostStore:
             current.wait_event(pending[1])
         return h.to(self.device, non_blocking=True)
 
+    def metadata_key(self) -> tuple | None:
+        """What decides a ``@metadata_pure`` call's use of this store (``upipe.pure``): its
+        settings, when no copy is pending or prefetched (None otherwise: a pending copy changes
+        what ``get`` allocates)."""
+        if self._pending or self._prefetched:
+            return None
+        return self.device, self.enabled, self.pin_memory, self.host_context
+
     def sync(self) -> None:
         """Order every copy issued so far before later work on the current stream, and forget
         the per-tensor events (so the store holds no tensor after a forward or backward)."""

@@ -13,6 +13,13 @@ emulator installs one (``experiments/emulation/replay.py``): under fake tensors,
 exists, it runs each marked function once per argument signature and replays what that run
 allocated and did for later calls with the same signature -- UPipe on a ring mesh runs the same
 ring loop for each of its head stages, thousands of times per emulated step.
+
+An argument object that is neither a tensor nor a plain value is the same argument only when it
+is the same object, unless its type defines ``metadata_key()``: a hashable value such that two
+objects with equal keys make the marked function do the same, or None when the object's state
+says nothing so simple (the call then runs). A chunk's host store (``upipe.host.HostStore``) is
+made anew in each layer's forward and backward, and is keyed by its settings while no copy is
+pending, so FPDT's chunk loops replay across layers.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import functools
 from collections.abc import Callable
 
 Hook = Callable[[Callable, tuple, dict], object]
+KEY = "metadata_key"  # the method an argument object may define (see the module)
 
 _HOOK: contextvars.ContextVar[Hook | None] = contextvars.ContextVar("upipe_pure_hook",
                                                                     default=None)

@@ -19,7 +19,8 @@ The signature: the function; each tensor argument's shape, stride, dtype, device
 requires_grad, storage size (not its offset in it: where a view starts changes no op's
 allocations), which arguments share a storage, and where the tracker counts it (device, host,
 untracked); numbers, strings, dtypes and devices by value, dataclasses field by field, lists,
-tuples and dicts item by item, any other object by identity (a process group, a function; an
+tuples and dicts item by item, an object defining ``metadata_key()`` by its key (a host store:
+``upipe.pure``), any other object by identity (a process group, a function; an
 object with an equality of its own is refused); grad mode, the kernel dispatch in force, and
 the tracker's current kind and category. A recording is refused (the function then always runs)
 when the call did anything a replay could not repeat: freed or resized memory it did not
@@ -46,6 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from experiments.instruments.memory import Allocation, MemoryTracker
 from upipe.kernels import kernel_dispatch_state
+from upipe.pure import KEY
 
 # arguments compared by value; any other object is compared by identity
 _VALUES = (type(None), bool, int, float, str, slice, torch.dtype, torch.device)
@@ -126,6 +128,16 @@ class CallReplay:
                 return type(x), tuple(enc(getattr(x, f.name)) for f in dataclasses.fields(x))
             if isinstance(x, _VALUES):
                 return type(x), x  # by value, and True apart from 1
+            keyed = getattr(type(x), KEY, None)
+            if keyed is not None:  # equal keys, the same call (upipe.pure)
+                key = keyed(x)
+                try:
+                    hash(key)
+                except TypeError:
+                    key = None
+                if key is None:
+                    raise _NoSignature
+                return type(x), key
             if type(x).__eq__ is not object.__eq__ or type(x).__hash__ is None:
                 raise _NoSignature  # an equality of its own, not known to mean "same call"
             return x  # by identity (a process group, a function); the key keeps it alive

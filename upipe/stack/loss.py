@@ -58,8 +58,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(h, weight, labels)
         ctx.chunk = chunk
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for i in range(0, h.shape[0], chunk):
-            _chunk_loss_into(total, h[i:i + chunk], weight, labels[i:i + chunk])
+        # split: one op for all the chunks' views (a slice each is one dispatch per chunk, which
+        # an emulated step pays for: hundreds of chunks per call)
+        for hc, lc in zip(h.split(chunk), labels.split(chunk), strict=True):
+            _chunk_loss_into(total, hc, weight, lc)
         return total
 
     @staticmethod
@@ -69,9 +71,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         dh = torch.empty_like(h)
         # fp32 accumulation of the head's gradient across chunks (one weight-sized buffer)
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for i in range(0, h.shape[0], chunk):
-            _chunk_backward_into(dh[i:i + chunk], dw, h[i:i + chunk], weight,
-                                 labels[i:i + chunk], grad_total)
+        for dhc, hc, lc in zip(dh.split(chunk), h.split(chunk), labels.split(chunk), strict=True):
+            _chunk_backward_into(dhc, dw, hc, weight, lc, grad_total)
         return dh, dw.to(weight.dtype), None, None
 
 

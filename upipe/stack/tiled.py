@@ -74,8 +74,10 @@ class _Tiled(torch.autograd.Function):
         dout2 = dout.reshape(-1, dout.shape[-1])
         dx2 = torch.zeros_like(x2)
         params = [p for p in ctx.module.parameters() if p.requires_grad]
-        for a, b in _spans(x2.shape[0], ctx.shards):  # torch.chunk's shards, as forward's
-            _shard_backward(ctx.call, ctx.module, x2[a:b], dx2[a:b], dout2[a:b], input_grad,
+        # forward's shards (torch.chunk), each tensor's views made by one op, not a slice each
+        shards = (torch.chunk(t, ctx.shards) for t in (x2, dx2, dout2))
+        for xs, dxs, dys in zip(*shards, strict=True):
+            _shard_backward(ctx.call, ctx.module, xs, dxs, dys, input_grad,
                             all(p.grad is not None for p in params))
         return (None, None, dx2.view(x.shape) if input_grad else None, None,
                 *(None for _ in ctx.needs_input_grad[4:]))

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ from experiments.instruments.collectives import CollectiveCounter
 from experiments.instruments.memory import MemoryTracker
 from experiments.instruments.op_flops import CountedFlops
 from experiments.timing.op_costs import StepWork
+from upipe.chunked import spans
 from upipe.host import HostStore
 from upipe.pure import metadata_pure, metadata_pure_hook
 
@@ -234,6 +236,59 @@ def test_an_object_with_a_metadata_key_is_the_same_argument_by_its_key():
     assert _state(replayed, r_obs) == _state(direct, d_obs) and r_outs == d_outs
 
 
+def test_a_call_inside_a_call_being_recorded_is_recorded_and_replayed_there():
+    """The first outer call records its first inner call and replays the next two (the outer
+    recording keeps their temporaries as counts); the second outer call replays whole. Each
+    measures what running every call measures."""
+
+    @metadata_pure
+    def inner(x):
+        return (x * 2).sum(0)  # a temporary (x * 2), an output
+
+    @metadata_pure
+    def outer(x):
+        return torch.stack([inner(x) for _ in range(3)])
+
+    def calls(tracker):
+        x = torch.randn(8, 4)
+        return [outer(x), outer(x)]
+
+    direct, d_obs, d_outs, _ = _run(False, calls)
+    replayed, r_obs, r_outs, hook = _run(True, calls)
+    # recorded: outer, and inner inside it; replayed: inner twice there, then outer
+    assert (hook.recorded, hook.replayed, hook.direct) == (2, 3, 0)
+    assert _state(replayed, r_obs) == _state(direct, d_obs) and r_outs == d_outs
+
+
+def test_spans_are_splits_views_and_one_argument_by_their_length():
+    """``spans`` makes ``split``'s views (and ``torch.chunk``'s); a pure call over a span of a
+    whole tensor replays for every span of the same length, the shorter last one recorded
+    apart, and measures what the calls measure when they run."""
+    t = torch.randn(3, 10, 4)
+    for dim, chunk in ((1, 3), (1, 10), (0, 2), (-1, 3)):
+        got = [s.of(t) for s in spans(t.shape[dim], chunk, dim)]
+        assert [(v.shape, v.storage_offset()) for v in got] == [
+            (v.shape, v.storage_offset()) for v in t.split(chunk, dim)]
+    assert [s.of(t).shape for s in spans(10, math.ceil(10 / 4), 1)] == [
+        v.shape for v in torch.chunk(t, 4, 1)]
+
+    @metadata_pure
+    def double_into(out, x, span):
+        span.of(out).copy_(span.of(x) * 2)
+
+    def calls(tracker):
+        x, out = torch.randn(10, 4), torch.zeros(10, 4)
+        for s in spans(10, 3):
+            double_into(out, x, s)
+        return [out]
+
+    direct, d_obs, d_outs, _ = _run(False, calls)
+    replayed, r_obs, r_outs, hook = _run(True, calls)
+    # rows 0-2, 3-5, 6-8 and 9: lengths 3 (recorded, replayed twice) and 1 (recorded)
+    assert (hook.recorded, hook.replayed, hook.direct) == (2, 2, 0)
+    assert _state(replayed, r_obs) == _state(direct, d_obs) and r_outs == d_outs
+
+
 def test_without_a_hook_a_pure_function_is_the_function():
     x = torch.randn(6, 4)
     w = torch.randn(4, 3)
@@ -256,8 +311,12 @@ def test_without_a_hook_a_pure_function_is_the_function():
 STEPS = [
     # ring loops, all-to-alls, attention calls, merges and projections of every stage
     # with the ALST stack's tiled MLP and norms (upipe/stack/tiled.py)
+    # and the chunked loss's chunks (upipe/stack/loss.py)
     ("upipe", {"ring_degree": 2, "heads_per_stage": 2},
-     {"ring_attention_forward", "ring_attention_backward", "_shard_forward", "_shard_backward"}),
+     {"ring_attention_forward", "ring_attention_backward", "_shard_forward", "_shard_backward",
+      "_chunk_loss_into", "_chunk_backward_into"}),
+    # the long level's residual FFN, shard by shard (upipe.stack.tiled_residual)
+    ("upipe", {"chunk_size": 256, "stack": "long"}, {"_residual_forward", "_residual_backward"}),
     ("ds-fpdt", {"chunk_size": 1024}, {"_update_out_and_lse"}),  # per chunk pair
     # per chunk: its projection, its attention over the chunks it sees, and both backward steps
     # (a new host store each layer, keyed by its settings: upipe.pure)

@@ -27,12 +27,19 @@ import torch
 
 from upipe.documents import Documents
 from upipe.kernels import attention_blocks_backward
-from upipe.pure import metadata_pure
+from upipe.pure import Span, metadata_pure
 
 
 def chunk_spans(n: int, chunk: int) -> list[tuple[int, int]]:
     """(start, end) of consecutive chunks of ``chunk`` tokens over n tokens (the last shorter)."""
     return [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
+
+
+def spans(n: int, chunk: int, dim: int = 0) -> list[Span]:
+    """``chunk_spans`` as ``Span``s of ``dim``: the views ``t.split(chunk, dim)`` makes
+    (``torch.chunk(t, k, dim)``'s for chunk = ceil(n / k)), as a metadata-pure function's
+    arguments."""
+    return [Span(a, b - a, dim) for a, b in chunk_spans(n, chunk)]
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -19,7 +19,10 @@ is the same object, unless its type defines ``metadata_key()``: a hashable value
 objects with equal keys make the marked function do the same, or None when the object's state
 says nothing so simple (the call then runs). A chunk's host store (``upipe.host.HostStore``) is
 made anew in each layer's forward and backward, and is keyed by its settings while no copy is
-pending, so FPDT's chunk loops replay across layers.
+pending, so FPDT's chunk loops replay across layers. A ``Span`` (rows of a tensor argument) is
+keyed by its length, not its start: a loop over a tensor's shards or chunks passes the whole
+tensor and a span instead of a view per shard, so the emulator builds no view for a replayed
+call (each view is a fake-tensor dispatch: thousands per step at millions of tokens).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Callable
+
+import torch
 
 Hook = Callable[[Callable, tuple, dict], object]
 KEY = "metadata_key"  # the method an argument object may define (see the module)
@@ -58,3 +63,25 @@ def metadata_pure_hook(hook: Hook | None):
         yield
     finally:
         _HOOK.reset(token)
+
+
+class Span:
+    """Rows ``[start, start + length)`` of dimension ``dim`` of a tensor, as an argument of a
+    ``@metadata_pure`` function: ``of(t)`` is that view of ``t``. Its key is (length, dim): where
+    a view starts changes no op's allocations (the emulator's replay compares tensors without
+    their storage offset for the same reason)."""
+
+    __slots__ = ("start", "length", "dim")
+
+    def __init__(self, start: int, length: int, dim: int = 0):
+        self.start, self.length, self.dim = start, length, dim
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        return t.narrow(self.dim, self.start, self.length)
+
+    def metadata_key(self) -> tuple[int, int]:
+        return self.length, self.dim
+
+    def __repr__(self) -> str:
+        return f"Span({self.start}, {self.length}, dim={self.dim})"
+

@@ -186,11 +186,14 @@ class Fit:
             self._phase_cache[(n, x)] = _phases(self.samples[n][x], n)
         return self._phase_cache[(n, x)]
 
+    def _window_lens(self, n: int) -> tuple[int, ...]:
+        """The window's lengths sampled at depth ``n`` (5 layers: its first two)."""
+        return self.seq_lens if n == N_SAMPLE[0] else self.seq_lens[:2]
+
     def _window(self, n: int) -> list[Measurement]:
-        """The samples of depth ``n`` at the window's lengths (5 layers: its first two), those
-        that count FLOPs and bytes sent when the fit does."""
-        return [self.samples[n][x]
-                for x in (self.seq_lens if n == N_SAMPLE[0] else self.seq_lens[:2])]
+        """The samples of depth ``n`` at the window's lengths, those that count FLOPs and bytes
+        sent when the fit does."""
+        return [self.samples[n][x] for x in self._window_lens(n)]
 
     def _certified(self, get, n: int, seq_len: int, label: str) -> Fraction:
         """``get(measurement, phases)`` with ``n`` layers at ``seq_len``, certified by the
@@ -214,19 +217,21 @@ class Fit:
         """``get(measurement, phases)`` at (seq_len, n_layers): certified at each sample depth
         (``_certified``), or the window's line there (``certify=False``), then a line in N."""
         if not certify:
-            return self._window_bilinear(lambda m, n: get(m, _phases(m, n)), seq_len,
-                                         n_layers, label)
+            return self._window_bilinear(
+                lambda n, x: get(self.samples[n][x], self._phases_of(n, x)), seq_len, n_layers,
+                label)
         at_n = [self._certified(get, n, seq_len, label) for n in N_SAMPLE]
         return int(round(at_n[0] + (n_layers - N_SAMPLE[0]) * (at_n[1] - at_n[0])))
 
     def _window_bilinear(self, get, seq_len: int, n_layers: int, label: str) -> int:
-        """A line in S through the window's samples at each depth, then a line in N: exact for a
-        sum the step adds up rather than a peak (bytes sent). A series that is not collinear is
-        recorded in ``nonaffine`` and continued from its last two points."""
+        """A line in S through the window's samples at each depth (``get(depth, length)``),
+        then a line in N: exact for a sum the step adds up rather than a peak (bytes sent). A
+        series that is not collinear is recorded in ``nonaffine`` and continued from its last
+        two points."""
         at_n = []
         for n in N_SAMPLE:
-            ys = [get(m, n) for m in self._window(n)]
-            xs = self.seq_lens[:len(ys)]
+            xs = self._window_lens(n)
+            ys = [get(n, x) for x in xs]
             line = _line(xs, ys)
             if line is None:
                 self.nonaffine.append(label)
@@ -254,7 +259,7 @@ class Fit:
         lines, as cheap as the window and blind to a moment overtaking beyond it (``certify``),
         for a check that compares like with like (the CI guard)."""
         self._uncertified = []
-        every = [_phases(m, n) for n in N_SAMPLE for m in self._window(n)]
+        every = [self._phases_of(n, x) for n in N_SAMPLE for x in self._window_lens(n)]
         keys = sorted(set.intersection(*(set(ph) for ph in every)))
         peaks = {k: self._bilinear(lambda m, ph, k=k: ph.get(k, (0, {}))[0], seq_len,
                                    n_layers, " > ".join(k), certify) for k in keys}
@@ -269,8 +274,9 @@ class Fit:
         if self.counted:
             window = [m for n in N_SAMPLE for m in self._window(n)]
             ops = sorted(set().union(*(m.comm_bytes for m in window)))
-            comm = {op: self._window_bilinear(lambda m, n, op=op: m.comm_bytes.get(op, 0),
-                                              seq_len, n_layers, f"comm {op}") for op in ops}
+            comm = {op: self._window_bilinear(
+                lambda n, x, op=op: self.samples[n][x].comm_bytes.get(op, 0), seq_len,
+                n_layers, f"comm {op}") for op in ops}
             flops = self._flops(seq_len, n_layers)
         work = None
         if self.counted and self._window(N_SAMPLE[0])[0].work is not None:

@@ -28,7 +28,11 @@ allocate, kept memory alive beyond its outputs, returned a view of an argument o
 requires grad, closed a phase it did not open or left one open, opened or closed a category
 or host scope, or added work outside its window. Phases it opened and closed (a module's
 phase label, pushed by its hooks) are recorded among the allocations and opened and closed
-again at their turn. Real tensors never match: in a real run the hook calls the function.
+again at their turn. Calls nest: a marked call inside one being recorded is recorded (the
+tracker's logs nest) or replayed there, and the outer recording keeps what the inner replay
+counted, so the first call of a chunked loop (one recording per query chunk of FPDT's backward,
+per head stage of UPipe's chunked backward) no longer dispatches every block of it op by op.
+Real tensors never match: in a real run the hook calls the function.
 
 Written by hand: FakeTensorMode's own cache works op by op (each call still pays a dispatch);
 nothing in torch replays a whole function's effect on a dispatch-mode tracker.
@@ -51,6 +55,7 @@ from upipe.pure import KEY
 
 # arguments compared by value; any other object is compared by identity
 _VALUES = (type(None), bool, int, float, str, slice, torch.dtype, torch.device)
+_VALUE_TYPES = frozenset(_VALUES)
 
 
 class _NoSignature(Exception):
@@ -77,7 +82,8 @@ class CallReplay:
     Attributes:
         recorded: first calls of a signature (run and recorded, the recording kept or
             refused); replayed: calls replayed; direct: calls run again without one (no
-            signature, a refused recording, or a call inside a recorded one).
+            signature, or a refused recording). A call inside a call being recorded counts
+            as any other.
     """
 
     def __init__(self, tracker: MemoryTracker):
@@ -86,9 +92,9 @@ class CallReplay:
         self.recorded = self.replayed = self.direct = 0
 
     def __call__(self, fn: Callable, args: tuple, kwargs: dict):
-        if self.tracker.logging:  # a pure call inside a recorded one is part of it
-            self.direct += 1
-            return fn(*args, **kwargs)
+        # a call inside one being recorded is recorded or replayed too: the tracker's log of the
+        # outer call holds the inner call's events either way (a replay's temporaries as
+        # ("count", ...) events), so the outer recording replays what the inner call did
         try:
             key = self._signature(fn, args, kwargs)
         except _NoSignature:
@@ -111,17 +117,24 @@ class CallReplay:
         storages: dict[int, int] = {}
 
         def enc(x):
-            if isinstance(x, torch.Tensor):
-                if type(x) is not FakeTensor:
-                    raise _NoSignature
+            t = type(x)
+            if t is FakeTensor:
                 s = x.untyped_storage()
                 # not the storage offset: where a view starts changes no op's allocations
                 # (a chunk's slice of a buffer is the same call at every offset)
                 return ("T", tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad,
                         storages.setdefault(id(s), len(storages)), s.nbytes(),
                         self.tracker.kind(x))
+            # the common cases by exact type first: a signature is taken per call, tens of
+            # thousands of times per emulated step (a subclass takes the checks below)
+            if t in _VALUE_TYPES:
+                return t, x  # by value, and True apart from 1
+            if t is tuple or t is list:
+                return t, tuple([enc(y) for y in x])
+            if isinstance(x, torch.Tensor):
+                raise _NoSignature  # a real tensor
             if isinstance(x, (list, tuple)):
-                return type(x), tuple(enc(y) for y in x)
+                return type(x), tuple([enc(y) for y in x])
             if isinstance(x, dict):
                 return dict, tuple((k, enc(v)) for k, v in x.items())
             if dataclasses.is_dataclass(x) and not isinstance(x, type):
@@ -195,6 +208,8 @@ class CallReplay:
                 live[event[1]] = i
             elif event[0] == "free" and event[1] in live:
                 del live[event[1]]
+            elif event[0] == "count":  # a temporary of a call replayed inside this one
+                continue
             elif event[0] == "phase":
                 depth += 1 if event[1] is not None else -1
                 if depth < 0:
@@ -215,7 +230,9 @@ class CallReplay:
                 if (event[2].kind, event[2].category) != (kind, category):
                     return None
                 replay.append(("output", out_storage[event[1]]))
-            elif event[0] == "phase":  # opened and closed at its turn: the phase peaks follow
+            elif event[0] in ("phase", "count"):
+                # a phase opened and closed at its turn (the phase peaks follow); an inner
+                # replayed call's temporary, counted again at its turn
                 replay.append(event)
             elif event[0] == "alloc":
                 counted[event[1]] = alloc = dataclasses.replace(event[2])

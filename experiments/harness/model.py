@@ -133,9 +133,6 @@ class Block(nn.Module):
             return fused_norm(module, x, chunk)
         return tiled(module, x) if self.stack.tiled else module(x)
 
-    def _ffn(self, h: torch.Tensor) -> torch.Tensor:
-        return self.feed_forward(self.ffn_norm(h))
-
     def _attend(self, x: torch.Tensor, cu_seqlens: list[int] | None) -> torch.Tensor:
         """x + attention(norm(x)): the block's first half."""
         if self.stack.fuse_norm and getattr(self.attention, "fuses_input_norm", False):
@@ -146,7 +143,7 @@ class Block(nn.Module):
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         """h + mlp(norm(h)): the block's second half."""
         if self.stack.residual_ffn:
-            return tiled_residual(self._ffn, h)
+            return tiled_residual((self.ffn_norm, self.feed_forward), h)
         return h + self._per_token(self.feed_forward, self._per_token(self.ffn_norm, h))
 
     def _forward(self, x: torch.Tensor, cu_seqlens: list[int] | None) -> torch.Tensor:

@@ -364,15 +364,18 @@ class MemoryTracker(TorchDispatchMode):
         """Record the bookkeeping events inside into the list yielded: ("alloc", storage key,
         Allocation), ("free", key), ("resize", key, delta bytes), ("carry", key) (a functional
         collective's result), ("phase", name) and ("phase", None) (a phase opened, the innermost
-        closed), ("context",) (a category or kind opened or closed) -- what
-        ``experiments.emulation.replay`` needs to replay a call. Not nested."""
-        if self._log is not None:
-            raise RuntimeError("MemoryTracker.log() is already open")
+        closed), ("context",) (a category or kind opened or closed), ("count", Allocation, delta
+        bytes) (a replayed call's temporary, ``count_replayed``) -- what
+        ``experiments.emulation.replay`` needs to replay a call. Nested: an inner log's events
+        are the outer one's too (a call recorded inside a call being recorded)."""
+        outer = self._log
         self._log = events = []
         try:
             yield events
         finally:
-            self._log = None
+            self._log = outer
+            if outer is not None:
+                outer.extend(events)
 
     def _context_changed(self) -> None:
         """A category or kind opens or closes: logged (a call during which one does cannot be
@@ -396,6 +399,8 @@ class MemoryTracker(TorchDispatchMode):
         """Count ``delta`` bytes of ``alloc`` as a live storage's allocation (> 0) or free
         (< 0) would be, without a storage: a replayed call's temporaries
         (``experiments.emulation.replay``)."""
+        if self._log is not None:  # replayed inside a call being recorded: part of it
+            self._log.append(("count", alloc, delta))
         self._count(alloc, delta)
 
     def live_allocations(self) -> list[Allocation]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from upipe.pure import metadata_pure
+from upipe.chunked import spans
+from upipe.pure import Span, metadata_pure
 
 IGNORE_INDEX = -100
 
@@ -28,27 +29,31 @@ def loss_chunk_tokens(dim: int, vocab_size: int) -> int:
 # replays the calls of one shape instead of running each chunk's kernels again
 # (upipe/pure.py); a 1M-token sequence has hundreds of chunks.
 @metadata_pure
-def _chunk_loss_into(total: torch.Tensor, hc: torch.Tensor, weight: torch.Tensor,
-                     lc: torch.Tensor) -> None:
+def _chunk_loss_into(total: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                     labels: torch.Tensor, chunk: Span) -> None:
     """Add one chunk's summed cross-entropy into ``total`` (fp32 scalar) in place.
-    hc: (n, dim) hidden states; weight: (V, dim); lc: (n,) labels."""
-    logits = F.linear(hc, weight).float()  # (n, V) fp32
-    total += F.cross_entropy(logits, lc, ignore_index=IGNORE_INDEX, reduction="sum")
+    h: (N, dim) hidden states; weight: (V, dim); labels: (N,); chunk: rows of N (n of them)."""
+    logits = F.linear(chunk.of(h), weight).float()  # (n, V) fp32
+    total += F.cross_entropy(logits, chunk.of(labels), ignore_index=IGNORE_INDEX,
+                             reduction="sum")
 
 
 @metadata_pure
-def _chunk_backward_into(dh: torch.Tensor, dw: torch.Tensor, hc: torch.Tensor,
-                         weight: torch.Tensor, lc: torch.Tensor, grad_total: torch.Tensor) -> None:
-    """One chunk's gradients, written in place: ``dh`` (n, dim) the chunk's rows of the hidden
-    states' gradient; ``dw`` (V, dim) fp32, the head's gradient, added into. The gradient of a
-    chunk's logits is ``softmax(logits) - onehot(label)`` scaled by ``grad_total`` (scalar),
-    zero where the label is IGNORE_INDEX."""
+def _chunk_backward_into(dh: torch.Tensor, dw: torch.Tensor, h: torch.Tensor,
+                         weight: torch.Tensor, labels: torch.Tensor, grad_total: torch.Tensor,
+                         chunk: Span) -> None:
+    """One chunk's gradients, written in place: ``dh`` (N, dim), the chunk's rows of the hidden
+    states' gradient; ``dw`` (V, dim) fp32, the head's gradient, added into. h: (N, dim);
+    labels: (N,); chunk: rows of N (n of them). The gradient of a chunk's logits is
+    ``softmax(logits) - onehot(label)`` scaled by ``grad_total`` (scalar), zero where the label
+    is IGNORE_INDEX."""
+    hc, lc = chunk.of(h), chunk.of(labels)
     valid = (lc != IGNORE_INDEX).unsqueeze(1)  # (n, 1); no data-dependent shapes
     g = torch.softmax(F.linear(hc, weight).float(), dim=-1)
     g.scatter_add_(1, lc.clamp(min=0).unsqueeze(1), -valid.float())
     g.mul_(valid * grad_total)
     g = g.to(hc.dtype)
-    dh.copy_(g @ weight)
+    chunk.of(dh).copy_(g @ weight)
     dw.addmm_(g.t().float(), hc.float())  # no copies when h is fp32
 
 
@@ -58,10 +63,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(h, weight, labels)
         ctx.chunk = chunk
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        # split: one op for all the chunks' views (a slice each is one dispatch per chunk, which
-        # an emulated step pays for: hundreds of chunks per call)
-        for hc, lc in zip(h.split(chunk), labels.split(chunk), strict=True):
-            _chunk_loss_into(total, hc, weight, lc)
+        # each chunk a span of the whole tensors: no view is made outside the chunk's call,
+        # which the emulator replays (hundreds of chunks per call)
+        for c in spans(h.shape[0], chunk):
+            _chunk_loss_into(total, h, weight, labels, c)
         return total
 
     @staticmethod
@@ -71,8 +76,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         dh = torch.empty_like(h)
         # fp32 accumulation of the head's gradient across chunks (one weight-sized buffer)
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for dhc, hc, lc in zip(dh.split(chunk), h.split(chunk), labels.split(chunk), strict=True):
-            _chunk_backward_into(dhc, dw, hc, weight, lc, grad_total)
+        for c in spans(h.shape[0], chunk):
+            _chunk_backward_into(dh, dw, h, weight, labels, grad_total, c)
         return dh, dw.to(weight.dtype), None, None
 
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from upipe.chunked import chunk_spans
-from upipe.pure import metadata_pure
+from upipe.chunked import spans
+from upipe.pure import Span, metadata_pure
 
 
 def _call_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -30,28 +30,38 @@ def _call_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @metadata_pure
-def _shard_forward(call: Callable, module: nn.Module, xs: torch.Tensor) -> torch.Tensor:
-    """One shard's output, ``call(module, xs)`` (autograd off: inside the Function's forward)."""
-    return call(module, xs)
+def _shard_forward(call: Callable, module: nn.Module, x: torch.Tensor,
+                   shard: Span) -> torch.Tensor:
+    """One shard's output, ``call(module, shard.of(x))`` (autograd off: inside the Function's
+    forward). x: (B, L, dim); shard: rows of L."""
+    return call(module, shard.of(x))
+
+
+def _grads_exist(modules) -> bool:
+    """Whether every trainable parameter of ``modules`` has its ``.grad`` (a shard's backward
+    then adds into them in place; else it makes them and keeps them, which the emulator does
+    not replay): a fact about the call that its tensors' metadata does not tell, so the shard
+    functions take it as an argument."""
+    return all(p.grad is not None for m in modules for p in m.parameters() if p.requires_grad)
 
 
 @metadata_pure
-def _shard_backward(call: Callable, module: nn.Module, xs: torch.Tensor, dxs: torch.Tensor,
-                    dys: torch.Tensor, input_grad: bool, grads_exist: bool) -> None:
-    """One shard's backward: ``call(module, xs)`` recomputed with autograd and backpropagated
-    from dys; xs's gradient added into dxs in place (with ``input_grad``), the parameters' into
-    their ``.grad``. xs, dxs, dys: (n, dim) rows of the input, its gradient and the output's.
-    ``grads_exist``: whether the parameters' ``.grad`` exist already (then they are added into
-    in place; else this call makes them and keeps them, which the emulator does not replay):
-    a fact about the call the tensors' metadata does not tell."""
+def _shard_backward(call: Callable, module: nn.Module, x: torch.Tensor, dx: torch.Tensor,
+                    dout: torch.Tensor, shard: Span, input_grad: bool,
+                    grads_exist: bool) -> None:
+    """One shard's backward: ``call(module, xs)`` recomputed with autograd on the shard's rows xs
+    of x and backpropagated from dout's; xs's gradient added into dx's rows in place (with
+    ``input_grad``), the parameters' into their ``.grad``. x, dx, dout: (B * L, dim) rows of the
+    input, its gradient and the output's gradient; shard: rows. ``grads_exist``:
+    ``_grads_exist((module,))``."""
     del grads_exist  # in the signature only
-    xs = xs.detach().requires_grad_(input_grad)
+    xs = shard.of(x).detach().requires_grad_(input_grad)
     if input_grad:
         # a fresh view as .grad (no other reference): autograd then adds into it in place
-        xs.grad = dxs.view_as(xs)
+        xs.grad = shard.of(dx).view_as(xs)
     with torch.enable_grad():
         y = call(module, xs)
-    torch.autograd.backward(y, dys)
+    torch.autograd.backward(y, shard.of(dout))
 
 
 class _Tiled(torch.autograd.Function):
@@ -61,7 +71,7 @@ class _Tiled(torch.autograd.Function):
     def forward(ctx, call, module, x, shards, *params):
         ctx.call, ctx.module, ctx.shards = call, module, shards
         ctx.save_for_backward(x)
-        outs = [_shard_forward(call, module, xs) for xs in torch.chunk(x, shards, dim=-2)]
+        outs = [_shard_forward(call, module, x, s) for s in _shards(x.shape[-2], shards, -2)]
         return torch.cat(outs, dim=-2)
 
     @staticmethod
@@ -73,14 +83,18 @@ class _Tiled(torch.autograd.Function):
         x2 = x.detach().reshape(-1, x.shape[-1])
         dout2 = dout.reshape(-1, dout.shape[-1])
         dx2 = torch.zeros_like(x2)
-        params = [p for p in ctx.module.parameters() if p.requires_grad]
-        # forward's shards (torch.chunk), each tensor's views made by one op, not a slice each
-        shards = (torch.chunk(t, ctx.shards) for t in (x2, dx2, dout2))
-        for xs, dxs, dys in zip(*shards, strict=True):
-            _shard_backward(ctx.call, ctx.module, xs, dxs, dys, input_grad,
-                            all(p.grad is not None for p in params))
+        # forward's shards (torch.chunk's), each a span of the whole tensors: no view is made
+        # outside the shard's call, which the emulator replays
+        for s in _shards(x2.shape[0], ctx.shards, 0):
+            _shard_backward(ctx.call, ctx.module, x2, dx2, dout2, s, input_grad,
+                            _grads_exist((ctx.module,)))
         return (None, None, dx2.view(x.shape) if input_grad else None, None,
                 *(None for _ in ctx.needs_input_grad[4:]))
+
+
+def _shards(n: int, shards: int, dim: int) -> list[Span]:
+    """``torch.chunk``'s split of n rows of ``dim`` into ``shards`` parts, as spans."""
+    return spans(n, math.ceil(n / shards), dim)
 
 
 def tiled(module: nn.Module, x: torch.Tensor,
@@ -98,53 +112,75 @@ def tiled(module: nn.Module, x: torch.Tensor,
     return _Tiled.apply(call, module, x, shards, *module.parameters())
 
 
+def _compose(modules: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
+    for m in modules:
+        x = m(x)
+    return x
+
+
+@metadata_pure
+def _residual_forward(modules: tuple[nn.Module, ...], h: torch.Tensor, out: torch.Tensor,
+                      shard: Span) -> None:
+    """One shard of ``h + modules(h)`` written into out's rows (autograd off). h, out: (B, L,
+    dim); shard: rows of L."""
+    hs = shard.of(h)
+    torch.add(hs, _compose(modules, hs), out=shard.of(out))
+
+
+@metadata_pure
+def _residual_backward(modules: tuple[nn.Module, ...], h: torch.Tensor, dh: torch.Tensor,
+                       dout: torch.Tensor, shard: Span, grads_exist: bool) -> None:
+    """One shard's backward: ``modules(hs)`` recomputed on h's rows and backpropagated from
+    dout's; its input gradient added into dh's rows in place (dh holds the residual's part,
+    dout, already), the parameters' into their ``.grad``. h, dh, dout: (B, L, dim).
+    ``grads_exist``: ``_grads_exist(modules)``."""
+    del grads_exist  # in the signature only
+    hs = shard.of(h).detach().requires_grad_(True)
+    hs.grad = shard.of(dh)  # autograd adds the modules' part into it, in place
+    with torch.enable_grad():
+        y = _compose(modules, hs)
+    torch.autograd.backward(y, shard.of(dout))
+
+
 class _TiledResidual(torch.autograd.Function):
-    """``h + fn(h)`` over sequence shards, output and input gradient written in place.
+    """``h + modules(h)`` over sequence shards, output and input gradient written in place.
 
     Hand-written rather than DeepSpeed's ``TiledMLP``/``SequenceTiledCompute`` because those
     concatenate the shards' outputs (the output exists twice while it is assembled) and leave
     the residual add outside, so under checkpointing the recomputed block holds the norm's
     output, the MLP's shards, their concatenation and the sum at once. Here ``h`` is the only
-    saved tensor; forward writes ``h + fn(h)`` shard by shard into one buffer, and backward
-    writes ``dh = dout + d fn`` shard by shard into one buffer (the residual's gradient needs
-    no separate add). Parameter gradients accumulate in their ``.grad`` through the shards'
-    own backward, as TiledMLP's do.
+    saved tensor; forward writes ``h + modules(h)`` shard by shard into one buffer, and backward
+    writes ``dh = dout + d modules`` shard by shard into one buffer (the residual's gradient
+    needs no separate add). Parameter gradients accumulate in their ``.grad`` through the
+    shards' own backward, as TiledMLP's do. Each shard is one metadata-pure call, replayed by
+    the emulator as ``tiled``'s are.
     """
 
     @staticmethod
-    def forward(ctx, fn, h, shards):
-        ctx.fn, ctx.shards = fn, shards
+    def forward(ctx, modules, h, shards):
+        ctx.modules, ctx.shards = modules, shards
         ctx.save_for_backward(h)
         out = torch.empty_like(h)
-        for a, b in _spans(h.shape[-2], shards):
-            hs = h.narrow(-2, a, b - a)
-            torch.add(hs, fn(hs), out=out.narrow(-2, a, b - a))
+        for s in _shards(h.shape[-2], shards, -2):
+            _residual_forward(modules, h, out, s)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         (h,) = ctx.saved_tensors
         dh = dout.clone(memory_format=torch.contiguous_format)  # the residual's part
-        for a, b in _spans(h.shape[-2], ctx.shards):
-            hs = h.narrow(-2, a, b - a).detach().requires_grad_(True)
-            hs.grad = dh.narrow(-2, a, b - a)  # autograd adds fn's part into it, in place
-            with torch.enable_grad():
-                y = ctx.fn(hs)
-            torch.autograd.backward(y, dout.narrow(-2, a, b - a))
-            del hs, y
+        for s in _shards(h.shape[-2], ctx.shards, -2):
+            _residual_backward(ctx.modules, h, dh, dout, s, _grads_exist(ctx.modules))
         return None, dh, None
 
 
-def _spans(n: int, shards: int) -> list[tuple[int, int]]:
-    """``torch.chunk``'s split of n rows into ``shards`` parts, as (start, end)."""
-    return chunk_spans(n, math.ceil(n / shards))
+def tiled_residual(modules: tuple[nn.Module, ...], h: torch.Tensor) -> torch.Tensor:
+    """``h + modules[-1](... modules[0](h))`` over ceil(L / dim) sequence shards (the tiled MLP's
+    rule), in place.
 
-
-def tiled_residual(fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-    """``h + fn(h)`` over ceil(L / dim) sequence shards (the tiled MLP's rule), in place.
-
-    ``fn``: a per-token function of h (B, L, dim) -> (B, L, dim), e.g. a pre-norm then an MLP;
-    its parameters get their gradients through ``.grad``, as with ``tiled``.
+    ``modules``: per-token modules of h (B, L, dim) -> (B, L, dim), applied in turn, e.g. a
+    pre-norm then an MLP; their parameters get their gradients through ``.grad``, as with
+    ``tiled``.
     """
     shards = max(1, math.ceil(h.shape[-2] / h.shape[-1]))
-    return _TiledResidual.apply(fn, h, shards)
+    return _TiledResidual.apply(tuple(modules), h, shards)

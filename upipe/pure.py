@@ -84,4 +84,3 @@ class Span:
 
     def __repr__(self) -> str:
         return f"Span({self.start}, {self.length}, dim={self.dim})"
-

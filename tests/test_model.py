@@ -168,6 +168,33 @@ def test_tiled_gives_parameter_gradients_when_only_they_require_grad():
         torch.testing.assert_close(g, p.grad)  # shard-wise fp32 sums: round-off only
 
 
+def test_tiled_residual_gives_parameter_gradients_when_only_they_require_grad():
+    """``h + mlp(norm(h))`` shard by shard: the same output and parameter gradients as the
+    untiled modules' when h needs none (the parameters are the Function's inputs); a function
+    instead of the modules is refused by name."""
+    from experiments.harness.model import FeedForward, RMSNorm
+    from upipe.stack import tiled_residual
+
+    torch.manual_seed(0)
+    norm, mlp = RMSNorm(CFG.dim, CFG.norm_eps), FeedForward(CFG.dim, CFG.ffn_dim)
+    h = torch.randn(2, 620, CFG.dim)
+    out = tiled_residual((norm, mlp), h)
+    out.pow(2).sum().backward()
+    grads = [p.grad.clone() for m in (norm, mlp) for p in m.parameters()]
+    for m in (norm, mlp):
+        m.zero_grad(set_to_none=True)
+    ref = h + mlp(norm(h))
+    ref.pow(2).sum().backward()
+    torch.testing.assert_close(out, ref)
+    for g, p in zip(grads, [p for m in (norm, mlp) for p in m.parameters()], strict=True):
+        # shard-wise fp32 sums over 620 tokens: round-off of the gradient's scale only (as
+        # test_stack_levels_compute_the_same_step allows)
+        scale = max(1.0, p.grad.abs().max().item())
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6 * scale)
+    with pytest.raises(TypeError, match="modules must be a non-empty tuple of nn.Module"):
+        tiled_residual(lambda x: mlp(norm(x)), h)
+
+
 def test_offload_moves_saved_input_to_host_and_back():
     lin = torch.nn.Linear(64, 64)
     x = torch.randn(128, 64, requires_grad=True)

@@ -157,7 +157,7 @@ class _TiledResidual(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, modules, h, shards):
+    def forward(ctx, modules, h, shards, *params):
         ctx.modules, ctx.shards = modules, shards
         ctx.save_for_backward(h)
         out = torch.empty_like(h)
@@ -171,7 +171,7 @@ class _TiledResidual(torch.autograd.Function):
         dh = dout.clone(memory_format=torch.contiguous_format)  # the residual's part
         for s in _shards(h.shape[-2], ctx.shards, -2):
             _residual_backward(ctx.modules, h, dh, dout, s, _grads_exist(ctx.modules))
-        return None, dh, None
+        return None, dh, None, *(None for _ in ctx.needs_input_grad[3:])
 
 
 def tiled_residual(modules: tuple[nn.Module, ...], h: torch.Tensor) -> torch.Tensor:
@@ -182,5 +182,12 @@ def tiled_residual(modules: tuple[nn.Module, ...], h: torch.Tensor) -> torch.Ten
     pre-norm then an MLP; their parameters get their gradients through ``.grad``, as with
     ``tiled``.
     """
+    if not (isinstance(modules, (tuple, list)) and modules
+            and all(isinstance(m, nn.Module) for m in modules)):
+        raise TypeError("tiled_residual: modules must be a non-empty tuple of nn.Module, "
+                        f"applied in turn (e.g. (norm, mlp)); got {modules!r}")
+    modules = tuple(modules)
     shards = max(1, math.ceil(h.shape[-2] / h.shape[-1]))
-    return _TiledResidual.apply(tuple(modules), h, shards)
+    # the parameters are inputs so the output requires grad when only they do (as ``tiled``'s)
+    params = [p for m in modules for p in m.parameters()]
+    return _TiledResidual.apply(modules, h, shards, *params)

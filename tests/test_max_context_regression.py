@@ -10,10 +10,13 @@ one on the session's ranks when the test runs.
 
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 import pytest
 from session_ranks import SessionRanks
 
+from experiments.reporting import results_index
 from experiments.runner.max_context_guard import (
     PATH,
     UPDATE,
@@ -23,6 +26,7 @@ from experiments.runner.max_context_guard import (
     read,
     search_entry,
     table,
+    write,
 )
 
 
@@ -54,6 +58,21 @@ def test_baseline_covers_every_entry():
     # window's lines (the guard's cheap check; the certified maxima are the paper tables')
     assert emulated["fit_nonaffine_phases"].isna().all()
     assert (emulated.loc[emulated["status"] == "ok", "fit_certified"] == False).all()  # noqa: E712
+
+
+def test_update_writes_the_table_its_provenance_and_the_results_index(tmp_path):
+    """``--update``'s write: the table as it was, its provenance and search times beside it,
+    and the results index's row of the baselines naming that provenance (a rewritten table
+    beside a stale index fails tests/test_results_index.py in CI)."""
+    path = tmp_path / "results" / "baselines" / "max_context.csv"
+    committed = read()
+    write(committed.assign(search_s=1.5), path)
+    pd.testing.assert_frame_equal(read(path), committed)
+    meta = json.loads(path.with_suffix(".json").read_text())
+    assert meta["search_s"] == dict.fromkeys(committed["name"], 1.5)
+    assert results_index.stale(path.parents[1]) == []
+    index = (path.parents[1] / "README.md").read_text()
+    assert "[`baselines`](baselines/)" in index and meta["git_rev"][:8] in index
 
 
 def _emulated_searches() -> dict:

@@ -14,7 +14,7 @@ the window, cheap enough for every CI run, and blind to a peak that overtakes be
 (``emulation.certify``); the certified maxima are the emulated Tables 3 and 4's.
 
     python -m experiments.runner.max_context_guard            # recompute, compare with the table
-    python -m experiments.runner.max_context_guard --update   # recompute and rewrite the table
+    python -m experiments.runner.max_context_guard --update   # ... rewrite it and results/README.md
 
 ``tests/test_max_context_regression.py`` recomputes the table and fails when a method's
 maximum context falls below its baseline (or a row that had a length no longer gets one).
@@ -42,6 +42,7 @@ from experiments.config import (
     paper_stack,
 )
 from experiments.provenance import provenance
+from experiments.reporting import results_index
 from experiments.runner.executor import Emulator, Launcher
 from experiments.runner.plan import LONG, LONG_CHUNK
 from experiments.runner.search import run_search
@@ -196,12 +197,17 @@ def compare(old: pd.DataFrame, new: pd.DataFrame) -> tuple[list[str], list[str]]
 
 
 def write(table: pd.DataFrame, path: Path = PATH) -> None:
+    """Write the table (``path``), its provenance and search times (``.json`` beside it), and
+    the results index of the results root above it (``results/README.md``), whose row for the
+    baselines names that provenance: a rewritten table with a stale index fails
+    tests/test_results_index.py."""
     path.parent.mkdir(parents=True, exist_ok=True)
     table.drop(columns=["search_s"]).to_csv(path, index=False)
     meta = provenance() | {"command": UPDATE, "search_s": dict(zip(table["name"],
                                                                     table["search_s"],
                                                                     strict=True))}
     path.with_suffix(".json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
+    results_index.write(path.parents[1])
 
 
 def main(argv: list[str] | None = None) -> int:

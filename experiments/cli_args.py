@@ -50,7 +50,8 @@ HARDWARE_FLAGS = {"gpu_mem_gib": "--gpu-mem", "host_mem_gib": "--host-mem",
                   "device": "--emulate-device", "profile": "--hardware"}
 # PlanSpec field -> plan's flag
 PLAN_FLAGS = {"gpus": "--gpus", "dp": "--dp", "seq_len": "--seq-len", "dtype": "--dtype",
-              "kernel": "--kernel", "methods": "--methods", "stacks": "--stacks"}
+              "kernel": "--kernel", "methods": "--methods", "stacks": "--stacks",
+              "ring_degrees": "--ring-degrees"}
 
 
 def named_as_flags(msg: str, flags: dict[str, str]) -> str:
@@ -407,6 +408,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stacks", default=None, metavar="A,B",
                    help=f"only these stacks, of {', '.join(STACKS)} (default: "
                         f"{', '.join(DEFAULT_STACKS)})")
+    p.add_argument("--ring-degrees", default=None, metavar="1,2",
+                   help="only these ring degrees of the hybrid methods' (ulysses x ring) meshes, "
+                        "each a divisor of the CP degree (default: every divisor; 1 is the plain "
+                        "Ulysses mesh). Methods without a mesh are planned as ever")
     p.add_argument("--workers", type=positive_int, default=None,
                    help="emulations run at once, one process each (default: one per CPU this "
                         f"process may use, {default_workers()} here)")
@@ -416,6 +421,18 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 
 def _names(text: str | None) -> tuple[str, ...] | None:
     return None if text is None else tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+def _ring_degrees(text: str | None) -> tuple[int, ...] | None:
+    """``--ring-degrees 1,2`` -> (1, 2); None when not given."""
+    names = _names(text)
+    if names is None:
+        return None
+    try:
+        return tuple(int(n) for n in names)
+    except ValueError:
+        raise ValueError(f"--ring-degrees must be integers separated by commas, got {text!r}"
+                         ) from None
 
 
 def plan_spec_from_args(a: argparse.Namespace) -> PlanSpec:
@@ -428,7 +445,8 @@ def plan_spec_from_args(a: argparse.Namespace) -> PlanSpec:
         model, overrides = hf_overrides(a.model)
     spec = PlanSpec(model=model, overrides=overrides, gpus=a.gpus, dp=a.dp, seq_len=a.seq_len,
                     dtype=a.dtype, kernel=a.kernel, methods=_names(a.methods),
-                    stacks=_names(a.stacks) or DEFAULT_STACKS, label=label)
+                    stacks=_names(a.stacks) or DEFAULT_STACKS, label=label,
+                    ring_degrees=_ring_degrees(a.ring_degrees))
     try:
         spec.validate()
     except ValueError as e:

@@ -305,6 +305,10 @@ def test_plot_leaves_unchanged_inputs_byte_identical(tmp_path, sweep, capsys):
      "--gpus-per-node (3) must divide the world size (8)"),
     (["max-context", "--emulate", "--method", "upipe", "--model", "llama3-8b", "--start", "8M",
       "--limit", "1M"], "--start (8388608) must not exceed --limit (1048576)"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "1M", "--ring-degrees", "3"],
+     "--ring-degrees must be divisors of the CP degree (8), got [3]"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "1M", "--ring-degrees", "1,x"],
+     "--ring-degrees must be integers separated by commas, got '1,x'"),
 ])
 def test_bad_values_are_refused_naming_the_rule(capsys, argv, says):
     assert main(argv) == 2

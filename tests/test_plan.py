@@ -52,6 +52,21 @@ def test_configurations_cover_every_mesh_and_heads_per_stage():
     assert invalid == []
 
 
+def test_ring_degrees_narrow_the_hybrids_meshes_only():
+    """``--ring-degrees``: the hybrids (UPipe, USP) on the named meshes only; a method without
+    a mesh is planned as ever; a degree that does not divide the CP degree is refused."""
+    spec = PlanSpec("tiny", 4, 4096, methods=("upipe", "usp", "ring"), ring_degrees=(1, 4))
+    cells, _ = configurations(spec)
+    assert {(c.method, c.ring_degree) for c in cells} == {
+        ("upipe", 1), ("upipe", 4), ("usp", 1), ("usp", 4), ("ring", 1)}
+    everything, _ = configurations(PlanSpec("tiny", 4, 4096, methods=("upipe", "usp", "ring")))
+    assert {c for c in everything if c.ring_degree != 2} == set(cells)
+    for rings in ((3,), (0,), ()):
+        with pytest.raises(ValueError, match=r"ring_degrees must be divisors of the CP degree "
+                                             r"\(4\)"):
+            configurations(PlanSpec("tiny", 4, 4096, ring_degrees=rings))
+
+
 def test_the_long_variant_is_planned_on_its_level_only_and_when_asked(monkeypatch):
     monkeypatch.setattr(plan_mod, "emulate_cell",
                         _fake_emulation({"long": "ok", "long-attn-host": "host"}))

@@ -62,9 +62,9 @@ def _plan_example() -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.background(jobs=_plan_example, first=True)  # its one job is the longest
+@pytest.mark.background(jobs=_plan_example, first=True)  # one of the longest jobs
 def test_plan_example_shows_what_the_command_prints(background):
-    """About a minute of 2 cores (20 configurations, 14 of them emulated)."""
+    """About 45 CPU-s (5 configurations, 4 of them emulated: 27 s on 2 cores)."""
     command, shown = PLAN.search(README.read_text()).groups()
     code, printed = background()["plan"]
     assert code == 0

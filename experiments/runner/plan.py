@@ -112,6 +112,10 @@ class PlanSpec:
     """None: every registered method"""
     stacks: tuple[str, ...] = DEFAULT_STACKS
     """the memory stacks to plan on"""
+    ring_degrees: tuple[int, ...] | None = None
+    """the hybrids' ring degrees to plan (each divides the CP degree); None: every divisor.
+    Methods without a mesh (``supports_mesh`` false) have one layout and are planned as
+    ever"""
     label: str = ""
     """what the model is called in the rows (a config.json's path; default the preset)"""
     extra: dict = field(default_factory=dict, compare=False)
@@ -142,13 +146,19 @@ class PlanSpec:
         bad = [s for s in self.stacks if s not in known]
         if bad:
             raise ValueError(f"stacks must be among {known}, got {bad}")
+        if self.ring_degrees is not None:
+            bad_rings = [r for r in self.ring_degrees if r < 1 or self.cp % r]
+            if bad_rings or not self.ring_degrees:
+                raise ValueError(f"ring_degrees must be divisors of the CP degree ({self.cp}), "
+                                 f"got {list(self.ring_degrees)}")
 
 
-def _meshes(method: str, cp: int) -> list[int]:
-    """Ring degrees a method can use on a CP group of ``cp`` ranks (1 for the non-hybrids)."""
+def _meshes(method: str, cp: int, rings: tuple[int, ...] | None = None) -> list[int]:
+    """Ring degrees a method can use on a CP group of ``cp`` ranks (1 for the non-hybrids),
+    among ``rings`` when given (``PlanSpec.ring_degrees``)."""
     if not get_method(method).supports_mesh:
         return [1]
-    return [r for r in range(1, cp + 1) if cp % r == 0]
+    return [r for r in range(1, cp + 1) if cp % r == 0 and (rings is None or r in rings)]
 
 
 def _variants(spec: PlanSpec, method: str) -> list[Cell]:
@@ -156,7 +166,7 @@ def _variants(spec: PlanSpec, method: str) -> list[Cell]:
     their rule is the method's, not the cluster's)."""
     cfg = resolve_model(spec.model, spec.overrides)
     cells = []
-    for ring in _meshes(method, spec.cp):
+    for ring in _meshes(method, spec.cp, spec.ring_degrees):
         own = declared(method)
         us = [None]
         if "heads_per_stage" in own:

@@ -12,8 +12,9 @@ dispatch, most of it; calls that repeat with the same shapes are replayed instea
 and the tiled MLP and chunked loss make the op count grow with the sequence (about 2.5M ops for
 Llama3-8B at 5M tokens on 8 ranks), so ``emulate_cell`` predicts from a fit of exact runs on the
 same code at a few small sizes by default (``fit``); ``exact=True`` runs the target size itself,
-as do models with fewer layers than the fit's samples and cells the fit cannot predict
-(``fit.fit_refusal``: attention kept in some blocks only).
+as do steps no bigger than one of the fit's samples (``fit.exact_is_cheaper``: the CPU-sized
+cells of the tests and examples, a fifth of the fit's cost at most) and cells the fit cannot
+predict (``fit.fit_refusal``: attention kept in some blocks only).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from experiments.emulation.fake_step import Measurement, emulated_gpu, measure_f
 from experiments.emulation.fit import (
     N_SAMPLE,
     depth_lower_bound,
+    exact_is_cheaper,
     fit_refusal,
     fitted,
     sequence_chunk,
@@ -161,9 +163,11 @@ def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
         return unrun(cell, cfg, Status.SKIPPED, reason, "emulated")
     t0 = time.monotonic()
     try:
-        # a model shallower than the fit's samples is cheaper to emulate than they are; a cell
-        # the fit cannot predict (its blocks not alike) is emulated exactly, as slow as that is
-        if exact or cfg.n_layers < N_SAMPLE[0] or fit_refusal(cell) is not None:
+        # a step no bigger than one of the fit's samples is cheaper to emulate than the fit
+        # (a fifth of it at most, and exact); a cell the fit cannot predict (its blocks not
+        # alike) is emulated exactly, as slow as that is
+        if (exact or exact_is_cheaper(cell, cfg.n_layers, cfg.dim)
+                or fit_refusal(cell) is not None):
             m, extra = measure_fake(cell, cfg, hw, count), {"emulation": "exact"}
         elif bound_first and cfg.n_layers > N_SAMPLE[0] and (
                 (b := depth_lower_bound(cell, hw, count)) is not None

@@ -37,15 +37,15 @@ CASES = [
     ("zigzag-ring", "alst", {}),
     ("usp", "alst", {"ring_degree": 2}),
     ("upipe", "alst", {"ring_degree": 2}),
-    ("fpdt", "alst", {"chunk_size": 1024}),
-    ("ds-fpdt", "alst", {"chunk_size": 1024}),  # FPDT with its CPU stand-ins (ds_fpdt_portable)
+    ("fpdt", "alst", {"chunk_size": 512}),
+    ("ds-fpdt", "alst", {"chunk_size": 512}),  # FPDT with its CPU stand-ins (ds_fpdt_portable)
     ("torch-cp", "native", {}),
     # ... and every stack level
     ("upipe", "none", {}),
     ("upipe", "ac", {}),
     ("upipe", "offload", {}),
     ("ulysses", "native", {}),
-    ("ds-fpdt", "megatron-ds", {"chunk_size": 1024}),  # reentrant, every block input offloaded
+    ("ds-fpdt", "megatron-ds", {"chunk_size": 512}),  # reentrant, every block input offloaded
     # beyond the paper: the long level (first input offloaded, residual FFN tiled in place,
     # UPipe's fused input norm) with UPipe's chunked attention backward (8 chunks of 256)
     ("upipe", "long", {"chunk_size": 256}),
@@ -69,11 +69,11 @@ CASES = [
                               for m, s, o in CASES])
 def test_emulation_equals_the_real_run(dist_pool, method, stack, options):
     # 2048 tokens: 512 per rank still take every path of the step (two tiled-MLP shards and two
-    # loss chunks per rank, four UPipe stages, eight zigzag chunks); FPDT's 1024-token chunks
-    # (ours and DeepSpeed's) need 4096 for more than two of them (its prefetch reaches its
-    # steady state at three). Three layers: a first, an offloaded middle and a last block.
-    seq_len = 4096 if method in ("fpdt", "ds-fpdt") else 2048
-    cell = Cell.from_dict(dict(method=method, model="tiny", seq_len=seq_len, nproc=4,
+    # loss chunks per rank, four UPipe stages, eight zigzag chunks); FPDT's 512-token chunks
+    # (ours and DeepSpeed's) make four of them, more than its prefetch's steady state needs
+    # (three; they were 1024-token chunks of 4096 tokens: the same four chunks, twice the
+    # tokens, 30 s of the suite). Three layers: a first, an offloaded middle and a last block.
+    cell = Cell.from_dict(dict(method=method, model="tiny", seq_len=2048, nproc=4,
                                stack=stack, dtype="fp32", warmup=1, iters=0,
                                overrides=(("n_layers", "3"),)) | options)
     real = real_run(dist_pool, cell)  # rank 0, as the emulator plays (once per session)

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from experiments.config import Cell, Hardware
 from experiments.emulation.emulate import emulate_cell
 from experiments.emulation.fake_step import measure_fake
+from experiments.emulation.fit import exact_is_cheaper
 from experiments.instruments.memory import MemoryTracker
 
 CASES = [
@@ -162,6 +163,22 @@ def test_chunked_upipe_attention_backward_stays_affine_far_past_the_fit_window(b
     quantum."""
     peaks = [background()[s] for s in (3, 4, 16)]
     assert peaks[2] - peaks[1] == 12 * (peaks[1] - peaks[0]) > 0
+
+
+def test_a_step_no_bigger_than_a_sample_is_emulated_exactly():
+    """The fit runs at least five steps of 4-5 layers at its window's lengths (tiny on 4 ranks:
+    2K, 3K and 4K tokens); a cell no bigger than one of them is emulated exactly instead, and a
+    deeper or longer one is predicted by the fit."""
+    tiny = Cell(method="upipe", model="tiny", seq_len=4096, nproc=4, dtype="fp32")
+    cfg = tiny.validate()
+    assert exact_is_cheaper(tiny, cfg.n_layers, cfg.dim)  # 4 layers, the window's last length
+    assert exact_is_cheaper(tiny, 5, cfg.dim) and exact_is_cheaper(tiny, 2, cfg.dim)
+    assert not exact_is_cheaper(tiny, 6, cfg.dim)
+    assert not exact_is_cheaper(dataclasses.replace(tiny, seq_len=5120), 4, cfg.dim)
+    # a chunked method's window starts at its chunk loop's steady state (three 1K chunks here)
+    fpdt = dataclasses.replace(tiny, options={"chunk_size": 1024}, method="fpdt")
+    assert exact_is_cheaper(fpdt, 4, cfg.dim)
+    assert emulate_cell(tiny, Hardware(device="cpu"), count=False)["emulation"] == "exact"
 
 
 @pytest.mark.slow  # about 2 s on 2 cores (docs/testing.md)

@@ -27,12 +27,16 @@ from upipe.registry import available_methods
 
 SELECTIVE = ("alst-attn", "alst-attn-host")
 # 3 layers (the middle one offloads, so alst-attn-host keeps its attention in host memory),
-# 8 heads over 2 KV heads, 128 tokens on 4 ranks, fp32
+# 8 heads over 2 KV heads, 128 tokens on 4 ranks (2: TWO_RANKS), fp32
 OVERRIDES = (("n_layers", "3"), ("dim", "64"), ("n_heads", "8"), ("n_kv_heads", "2"),
              ("head_dim", "8"), ("ffn_dim", "96"), ("vocab_size", "128"))
 BASE = dict(model="tiny", seq_len=128, nproc=4, overrides=OVERRIDES, warmup=0, iters=0,
             lr=1e-3)
-# every method runnable on a CPU, each with the options that change what its attention saves
+# every method runnable on a CPU, each with the options that change what its attention saves.
+# On 4 ranks: the hybrids (a 2 x 2 mesh), UPipe's and Ulysses' plain cases (KV heads fewer than
+# ranks) and UPipe's overlapped stages; the rest on 2 ranks (``TWO_RANKS``): what a method keeps
+# for its backward is per rank and the same code at any world size, and a case's cost is its
+# ranks' dispatches (each rank makes as many), so these cost half.
 METHODS = [("ulysses", {}), ("ds-ulysses", {}), ("ring", {}), ("zigzag-ring", {}),
            ("usp", {"ring_degree": 2}), ("usp-ulysses", {}),
            ("upipe", {}), ("upipe", {"heads_per_stage": 4, "overlap": True}),
@@ -71,6 +75,9 @@ def _spread(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 # the inner loop (-m 'not slow') keeps UPipe's and Ulysses' cases; each case is 1.5-6 s
 INNER = {("upipe", ()), ("ulysses", ())}
+TWO_RANKS = {("ds-ulysses", ()), ("ring", ()), ("zigzag-ring", ()), ("usp-ulysses", ()),
+             ("fpdt", ("chunk_size",)), ("ds-fpdt", ("chunk_size",)), ("torch-cp", ()),
+             ("upipe", ("doc_len",)), ("zigzag-ring", ("doc_len",))}
 
 
 @pytest.mark.parametrize("method,options", [
@@ -88,9 +95,10 @@ def test_selective_levels_train_bitwise_as_full_checkpointing(dist_pool, method,
     levels = [{"stack": s} for s in SELECTIVE] + [{"stack": "alst-attn-host", "keep_blocks": 2},
                                                   {"stack": "alst-block", "keep_blocks": 2}]
     extra = [{"stack": "none"}] if method in NOT_BITWISE else []
-    cells = [Cell.from_dict(BASE | {"method": method} | level | options)
+    world = 2 if (method, tuple(options)) in TWO_RANKS else 4
+    cells = [Cell.from_dict(BASE | {"method": method, "nproc": world} | level | options)
              for level in [{"stack": "alst"}, *levels, *extra]]
-    for rank in dist_pool(4).run(_losses_and_grads, cells):
+    for rank in dist_pool(world).run(_losses_and_grads, cells):
         (full_losses, full_grads), *selective = rank
         assert full_losses[1] < full_losses[0]  # it trains
         if method in NOT_BITWISE:

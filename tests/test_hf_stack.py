@@ -161,7 +161,7 @@ def test_chunked_loss_takes_labels_as_transformers_does():
 
 # ---- memory: one process (CP degree 1), a few thousand tokens, vocab large relative to hidden
 
-M_SEQ, M_HIDDEN, M_FFN, M_VOCAB, M_LAYERS = 4096, 64, 256, 8192, 4
+M_SEQ, M_HIDDEN, M_FFN, M_VOCAB, M_LAYERS = 2048, 64, 256, 8192, 4
 MEMORY_STACKS = {"none": None, "ac": "ac", "offload": "offload",
                  "offload+chunked_loss": MemoryStack(True, True, False, True), "alst": "alst",
                  "alst-attn": "alst-attn", "alst-attn-host": "alst-attn-host",

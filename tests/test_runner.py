@@ -55,18 +55,19 @@ def test_unavailable_method_is_a_skipped_row_without_a_launch(tmp_path):
 
 @pytest.mark.slow
 @needs("usp", "fpdt")
-def test_hybrid_and_fpdt_cells_run_end_to_end():
-    """A 2 x 2 USP mesh and FPDT on 4 ranks through the launcher, as a sweep runs them. FPDT
-    offloads its chunks to host itself: on the ``ac`` stack (no block offload) its host bytes
-    are the only ones, and the tracker counts them."""
+def test_hybrid_and_fpdt_cells_run_end_to_end(dist_pool):
+    """A 2 x 2 USP mesh through the launcher, as a sweep runs it, and FPDT on 4 ranks (on the
+    session's ranks: the launch is the USP cell's; ``run_cell`` is what torchrun's ranks run).
+    FPDT offloads its chunks to host itself: on the ``ac`` stack (no block offload) its host
+    bytes are the only ones, and the tracker counts them."""
     two_layers = (("n_layers", "2"), *OVERRIDES[1:])  # the cost is per layer: keep it short
     base = BASE | {"nproc": 4, "seq_len": 512, "warmup": 0, "overrides": two_layers}
     usp = run_cell(Cell("usp", ring_degree=2, **base), timeout_s=300)
     assert usp["status"] == "ok", usp["error"]
     assert usp["ring_degree"] == 2 and usp["tokens_per_s_per_gpu"] > 0
     assert usp["kernel"] == "auto" and usp["kernel_ran"] == "sdpa"  # what auto ran on the CPU
-    fpdt = run_cell(Cell("fpdt", options={"chunk_size": 256}, **(base | {"stack": "ac"})),
-                    timeout_s=300)
+    fpdt = SessionRanks(dist_pool).run(Cell("fpdt", options={"chunk_size": 256},
+                                            **(base | {"stack": "ac"})))
     assert fpdt["status"] == "ok", fpdt["error"]
     assert fpdt["chunk_size"] == 256 and fpdt["peak_host_bytes"] > 0
 

@@ -103,7 +103,8 @@ def _first_quantum(cell: Cell, q: int, dim: int) -> int:
 def exact_is_cheaper(cell: Cell, n_layers: int, dim: int) -> bool:
     """Whether one exact step of ``cell`` costs no more than one of the fit's samples (so at
     most a fifth of the fit): a model shallower than the samples, or one no deeper than the
-    5-layer samples at a length no longer than the window's first three (``_window``). A step's
+    5-layer samples and no longer than the longest of the window's first three lengths
+    (``_window``). A step's
     ops grow with its layers and, through the tiled MLP's shards, chunks and loss chunks, with
     its length; the fit runs at least five such steps."""
     if n_layers < N_SAMPLE[0]:

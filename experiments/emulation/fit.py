@@ -191,8 +191,10 @@ class Fit:
     def __post_init__(self):
         self._phase_cache: dict[tuple[int, int], dict] = {}
         self._uncertified: list[str] = []  # the last prediction's series left uncertified
-        first = self.samples[N_SAMPLE[0]][self.seq_lens[0]]
-        self.counted = first.flops is not None
+        # counted only when every window sample is: a memory-only fit may take a counted
+        # 4-layer window from the cache (``_cached``) beside 5-layer samples of its own
+        self.counted = all(self.samples[n][x].flops is not None
+                           for n in N_SAMPLE for x in self._window_lens(n))
         for m in self.samples[N_SAMPLE[1]].values():
             self.nonaffine += _check_mid(m, N_SAMPLE[1])
 

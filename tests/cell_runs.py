@@ -1,10 +1,11 @@
 """A cell's real run and its exact CPU emulation, each done once per test session.
 
-Several tests hold the same small cell's real gloo run to the emulator's bytes (Ulysses on the
-tiny preset with three layers, 2048 tokens on 4 ranks: tests/test_emulate.py among every
-method, tests/test_ds_fpdt.py as the reference for FPDT's growth with depth); a real run costs
-seconds of 4-rank work on 2 cores, so the second test reads the first one's numbers. Both are
-deterministic (the tracker settles collectives; the emulator runs no real kernel).
+Several tests hold the same small cell's real gloo run to the emulator's bytes (``equality_cell``:
+Ulysses on the tiny preset with three layers, 512 tokens a rank, in tests/test_emulate.py among
+every method and in tests/test_ds_fpdt.py as the reference for FPDT's growth with depth); a real
+run costs seconds of multi-rank work on 2 cores, so the second test reads the first one's
+numbers. Both are deterministic (the tracker settles collectives; the emulator runs no real
+kernel).
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ KEYS = ("tracked_peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
 
 _REAL: dict[Cell, dict] = {}
 _EMULATED: dict[Cell, dict] = {}
+
+
+def equality_cell(method: str, stack: str, options: dict, ranks: int, n_layers: int = 3) -> Cell:
+    """A cell of tests/test_emulate.py's ``CASES``: tiny, 512 tokens a rank, fp32, one warm-up
+    step and no timed ones."""
+    return Cell.from_dict(dict(method=method, model="tiny", seq_len=512 * ranks, nproc=ranks,
+                               stack=stack, dtype="fp32", warmup=1, iters=0,
+                               overrides=(("n_layers", str(n_layers)),)) | options)
 
 
 def _real_run(cell_dict: dict) -> dict:

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-from cell_runs import emulated_on_cpu, real_run
+from cell_runs import emulated_on_cpu, equality_cell, real_run
 
 import baselines.ds_fpdt  # noqa: F401  registers "ds-fpdt" in this process
 from baselines.ds_fpdt import DSFPDTAttention
@@ -76,17 +76,18 @@ KEYS = ("tracked_peak_device_bytes", "peak_host_bytes")
 
 
 def _cell(method: str, n_layers: int) -> Cell:
-    options = {"chunk_size": 512} if method == "ds-fpdt" else {}
-    return Cell(method=method, model="tiny", seq_len=2048, nproc=4, stack="alst", dtype="fp32",
-                warmup=1, iters=0, overrides=(("n_layers", str(n_layers)),), options=options)
+    """tests/test_emulate.py's cell of ``method`` on the paper's stack (2 ranks, 512 tokens
+    each; DeepSpeed's FPDT in four 256-token chunks) with ``n_layers`` layers."""
+    return equality_cell(method, "alst", {"chunk_size": 256} if method == "ds-fpdt" else {}, 2,
+                         n_layers)
 
 
 def _growth(dist_pool, method: str) -> dict[str, int]:
     """Peak bytes at 6 layers less at 3, emulated (CPU device); at 3 layers also the real run
     (gloo, rank 0), which must agree to the byte. Both 3-layer cells are cells of
     tests/test_emulate.py too (run once per session, ``cell_runs``), where every method's
-    emulation equals its real run; real runs at 6 layers would add two 4-rank runs (about 25 s
-    of the suite) to check that equality once more."""
+    emulation equals its real run; real runs at 6 layers would add two multi-rank runs to check
+    that equality once more."""
     out = {}
     for n in (3, 6):
         cell = _cell(method, n)
@@ -100,7 +101,7 @@ def _growth(dist_pool, method: str) -> dict[str, int]:
     return out
 
 
-@pytest.mark.slow  # 2 real 4-rank runs (shared with tests/test_emulate.py) and 4 emulations
+@pytest.mark.slow  # 2 real 2-rank runs (shared with tests/test_emulate.py) and 4 emulations
 def test_checkpointed_peak_grows_by_at_most_one_layers_attention_state(dist_pool):
     """Three more layers add their model states and checkpointed inputs, as for a method that
     keeps nothing outside ``save_for_backward`` (ulysses, same stack and model); ds-fpdt may
@@ -110,7 +111,7 @@ def test_checkpointed_peak_grows_by_at_most_one_layers_attention_state(dist_pool
     backward: more layers added all their chunks (at 4096 tokens, 4 more layers: +14.9 MB host,
     +5.8 MB device over ulysses, against a bound of 3.7 MB).
     """
-    tiny_l, dim, h, hkv, d = 512, 256, 16, 4, 16  # tiny: 2048 tokens on 4 ranks
+    tiny_l, dim, h, hkv, d = 512, 256, 16, 4, 16  # tiny: 512 tokens a rank
     # one layer's FPDT state per rank (fp32): input, q, k, v, output, fp32 LSE per token
     one_layer = tiny_l * ((dim + 2 * h * d + 2 * hkv * d) * 4 + h * 4)
     fpdt, ref = _growth(dist_pool, "ds-fpdt"), _growth(dist_pool, "ulysses")

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from cell_runs import emulated_on_cpu
+from cell_runs import emulated_on_cpu, equality_cell
 
 from experiments.cli import parser
 from experiments.cli_args import cell_from_args
@@ -42,10 +42,8 @@ def test_a_cell_holding_the_table_allocates_its_bytes_as_other_and_nothing_else(
     """The exact emulation of a tiny cell (head_dim 16: 64 bytes a token) with and without the
     table: the device peak and its ``other`` part grow by the table's bytes, to the byte; the
     model states, the attention and the host do not change."""
-    base = dict(method="upipe", model="tiny", seq_len=2048, nproc=4, stack="alst",
-                dtype="fp32", warmup=1, iters=0, overrides=(("n_layers", "3"),))
-    without = emulated_on_cpu(Cell.from_dict(base))
-    held = emulated_on_cpu(Cell.from_dict(base | {"global_rope_table": True}))
+    without = emulated_on_cpu(equality_cell("upipe", "alst", {}, 4))  # 2048 tokens
+    held = emulated_on_cpu(equality_cell("upipe", "alst", {"global_rope_table": True}, 4))
     table = 2048 * resolve_model("tiny").head_dim // 2 * 8
     assert held["status"] == without["status"] == "ok"
     assert held["peak_device_bytes"] - without["peak_device_bytes"] == table == 131072

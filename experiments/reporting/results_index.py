@@ -168,7 +168,7 @@ def other_lines(results: Path) -> list[str]:
     lines = []
     if rows := _csv(results / "baselines" / "max_context.csv"):
         env = _json(results / "baselines" / "max_context.json")
-        # a baseline's name ends in its hardware: '<method>-<model>-8x80GB', '-4xcpu-39.5MiB'
+        # a baseline's name ends in its hardware: '<method>-<model>-8x80GB', '-2xcpu-51MiB'
         hw = _distinct(f"{r['mode']} {r['name'].split(r['model'] + '-')[-1]}"
                        for r in rows)
         lines.append(_line(

@@ -7,8 +7,8 @@ on 8 ranks the hybrids run 4 x 2; both FPDTs on Llama3-8B only, ``_LEFT_OUT``) -
 64K-token granularity; beyond the paper,
 UPipe on the ``long`` stack level with its chunked backward in both settings (the configuration
 that reaches 8M tokens on one node: ``runner.plan.LONG``); plus one real CPU
-run: UPipe on the tiny preset, 4 gloo ranks, under a 39.5 MiB tracked budget (1K-token
-granularity, from 4K tokens: it fits 4K at 38.5 MiB, not 5K at 40.5 MiB). A method that cannot
+run: UPipe on the tiny preset, 2 gloo ranks, under a 51 MiB tracked budget (512-token
+granularity, from 2K tokens: it fits 2K at 49.99 MiB, not 2.5K at 52.05 MiB). A method that cannot
 run or be emulated here is a row with its status and no length. The emulated searches predict
 by the fit's window lines (``fit_certified`` false): what a code change does to the step within
 the window, cheap enough for every CI run, and blind to a peak that overtakes beyond it
@@ -51,7 +51,7 @@ from upipe.registry import available_methods, get_method
 
 PATH = Path(__file__).resolve().parents[2] / "results" / "baselines" / "max_context.csv"
 UPDATE = "python -m experiments.runner.max_context_guard --update"
-# The real CPU search's probes take a minute or two each on 2 cores; 600 s is far above that
+# The real CPU search's probes take seconds each on 2 cores; 600 s is far above that
 # and ends a stuck probe well inside CI's limit.
 CPU_PROBE_TIMEOUT_S = 600.0
 
@@ -98,12 +98,12 @@ def entries() -> list[Entry]:
         long = Cell(method="upipe", model=model, nproc=world, seq_len=spec.start, stack=LONG,
                     options={"chunk_size": LONG_CHUNK}, dtype="bf16")
         out.append(Entry(f"upipe-{LONG}-{model}-{label}", long, spec))
-    # 4K tokens, not longer: each probe is a 4-rank step on 2 cores (about 10 s at 4K, 20 s at
-    # 8K), and the guard runs in every CI run
-    tiny = Cell(method="upipe", model="tiny", nproc=4, seq_len=4096, dtype="fp32",
-                budget_mib=39.5, warmup=1, iters=0)
-    out.append(Entry("upipe-tiny-4xcpu-39.5MiB", tiny, SearchSpec(start=4096, block=256,
-                                                                 limit=5120), emulated=False))
+    # 2 ranks and 2K tokens, not more: the guard runs in every CI run, and a probe is a real
+    # step on 2 cores (about 5 s here; 4 ranks at 4K, the same 1K tokens a rank, took 15-20 s)
+    tiny = Cell(method="upipe", model="tiny", nproc=2, seq_len=2048, dtype="fp32",
+                budget_mib=51.0, warmup=1, iters=0)
+    out.append(Entry("upipe-tiny-2xcpu-51MiB", tiny, SearchSpec(start=2048, block=256,
+                                                               limit=2560), emulated=False))
     return out
 
 
@@ -141,12 +141,12 @@ def search_entry(entry: Entry, measured=None) -> dict:
 
 def compute(workers: int = 2, measured=None) -> pd.DataFrame:
     """Every entry's row, in ``entries()`` order. The real CPU search runs first and alone (its
-    probes are 4-rank runs that need the cores, and the tracker's wait for gloo to release
+    probes are 2-rank runs that need the cores, and the tracker's wait for gloo to release
     buffers must not be starved); the emulated ones then share ``workers`` processes
     (CPU-bound and independent), slowest first so the pool ends together.
 
     ``measured``: the executor of the real search's probes (``unavailable(cell)``,
-    ``run(cell) -> row``), by default a ``Launcher`` (4 fresh ranks per probe). The test passes
+    ``run(cell) -> row``), by default a ``Launcher`` (2 fresh ranks per probe). The test passes
     ranks it has already started: the tracked peak is the same in any process, and a launch
     costs ~8 s of imports per probe on 2 cores."""
     rows = {e.name: search_entry(e, measured) for e in entries() if not e.emulated}

@@ -1,9 +1,16 @@
 import functools
+import sys
 
 import background as background_jobs
 import pytest
 import torch
 from dist_pool import DistPool
+
+# pytest keeps each test module's assert-rewritten bytecode only where Python may write
+# bytecode: with PYTHONDONTWRITEBYTECODE set (this project's machines set it) every run rewrote
+# every test module again, 4 s of each run's collection. Like scripts/bootstrap.sh, which
+# byte-compiles the project whatever that variable says, the test process writes its own.
+sys.dont_write_bytecode = False
 
 _POOLS: dict[tuple[int, bool], DistPool] = {}
 

@@ -26,7 +26,7 @@ from experiments.timing.profile import (
 
 @pytest.fixture(scope="module")
 def cpu_profile() -> dict:
-    """A quick calibration on two gloo ranks (about 6 s on 2 cores)."""
+    """A quick calibration on two gloo ranks (about 4-6 s on 2 cores: its tests are ``slow``)."""
     return calibrate(nproc=2, device="cpu", quick=True)
 
 
@@ -61,6 +61,7 @@ def test_quick_cpu_profile_round_trips(cpu_profile, tmp_path):
     assert profile.host_copy("h2d", pinned=True) > 0
 
 
+@pytest.mark.slow  # a real calibration (the cpu_profile fixture)
 def test_emulation_reads_a_calibrated_profile(cpu_profile, tmp_path):
     """The round trip of the time model: calibrate on CPU -> file -> --hardware PATH -> an
     emulated CPU cell priced on it."""
@@ -73,6 +74,7 @@ def test_emulation_reads_a_calibrated_profile(cpu_profile, tmp_path):
     assert row["step_time_s"] > 0 and row["time_compute_s"] > 0
 
 
+@pytest.mark.slow  # a real calibration (the cpu_profile fixture)
 def test_every_source_names_calibrate(cpu_profile):
     constants = dict(_constants({k: v for k, v in cpu_profile.items() if k != "provenance"}))
     assert len(constants) > 30  # device fields, tables, rates, 2 x 5 collectives
@@ -86,6 +88,7 @@ def test_every_source_names_calibrate(cpu_profile):
     assert all(v is None or isinstance(v, str) for v in cpu_profile["provenance"].values())
 
 
+@pytest.mark.slow  # a real calibration (the cpu_profile fixture)
 def test_a_profile_that_would_not_load_is_not_written(cpu_profile, tmp_path):
     broken = json.loads(json.dumps(cpu_profile)) | {"memory_bandwidth": 1.0e10}
     with pytest.raises(ProfileError, match="memory_bandwidth: 10000000000.0 is a number"):

@@ -55,7 +55,7 @@ def _fpdt_cases() -> list:
                 case = Case("ds-fpdt", h, hkv, seq, dtype=dtype, options=o)
                 cid = (f"ds-fpdt-c{chunk}{'' if offload else '-on-device'}-w{world}-h{h}kv{hkv}"
                        f"-s{seq}-causal-{dtype}")
-                out.append(pytest.param(world, case, id=cid))
+                out.append(pytest.param(world, case, id=cid, marks=_dtype_marks(dtype)))
     return out
 
 
@@ -118,8 +118,14 @@ def _params(world, method, h, hkv, seq, options, tag, input_norm=False):
                 u += "-input-norm" if input_norm else ""
                 cid = f"{method}{u}{tag}-w{world}-h{h}kv{hkv}-s{seq}-" + (
                     "causal" if causal else "full") + f"-{dtype}"
-                out.append(pytest.param(world, case, id=cid))
+                out.append(pytest.param(world, case, id=cid, marks=_dtype_marks(dtype)))
     return out
+
+
+def _dtype_marks(dtype: str) -> tuple:
+    """The bf16 twin of every case is ``slow``: the inner loop (-m 'not slow') runs each case in
+    fp32, the same code on the same shapes, and the full suite (CI) runs both."""
+    return (pytest.mark.slow,) if dtype == "bf16" else ()
 
 
 def _cases() -> list:

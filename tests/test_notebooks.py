@@ -21,8 +21,6 @@ from experiments.reporting import notebook as helpers
 
 REASON = "the notebook tests need nbclient, nbformat and ipykernel: pip install 'upipe[notebooks]'"
 nbformat = pytest.importorskip("nbformat", reason=REASON)
-nbclient = pytest.importorskip("nbclient", reason=REASON)
-pytest.importorskip("ipykernel", reason=REASON)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -62,6 +60,10 @@ def test_first_cell_names_its_command(path: Path):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_executes(path: Path, monkeypatch: pytest.MonkeyPatch):
+    # imported here, not at collection: the kernel's client and the kernel take seconds to
+    # import, and only these (slow) tests run a kernel
+    nbclient = pytest.importorskip("nbclient", reason=REASON)
+    pytest.importorskip("ipykernel", reason=REASON)
     # The kernel inherits this environment: no display, one thread (2-core CI machines).
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -182,11 +182,11 @@ def torch_ring_sdpa(q, k, v, group, *, causal: bool,
 class TorchCPAttention(ZigzagRingAttention):
     """PyTorch-native ring CP attention; forward(x_local (B, L, dim)) -> (B, L, dim).
 
-    Option ``rotate_method``: how torch's ring moves K/V, ``"alltoall"`` (a permute per step;
-    the paper's, the default) or ``"allgather"`` (one all-gather of K/V, then a slice per step;
-    torch's own default). Head rules are the ring's (any GQA ratio on any number of ranks); the
-    layout is zigzag (see the module docstring). Runs wherever SDPA's fused op does: CUDA, CPU,
-    and the emulator's fake tensors.
+    Option ``rotate_method``: how torch's ring moves K/V, ``"allgather"`` (one all-gather of
+    K/V, then a slice per step; torch's own default and what the paper's runs applied: the
+    default, ``DEFAULT_ROTATE_METHOD``) or ``"alltoall"`` (a permute per step). Head rules
+    are the ring's (any GQA ratio on any number of ranks); the layout is zigzag (see the module
+    docstring). Runs wherever SDPA's fused op does: CUDA, CPU, and the emulator's fake tensors.
     """
 
     own_kernel = ("sdpa", "torch's ring (_templated_ring_attention) calls the fused op SDPA picks, "

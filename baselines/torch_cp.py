@@ -213,6 +213,16 @@ class TorchCPAttention(ZigzagRingAttention):
         return {"rotate_method": self.rotate_method}
 
     @classmethod
+    def memory_ranks(cls, cp: int, ring_degree: int = 1) -> tuple[int, ...]:
+        # Rank 0 too: torch's ring runs each step after the first on rank 0 as (second query
+        # half, all K/V) and on the last rank (the one played) as (all queries, first K/V half);
+        # its backward's temporaries then differ with the kernel. On the CPU flash kernel on 2
+        # ranks rank 0 peaks higher (tiny, 1024 tokens: 278,528 B, the second query half's dQ and
+        # LSE slice beside the dK/dV all-to-all buffer; tests/test_emulate.py), on CUDA kernels
+        # lower (docs/emulation.md#how-exact-it-is).
+        return (0,) if cp > 1 else ()
+
+    @classmethod
     def unavailable_reason(cls, device_type: str) -> str | None:
         try:
             _attention_module()

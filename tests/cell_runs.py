@@ -14,7 +14,7 @@ from experiments.config import Cell, Hardware
 from experiments.emulation.emulate import emulate_cell
 from experiments.harness.measure import measure_cell
 
-# rank 0's memory columns, which the emulator reproduces to the byte
+# the row's memory columns (its fullest rank's), which the emulator reproduces to the byte
 KEYS = ("tracked_peak_device_bytes", "peak_host_bytes", "peak_model_bytes",
         "peak_attention_bytes", "peak_other_bytes")
 
@@ -38,7 +38,8 @@ def _real_run(cell_dict: dict) -> dict:
 
 
 def real_run(dist_pool, cell: Cell) -> dict:
-    """``KEYS`` of rank 0 (the rank the emulator plays) of ``cell`` run on the session's ranks."""
+    """``KEYS`` of ``cell``'s row run on the session's ranks (each rank returns the row: every
+    figure the max over ranks, as the emulator's is)."""
     if cell not in _REAL:
         _REAL[cell] = dist_pool(cell.world).run(_real_run, cell.to_dict())[0]
     return dict(_REAL[cell])

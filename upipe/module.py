@@ -258,6 +258,15 @@ class ContextParallelAttention(nn.Module):
         return (ring_degree - 1) * (cp // ring_degree)
 
     @classmethod
+    def memory_ranks(cls, cp: int, ring_degree: int = 1) -> tuple[int, ...]:
+        """Ranks of its group besides ``critical_rank`` whose peak memory may be higher, which
+        the emulator plays too, memory only (a row's memory is its fullest rank's). None by
+        default: an all-to-all group's ranks allocate alike, and so do upipe's own rings' ranks
+        where the last one is played (tests/test_emulate.py: its emulation equals the real run,
+        whose memory is the max over ranks)."""
+        return ()
+
+    @classmethod
     def check_config(
         cls, n_heads: int, n_kv_heads: int, *, cp: int, ring_degree: int = 1,
         seq_len: int | None = None, **options,

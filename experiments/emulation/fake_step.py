@@ -22,12 +22,16 @@ The rank played is the critical one (``critical_rank``) of dp replica 0 (every r
 same step on its own tokens): the last rank of a ring (a contiguous causal ring's computes
 every causal block; a zigzag ring's merges and sums over all its queries every step), the last
 ring position of a hybrid's ring axis, else rank 0. Its model states are sharded over the
-whole world.
+whole world. The ranks a method names in ``memory_ranks`` (torch CP's rank 0, whose ring steps
+take the second query half where the last rank's take the first K/V half) are played too, memory
+only: a row's memory is its fullest rank's, as a real run's is (``harness.stats.summarise``: the
+max over ranks). The time is the critical rank's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
@@ -148,12 +152,40 @@ def critical_rank(cell: Cell) -> int:
 def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True,
                  work: bool = True, replay: bool = True) -> Measurement:
     """Emulate one steady-state step of ``cell`` with the model shape ``cfg`` as its critical
-    rank (``count``: also count FLOPs and bytes sent, and, with ``work``, the work per window
-    that the time model prices, the dearest of the three; a memory-only search leaves them all
-    out)."""
-    work = work and count
+    rank, and as each of its method's ``memory_ranks`` too (memory only; the module doc): the
+    memory of the fullest, the counts of the critical one (``count``: also count FLOPs and
+    bytes sent, and, with ``work``, the work per window that the time model prices, the
+    dearest of the three; a memory-only search leaves them all out)."""
+    rank = critical_rank(cell)
+    m = _play(cell, cfg, hw, rank, count, work and count, replay)
+    for other in get_method(cell.method).memory_ranks(cell.nproc, cell.ring_degree):
+        if other != rank:
+            m = fullest(m, _play(cell, cfg, hw, other, False, False, replay))
+    return m
+
+
+def fullest(m: Measurement, other: Measurement) -> Measurement:
+    """``m`` with the memory figures of the fuller of two ranks, each figure's max over the two as
+    a real row takes it over its ranks (``harness.stats.summarise``): the device and host peaks,
+    each category of the breakdown at a rank's own peak, each phase's peak (with the breakdown
+    of the rank that reached it). FLOPs, bytes sent and work stay ``m``'s."""
+    phases = m.phase_peaks.keys() | other.phase_peaks.keys()
+    top = {k: m if m.phase_peaks.get(k, -1) >= other.phase_peaks.get(k, -1) else other
+           for k in phases}
+    return dataclasses.replace(
+        m, peak_device_bytes=max(m.peak_device_bytes, other.peak_device_bytes),
+        peak_host_bytes=max(m.peak_host_bytes, other.peak_host_bytes),
+        breakdown={c: max(m.breakdown.get(c, 0), other.breakdown.get(c, 0))
+                   for c in m.breakdown.keys() | other.breakdown.keys()},
+        phase_peaks={k: top[k].phase_peaks[k] for k in phases},
+        phase_breakdowns={k: dict(top[k].phase_breakdowns.get(k, {})) for k in phases})
+
+
+def _play(cell: Cell, cfg: ModelConfig, hw: Hardware, rank: int, count: bool, work: bool,
+          replay: bool) -> Measurement:
+    """One step of ``cell`` played as ``rank`` of the fake world (``measure_fake``)."""
     device = torch.device("cpu")
-    with fake_world(cell.world, critical_rank(cell)):
+    with fake_world(cell.world, rank):
         meshes = make_meshes(cell, device)  # outside fake mode: meshes read rank values
         with FakeTensorMode(), _kernels(hw):
             state = build(cell, cfg, meshes=meshes, device=device)

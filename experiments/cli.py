@@ -273,7 +273,10 @@ def cmd_plan(a) -> int:
     rows = plan(spec, hw, workers=a.workers, exact=bool(a.exact), on_rows=progress)
     lines = [_plan_line(r) for r in rows]
     if a.json:
+        # the whole question beside the answer (methods, stacks, ring degrees, dp, dtype, kernel,
+        # a config.json's overrides), so a saved plan says what it was asked
         _print_json(a, {"model": spec.label, "gpus": spec.gpus, "seq_len": spec.seq_len,
+                        "question": dataclasses.asdict(spec),
                         "hardware": dataclasses.asdict(hw), "plan": lines, "rows": rows})
     else:
         table = pd.DataFrame(lines).rename(columns=PLAN_COLUMNS)

@@ -345,6 +345,10 @@ def test_plan_reads_a_hugging_face_config_and_prints_json(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert code == 0
     assert out["model"] == str(path) and out["gpus"] == 2
+    q = out["question"]  # what was asked, flags included
+    assert (q["methods"], q["stacks"], q["ring_degrees"], q["dp"], q["dtype"]) == (
+        ["ulysses"], ["alst"], None, 1, "bf16")
+    assert ["n_layers", "2"] in q["overrides"] and q["label"] == str(path)
     assert out["rows"][0]["model_n_layers"] == 2 and out["rows"][0]["model_dim"] == 256
     assert out["plan"][0]["fits"] == "yes" and out["plan"][0]["tokens_per_s_per_gpu"] > 0
 

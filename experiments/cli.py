@@ -84,7 +84,7 @@ from experiments.config.options import declared
 from experiments.gpu.time_validation_gpu import FOLDER as GPU_FOLDER
 from experiments.gpu.time_validation_gpu import NoGPU, reprice, validate_gpu
 from experiments.harness.interrupts import Terminated, terminating_signals_raise
-from experiments.harness.launch import exit_without_finalizing
+from experiments.harness.ranks import exit_without_finalizing
 from experiments.reporting.plots import draw_plots
 from experiments.reporting.tables import write_tables
 from experiments.runner.executor import Emulator, Launcher
@@ -595,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         code = 130
     if "WORLD_SIZE" in os.environ and dist.is_initialized():
         # under torchrun this process joined the group (_init_torchrun): end it as a launched
-        # rank ends (harness.launch.exit_without_finalizing says why)
+        # rank ends (harness.ranks.exit_without_finalizing says why)
         if code == 0:
             dist.barrier()
         dist.destroy_process_group()

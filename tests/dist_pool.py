@@ -13,20 +13,15 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
 
 import torch.multiprocessing as mp
 
+from experiments.harness.ranks import free_port
+
 _CTX = mp.get_context("spawn")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, inbox, outbox, pg_timeout_s, fake_world):
@@ -79,7 +74,7 @@ class DistPool:
         self.procs = []
 
     def _start(self):
-        port = _free_port()
+        port = free_port()
         self.outbox = _CTX.Queue()
         self.inboxes = [_CTX.Queue() for _ in range(self.world)]
         self.procs = [

@@ -373,22 +373,26 @@ def test_progress_on_stderr(capfd):
     # --json prints none: test_runner.py::test_cli_run_and_max_context_print_one_json_object
 
 
-SIGNALS = [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)"),
-           (signal.SIGHUP, 129, "terminated (SIGHUP)")]
+# (signal, exit code, last line, command): a cell's ranks (enough timed steps that the run is
+# still going when the signal comes: a 3-step run of this cell can end within the second the
+# test waits), and calibrate's ranks (its full CPU grid runs for minutes), which the two
+# launchers start and end alike (experiments/harness/ranks.py)
+RUN = ["run", "--method", "ulysses", "--seq-len", "256", "--iters", "1000", *FLAGS]
+SIGNALS = [(signal.SIGINT, 130, "interrupted", RUN),
+           (signal.SIGTERM, 143, "terminated (SIGTERM)", RUN),
+           (signal.SIGHUP, 129, "terminated (SIGHUP)", ["calibrate", "--device", "cpu"])]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, code, says", SIGNALS, ids=[s.name for s, _, _ in SIGNALS])
-def test_a_signal_prints_one_line_and_ends_the_ranks(sig, code, says):
+@pytest.mark.parametrize("sig, code, says, argv", SIGNALS,
+                         ids=[f"{s.name}-{a[0]}" for s, _, _, a in SIGNALS])
+def test_a_signal_prints_one_line_and_ends_the_ranks(sig, code, says, argv):
     """Ctrl-C, and SIGTERM / SIGHUP (which used to end the CLI at once, exit 143, while its ranks
     ran on to the end of the cell), end the ranks first, then the command, with one line."""
-    # enough timed steps that the run is still going when the signal comes (a 3-step run of
-    # this cell can end within the second the test waits)
     # with SIGINT's default action restored: a test run started as a background job of a
     # non-interactive shell (``pytest ... &``) ignores SIGINT, and an ignored signal stays
     # ignored across exec, so the CLI would never see the Ctrl-C this test sends
-    proc = subprocess.Popen([sys.executable, "-m", "experiments.cli", "run", "--method",
-                             "ulysses", "--seq-len", "256", "--iters", "1000", *FLAGS], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.cli", *argv], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     ranks = _wait_for(lambda: _ranks(proc.pid), what="the ranks")
@@ -397,7 +401,7 @@ def test_a_signal_prints_one_line_and_ends_the_ranks(sig, code, says):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err
     assert "Traceback" not in err, err
-    assert err.strip().splitlines()[-1] == f"upipe-bench run: {says}"
+    assert err.strip().splitlines()[-1] == f"upipe-bench {argv[0]}: {says}"
     assert not any(_alive(pid) for pid in ranks)
 
 

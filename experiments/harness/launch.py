@@ -32,9 +32,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import signal
-import socket
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -52,8 +49,15 @@ from experiments.config import (
     resolve_model,
 )
 from experiments.harness.attention_layer import measure_attention
-from experiments.harness.interrupts import TERMINATING
 from experiments.harness.measure import measure_cell
+from experiments.harness.ranks import (
+    enter_rank,
+    exit_without_finalizing,
+    free_port,
+    join_until,
+    started_ranks,
+    threads_per_rank,
+)
 from experiments.harness.train import TORCH_DTYPES
 from experiments.provenance import provenance
 from experiments.row import Row
@@ -61,18 +65,6 @@ from upipe.kernels import kernel_unavailable_reason, machine_auto_kernel
 from upipe.registry import get_method
 
 WORKLOADS = {"step": measure_cell, "attention": measure_attention}
-
-
-def threads_per_rank(nproc: int) -> int:
-    """OMP_NUM_THREADS if set, else the cores shared out over the ranks."""
-    return int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // nproc)
-
-
-def free_port() -> int:
-    """A TCP port on localhost that was free a moment ago (for a spawned group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def describe(cell: Cell, cfg: ModelConfig | None) -> Row:
@@ -149,15 +141,7 @@ def launch_refusal(cell: Cell, shared_gpu: bool = False) -> str | None:
 
 def _rank_main(rank: int, cell: Cell, cfg: ModelConfig, port: int, threads: int, progress: bool,
                results, shared_gpu: bool = False) -> None:
-    # The parent turns Ctrl-C into one line and ends the ranks itself: the ranks ignore it
-    # rather than each print a traceback. SIGTERM / SIGHUP were blocked while the parent
-    # started the ranks (_spawn), and a child inherits the mask: a rank takes them again.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, TERMINATING)
-    # Ranks talk on stderr only: the parent's stdout carries its output (``--json``).
-    sys.stdout.flush()
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    torch.set_num_threads(threads)
+    enter_rank(threads)
     backend = "gloo"
     if shared_gpu:  # every rank on the first GPU; gloo copies CUDA tensors through the host
         torch.cuda.set_device(0)
@@ -179,22 +163,6 @@ def _rank_main(rank: int, cell: Cell, cfg: ModelConfig, port: int, threads: int,
     exit_without_finalizing(0)
 
 
-def exit_without_finalizing(code: int) -> None:
-    """End this rank now, skipping the interpreter's finalization.
-
-    ``destroy_process_group`` does not join gloo's worker threads while anything still holds
-    the group (the model, an autograd graph, torch's own caches). A worker that releases its
-    last collective's tensors after Python began finalizing needs the GIL, is ended by
-    ``pthread_exit`` inside a C++ destructor, and aborts the rank ("terminate called without
-    an active exception"; pytorch/pytorch#190489, seen in about 1 in 10 short cells). A rank's
-    results are already delivered (the result queue, flushed streams), so it leaves without
-    finalizing, as ``os.fork``'s children do.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def _killed(e: mp.ProcessExitedException) -> dict:
     """A rank that died without a Python exception: killed by a signal, or exited by itself."""
     what = (f"rank {e.error_index} was killed by {e.signal_name}" if e.signal_name
@@ -214,33 +182,17 @@ def _raised(text: str) -> dict:
 
 def _spawn(cell: Cell, cfg: ModelConfig, timeout_s: float | None, threads: int,
            progress: bool, shared_gpu: bool = False) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    # Ctrl-C (or SIGTERM / SIGHUP: experiments.harness.interrupts) while the ranks start would
-    # leave the ones already started waiting for the others: it is held back until they are all
-    # known, and arrives inside the ``try`` that ends them.
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *TERMINATING})
-    try:
-        pc = mp.start_processes(_rank_main, (cell, cfg, free_port(), threads, progress, results,
-                                             shared_gpu),
-                                nprocs=cell.world, join=False, start_method="spawn")
-    except BaseException:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        raise
+    results = mp.get_context("spawn").SimpleQueue()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    try:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a pending Ctrl-C is raised here
-        while not pc.join(timeout=1.0):
-            if deadline is not None and time.monotonic() > deadline:
+    with started_ranks(_rank_main, (cell, cfg, free_port(), threads, progress, results,
+                                    shared_gpu), cell.world) as pc:
+        try:
+            if not join_until(pc, deadline):
                 return {"status": Status.TIMEOUT, "error": f"cell ran past timeout_s={timeout_s}"}
-    except mp.ProcessExitedException as e:
-        return _killed(e)
-    except mp.ProcessRaisedException as e:
-        return _raised(str(e))
-    finally:  # a timeout, an interrupt, or one rank failing: end every rank still running
-        for p in pc.processes:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
+        except mp.ProcessExitedException as e:
+            return _killed(e)
+        except mp.ProcessRaisedException as e:
+            return _raised(str(e))
     if results.empty():
         return {"status": Status.ERROR, "error": "rank 0 exited without a result"}
     return results.get()

@@ -26,9 +26,7 @@ import datetime
 import json
 import math
 import os
-import signal
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -42,9 +40,12 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments.config import PROCESS_GROUP_TIMEOUT_S, format_size
-from experiments.harness.launch import (
+from experiments.harness.ranks import (
+    enter_rank,
     exit_without_finalizing,
     free_port,
+    join_until,
+    started_ranks,
     threads_per_rank,
 )
 from experiments.provenance import provenance
@@ -331,10 +332,7 @@ def _attention_point(kernel: str, dtype: str, d: int, s: int, h: int, device, ti
 
 def _rank_main(rank: int, world: int, port: int, threads: int, device: str, dtypes, kernels,
                grid: Grid, results) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent ends the ranks on Ctrl-C
-    sys.stdout.flush()
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the parent's stdout is its output
-    torch.set_num_threads(threads)
+    enter_rank(threads)
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo",
@@ -357,22 +355,17 @@ def _rank_main(rank: int, world: int, port: int, threads: int, device: str, dtyp
 def _spawn(world: int, device: str, dtypes, kernels, grid: Grid, threads: int):
     """(every rank's compute rates, the collective timings) from ``world`` spawned ranks."""
     results = mp.get_context("spawn").SimpleQueue()
-    pc = mp.start_processes(_rank_main, (world, free_port(), threads, device, dtypes, kernels,
-                                         grid, results), nprocs=world, join=False,
-                            start_method="spawn")
-    got, deadline = [], time.monotonic() + TIMEOUT_S
-    try:
-        while not pc.join(timeout=1.0):
-            while not results.empty():  # drained while the ranks run: a pipe holds 64 KiB
-                got.append(results.get())
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"calibrate ran past {TIMEOUT_S:.0f} s; its ranks were killed")
-    finally:  # a timeout, an interrupt or a failing rank: end every rank still running
-        for p in pc.processes:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-    while not results.empty():
-        got.append(results.get())
+    got = []
+
+    def drain():  # while the ranks run: a pipe holds 64 KiB
+        while not results.empty():
+            got.append(results.get())
+
+    with started_ranks(_rank_main, (world, free_port(), threads, device, dtypes, kernels, grid,
+                                    results), world) as pc:
+        if not join_until(pc, time.monotonic() + TIMEOUT_S, drain):
+            raise TimeoutError(f"calibrate ran past {TIMEOUT_S:.0f} s; its ranks were killed")
+    drain()
     if not got:
         raise RuntimeError("calibrate: rank 0 exited without its measurements")
     return got[0]

@@ -7,8 +7,12 @@ things must hold for each, whatever happens:
 - A Ctrl-C, SIGTERM or SIGHUP (``interrupts.TERMINATING``) that arrives while the ranks start
   would leave the ones already started waiting for the others at their rendezvous, until the
   process group's timeout. ``started_ranks`` holds those signals back until every rank is
-  known, and lets them in inside the block that ends the ranks. A child inherits the blocked
-  mask, so ``enter_rank`` takes SIGTERM and SIGHUP again in each rank.
+  known, and raises one inside the block that ends the ranks. Holding takes two things. The
+  signals are blocked for the launching thread, and a child inherits the mask, so a rank
+  does not die of a terminal's Ctrl-C while its interpreter starts (``enter_rank`` takes
+  SIGTERM and SIGHUP again). And a handler records them meanwhile: the kernel hands a
+  process's signal to any thread that does not block it (a queue's feeder, a process
+  group's worker), and Python then runs the handler in the main thread, blocked or not.
 - Ranks still running when the launcher leaves (a timeout, an interrupt, one rank failing)
   are killed: ``started_ranks``' ``finally``.
 
@@ -23,6 +27,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -44,22 +49,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+HELD = (signal.SIGINT, *TERMINATING)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Within the block the ``HELD`` signals wait (the module doc): blocked for this thread,
+    and recorded where one reaches another thread. On leaving, their handlers are back and the
+    first one recorded is raised again through its own handler (``KeyboardInterrupt``,
+    ``interrupts.Terminated``, or the default action). Off the main thread, where handlers
+    cannot be set, they are only blocked."""
+    pending: list[int] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum))
+                    for s in HELD}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one pending here is recorded
+        for s, handler in previous.items():  # None: set outside Python, taken as the default
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        if pending:
+            signal.raise_signal(pending[0])
+
+
 @contextlib.contextmanager
 def started_ranks(fn: Callable, args: tuple, nprocs: int) -> Iterator[mp.ProcessContext]:
     """``nprocs`` spawned processes running ``fn(rank, *args)``, started with SIGINT, SIGTERM and
-    SIGHUP held back (one pending is raised at the block's start); every one still alive when
-    the block ends is killed (SIGKILL)."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *TERMINATING})
+    SIGHUP held back (one that came meanwhile is raised before the block's body); every one
+    still alive when the block ends, or when the start is interrupted, is killed (SIGKILL)."""
+    pc = None
     try:
-        pc = mp.start_processes(fn, args, nprocs=nprocs, join=False, start_method="spawn")
-    except BaseException:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        raise
-    try:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a pending Ctrl-C is raised here
+        with _signals_held():
+            pc = mp.start_processes(fn, args, nprocs=nprocs, join=False, start_method="spawn")
         yield pc
     finally:  # a timeout, an interrupt, or one rank failing: end every rank still running
-        for p in pc.processes:
+        for p in [] if pc is None else pc.processes:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
 

@@ -4,7 +4,7 @@ import sys
 import background as background_jobs
 import pytest
 import torch
-from dist_pool import DistPool
+from dist_pool import DistPool, InFakeWorld
 
 # pytest keeps each test module's assert-rewritten bytecode only where Python may write
 # bytecode: with PYTHONDONTWRITEBYTECODE set (this project's machines set it) every run rewrote
@@ -12,21 +12,23 @@ from dist_pool import DistPool
 # byte-compiles the project whatever that variable says, the test process writes its own.
 sys.dont_write_bytecode = False
 
-_POOLS: dict[tuple[int, bool], DistPool] = {}
+_POOLS: dict[int, DistPool] = {}
 
 
 @pytest.fixture(scope="session")
 def dist_pool():
     """``dist_pool(W)`` -> a DistPool of W gloo ranks, shared by the whole session.
 
-    ``dist_pool(P, fake=True)`` -> one process on the fake process group playing rank 0 of P.
+    ``dist_pool(P, fake=True)`` -> this process on the fake process group playing rank 0 of P,
+    for the length of each ``run`` (``InFakeWorld``).
     """
 
-    def get(world: int, fake: bool = False) -> DistPool:
-        key = (world, fake)
-        if key not in _POOLS:
-            _POOLS[key] = DistPool(world, fake_world=world if fake else None)
-        return _POOLS[key]
+    def get(world: int, fake: bool = False) -> DistPool | InFakeWorld:
+        if fake:
+            return InFakeWorld(world)
+        if world not in _POOLS:
+            _POOLS[world] = DistPool(world)
+        return _POOLS[world]
 
     yield get
     for pool in _POOLS.values():

@@ -24,21 +24,16 @@ from experiments.harness.ranks import free_port
 _CTX = mp.get_context("spawn")
 
 
-def _worker(rank, world, port, inbox, outbox, pg_timeout_s, fake_world):
+def _worker(rank, world, port, inbox, outbox, pg_timeout_s):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # W ranks share 2 cores
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if fake_world:  # emulation: this process plays rank 0 of a fake_world-rank job
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", rank=0, world_size=fake_world, store=FakeStore())
-    else:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=pg_timeout_s),
-        )
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+    )
     while True:
         task = inbox.get()
         if task is None:
@@ -59,18 +54,12 @@ def _worker(rank, world, port, inbox, outbox, pg_timeout_s, fake_world):
 
 
 class DistPool:
-    """W ranks as processes; ``run(fn, *args)`` -> [result of rank 0, ..., rank W-1].
+    """W ranks as processes; ``run(fn, *args)`` -> [result of rank 0, ..., rank W-1] (the
+    emulation path, rank 0 of a P-rank job on the fake process group, is ``InFakeWorld``)."""
 
-    With ``fake_world=P`` the pool is one process on the ``fake`` process group playing rank 0
-    of a P-rank job (collectives are shape-correct no-ops): the emulation path.
-    """
-
-    def __init__(
-        self, world: int, timeout_s: float = 300.0, pg_timeout_s: float = 60.0,
-        fake_world: int | None = None,
-    ):
-        self.world = 1 if fake_world else world
-        self.timeout_s, self.pg_timeout_s, self.fake_world = timeout_s, pg_timeout_s, fake_world
+    def __init__(self, world: int, timeout_s: float = 300.0, pg_timeout_s: float = 60.0):
+        self.world = world
+        self.timeout_s, self.pg_timeout_s = timeout_s, pg_timeout_s
         self.procs = []
 
     def _start(self):
@@ -80,8 +69,7 @@ class DistPool:
         self.procs = [
             _CTX.Process(
                 target=_worker,
-                args=(r, self.world, port, self.inboxes[r], self.outbox, self.pg_timeout_s,
-                      self.fake_world),
+                args=(r, self.world, port, self.inboxes[r], self.outbox, self.pg_timeout_s),
                 daemon=True,
             )
             for r in range(self.world)
@@ -130,3 +118,20 @@ class DistPool:
             if p.is_alive():
                 p.kill()
         self.procs = []
+
+
+class InFakeWorld:
+    """``run(fn, *args)`` -> ``[fn(*args)]`` in this process, as rank 0 of a ``world``-rank job on
+    the ``fake`` process group made for the call (``fake_step.fake_world``, as the emulator
+    makes it): no collective moves data, so one process is the whole job, and no pool process
+    need start (a fake pool's start cost about 2.5 s of every test run)."""
+
+    def __init__(self, world: int):
+        self.world = world
+
+    def run(self, fn, *args, **kwargs) -> list:
+        from experiments.emulation.fake_step import fake_world
+
+        with fake_world(self.world):
+            return [fn(*args, **kwargs)]
+

@@ -182,6 +182,7 @@ def test_emulated_llama3_8b_at_1m_is_faster_with_cudnn_by_the_ratio_of_the_rates
     assert rows["cudnn"]["peak_device_bytes"] < rows["sdpa"]["peak_device_bytes"]
 
 
+@pytest.mark.slow  # about 1-2 s on 2 cores (docs/testing.md)
 def test_auto_on_an_emulated_a100_is_sdpa():
     cell = Cell(method="ulysses", model="tiny", seq_len=1024, nproc=4, dtype="bf16")
     row = emulate_cell(cell, Hardware(profile="a100-80gb"), exact=True, count=False)

@@ -122,6 +122,7 @@ def _prose(path: Path) -> str:
     return "\n".join(parts)
 
 
+@pytest.mark.slow  # about 1-2 s on 2 cores (docs/testing.md)
 def test_code_cites_docs_and_paths_that_exist():
     bad = []
     for path in CODE:

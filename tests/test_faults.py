@@ -344,6 +344,7 @@ def _cells_that_disagree() -> tuple[str | None, str | None]:
     return disagreement(agree), disagreement(differ)
 
 
+@pytest.mark.slow  # about 1-2 s on 2 cores (docs/testing.md)
 def test_ranks_given_different_cells_are_told_which_fields_differ(dist_pool):
     """Under torchrun every rank parses its own command line: a length that differs between
     ranks is named on every rank before the cell's first collective (it used to abort inside

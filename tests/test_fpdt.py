@@ -219,6 +219,7 @@ def test_all_to_all_count_is_four_per_chunk_each_way(dist_pool, world, h, hkv, s
 # chunks
 
 
+@pytest.mark.slow  # about 1-2 s on 2 cores (docs/testing.md)
 def test_runs_under_fake_tensors_at_paper_scale(dist_pool):
     seq_local, chunk = 2**20 // 8, 65536  # 16 chunks of 8K local tokens
     [(y, dx, wdtype, counts)] = dist_pool(8, fake=True).run(
@@ -277,6 +278,7 @@ def _interface_bytes(seq_local: int) -> int:
 WEIGHT_GRADS = ((H + 2 * HKV) * D * DIM + DIM * H * D) * B4
 
 
+@pytest.mark.slow  # about 1-2 s on 2 cores (docs/testing.md)
 def test_memory_host_bytes_flat_device_and_chunk_proportional(dist_pool):
     pool = dist_pool(CP)
     run = lambda *a: pool.run(_measure, *a)  # noqa: E731

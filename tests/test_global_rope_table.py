@@ -38,6 +38,7 @@ def test_the_table_holds_every_position_of_the_global_sequence():
     torch.testing.assert_close(table.imag, sin[:, :64], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # about 1-2 s on 2 cores (docs/testing.md)
 def test_a_cell_holding_the_table_allocates_its_bytes_as_other_and_nothing_else():
     """The exact emulation of a tiny cell (head_dim 16: 64 bytes a token) with and without the
     table: the device peak and its ``other`` part grow by the table's bytes, to the byte; the

@@ -151,6 +151,7 @@ def _bad_inputs() -> list:
     return msgs
 
 
+@pytest.mark.slow  # about 1-2 s on 2 cores (docs/testing.md)
 def test_misuse_is_refused_on_every_rank(dist_pool):
     for fpdt, heads, short, mask, cache, twice in dist_pool(2).run(_bad_inputs):
         assert fpdt is not None and "'fpdt' does not support ['qkv_bias']" in fpdt

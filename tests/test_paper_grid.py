@@ -153,6 +153,7 @@ def test_upipe_ratios_and_memory_wall(results):
     assert "3145728 = 3 x 2^20" in md and "| table3 | 35 | 3 | 29 |" in md
 
 
+@pytest.mark.slow  # about 1-2 s on 2 cores (docs/testing.md)
 def test_committed_report_is_what_the_generator_writes(tmp_path):
     paper_grid.write(RESULTS, tmp_path)
     committed = RESULTS / paper_grid.OUT_DIR

@@ -186,6 +186,7 @@ def test_a_heads_per_stage_over_the_device_spares_the_larger_ones(monkeypatch):
     assert (16, "alst") not in emulated and (4, "offload") in emulated
 
 
+@pytest.mark.slow  # about 1-2 s on 2 cores (docs/testing.md)
 def test_the_plan_is_the_same_for_any_number_of_workers(monkeypatch):
     """Two workers, U = 8 slow to emulate and over the device on alst: each larger U of its
     mesh waits for it rather than start on the free worker, so U = 16 is inferred, not

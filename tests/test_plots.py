@@ -126,6 +126,7 @@ def test_plot_names_match_sweep():
     assert tuple(PLOTS) == SWEEP_PLOTS
 
 
+@pytest.mark.slow  # about 1-2 s on 2 cores (docs/testing.md)
 def test_missing_data_skipped(tmp_path):
     no_ulysses = [r for r in _rows() if r["method"] != "ulysses"]
     out = draw_plots(_write(tmp_path, no_ulysses), PLOTS)  # and no max_context.csv

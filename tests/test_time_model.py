@@ -288,6 +288,7 @@ def test_emulated_rows_carry_the_time_columns_and_the_parts_sum_to_the_step():
     assert row["time_offload_exposed_s"] > 0  # the ALST stack's offload is on the compute stream
 
 
+@pytest.mark.slow  # about 1-2 s on 2 cores (docs/testing.md)
 def test_memory_only_rows_and_cpu_rows_without_a_profile_have_no_time():
     cell = Cell("ulysses", "tiny", seq_len=2048, nproc=2, stack="ac")
     assert "step_time_s" not in emulate_cell(cell, Hardware(device="cpu"), exact=True)
@@ -331,6 +332,7 @@ def test_the_work_fit_sizes_a_cover_key_as_its_kernels_key():
 # torch's ring: each exchange beside the kernels issued before its wait
 
 
+@pytest.mark.slow  # about 1-2 s on 2 cores (docs/testing.md)
 def test_torch_rings_exchanges_each_run_beside_the_kernels_before_their_wait():
     """torch's ring with the all-gather rotation (the paper's), 4 ranks: a block's forward
     gathers every rank's K/V once, beside the first step's kernel only (it is waited for at the

@@ -136,6 +136,7 @@ def test_checkpointing_frees_attention_state_in_emulation_and_the_check_can_tell
         _check_growth(rows[True], _cell(N_LAYERS[0]))
 
 
+@pytest.mark.slow  # about 1-2 s on 2 cores (docs/testing.md)
 def test_emulates_on_a_cuda_device_with_torchs_ring_collectives():
     """On an emulated GPU: the CUDA flash op's ring, its exchanges counted (K/V by one
     all-gather, the paper's rotation; dK/dV by an all-to-all a step) and priced as torch's

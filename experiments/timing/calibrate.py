@@ -40,14 +40,7 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments.config import PROCESS_GROUP_TIMEOUT_S, format_size
-from experiments.harness.ranks import (
-    enter_rank,
-    exit_without_finalizing,
-    free_port,
-    join_until,
-    started_ranks,
-    threads_per_rank,
-)
+from experiments.harness import ranks
 from experiments.provenance import provenance
 from experiments.store import write_json
 from experiments.timing.calibrate_comm import (
@@ -332,7 +325,7 @@ def _attention_point(kernel: str, dtype: str, d: int, s: int, h: int, device, ti
 
 def _rank_main(rank: int, world: int, port: int, threads: int, device: str, dtypes, kernels,
                grid: Grid, results) -> None:
-    enter_rank(threads)
+    ranks.enter_rank(threads)
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo",
@@ -349,7 +342,7 @@ def _rank_main(rank: int, world: int, port: int, threads: int, device: str, dtyp
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    exit_without_finalizing(0)
+    ranks.exit_without_finalizing(0)
 
 
 def _spawn(world: int, device: str, dtypes, kernels, grid: Grid, threads: int):
@@ -361,9 +354,9 @@ def _spawn(world: int, device: str, dtypes, kernels, grid: Grid, threads: int):
         while not results.empty():
             got.append(results.get())
 
-    with started_ranks(_rank_main, (world, free_port(), threads, device, dtypes, kernels, grid,
-                                    results), world) as pc:
-        if not join_until(pc, time.monotonic() + TIMEOUT_S, drain):
+    args = (world, ranks.free_port(), threads, device, dtypes, kernels, grid, results)
+    with ranks.started_ranks(_rank_main, args, world) as pc:
+        if not ranks.join_until(pc, time.monotonic() + TIMEOUT_S, drain):
             raise TimeoutError(f"calibrate ran past {TIMEOUT_S:.0f} s; its ranks were killed")
     drain()
     if not got:
@@ -595,7 +588,7 @@ def calibrate(nproc: int = 1, device: str | None = None, dtypes=("fp32", "bf16")
     base_raw = _raw_profile(base) if base else None  # fails before minutes of timing
     t0, load0 = time.monotonic(), os.getloadavg()[0]
     grid, kernels = GRIDS[device, quick], attention_kernels(device)
-    threads = threads_per_rank(nproc) if nproc > 1 else torch.get_num_threads()
+    threads = ranks.threads_per_rank(nproc) if nproc > 1 else torch.get_num_threads()
     if nproc == 1:
         dev = torch.device("cuda", torch.cuda.current_device())
         rates, comm = _measure_compute(grid, dev, dtypes, kernels, lambda: None), None

@@ -134,4 +134,3 @@ class InFakeWorld:
 
         with fake_world(self.world):
             return [fn(*args, **kwargs)]
-

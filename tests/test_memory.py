@@ -176,8 +176,7 @@ def test_device_rounding_like_the_caching_allocator():
 def test_observers_see_what_stacked_modes_see():
     """Instruments on the tracker's dispatch (``observers``) count what they count as modes of
     their own, after the tracker has counted the outputs; device queries reach neither."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    from experiments.emulation.fake_step import fake_world
     from experiments.instruments.collectives import CollectiveCounter
     from experiments.instruments.op_flops import CountedFlops
 
@@ -197,19 +196,15 @@ def test_observers_see_what_stacked_modes_see():
         dist.all_reduce(c)
         return c
 
-    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
-    try:
-        with FakeTensorMode():
-            flops, comm = CountedFlops(), CollectiveCounter()
-            with flops, comm, MemoryTracker():
-                step()
-            tracker = MemoryTracker()
-            observed = [CountedFlops(), CollectiveCounter(), Seen(tracker)]
-            tracker.observers += observed
-            with tracker:
-                step()
-    finally:
-        dist.destroy_process_group()
+    with fake_world(4), FakeTensorMode():
+        flops, comm = CountedFlops(), CollectiveCounter()
+        with flops, comm, MemoryTracker():
+            step()
+        tracker = MemoryTracker()
+        observed = [CountedFlops(), CollectiveCounter(), Seen(tracker)]
+        tracker.observers += observed
+        with tracker:
+            step()
     assert observed[0].total == flops.total == 2 * 6 * 5 * 7
     assert observed[1].counts == comm.counts and comm.counts["allreduce_"] == 1
     assert observed[1].bytes_sent == comm.bytes_sent and comm.total_bytes_sent > 0

@@ -24,7 +24,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from experiments.config import Cell, Hardware
 from experiments.emulation import fake_step
@@ -68,20 +67,16 @@ def _keeps_a_tensor(x: torch.Tensor) -> torch.Tensor:
 def _run(replay: bool, calls):
     """``calls(tracker)`` under a fresh fake world, FakeTensorMode and a tracker with the three
     instruments as observers; returns (tracker, observers, outputs, the CallReplay or None)."""
-    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
-    try:
-        with FakeTensorMode():
-            tracker = MemoryTracker(round_bytes=512)
-            observers = [CountedFlops(), CollectiveCounter(), StepWork(tracker, 8)]
-            tracker.observers += observers
-            hook = CallReplay(tracker) if replay else None
-            with tracker, metadata_pure_hook(hook), tracker.phase("forward"):
-                outs = calls(tracker)
-                meta = [(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
-                        for out in outs for t in (out if isinstance(out, tuple) else (out,))]
-                del outs
-    finally:
-        dist.destroy_process_group()
+    with fake_step.fake_world(4), FakeTensorMode():
+        tracker = MemoryTracker(round_bytes=512)
+        observers = [CountedFlops(), CollectiveCounter(), StepWork(tracker, 8)]
+        tracker.observers += observers
+        hook = CallReplay(tracker) if replay else None
+        with tracker, metadata_pure_hook(hook), tracker.phase("forward"):
+            outs = calls(tracker)
+            meta = [(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+                    for out in outs for t in (out if isinstance(out, tuple) else (out,))]
+            del outs
     return tracker, observers, meta, hook
 
 
@@ -297,11 +292,8 @@ def test_without_a_hook_a_pure_function_is_the_function():
     with metadata_pure_hook(lambda fn, args, kwargs: calls.append(fn) or fn(*args, **kwargs)):
         _view_of_argument(x)
     assert calls == [_view_of_argument.__wrapped__]
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    try:
+    with fake_step.fake_world(2):
         y, _ = _spiky(x, w)
-    finally:
-        dist.destroy_process_group()
     assert torch.equal(y, (x @ w).relu())
 
 

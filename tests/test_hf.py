@@ -43,6 +43,11 @@ def _model(family: str):
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     if family == "qwen3":  # per-head q/k RMSNorm
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+    if family == "qwen3-eps":  # K's norm with an epsilon of its own: each norm keeps its own
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+        for layer in model.model.layers:
+            layer.self_attn.k_norm.variance_epsilon = 0.5
+        return model
     raise ValueError(family)
 
 
@@ -104,6 +109,7 @@ CASES = [  # (world, family, method, options, mesh)
     (2, "qwen3", "upipe", {"overlap": True}, None),  # QK-norm, with the kept last stage
     (4, "qwen3", "upipe", {}, None),
     (2, "qwen3", "ring", {}, None),
+    (2, "qwen3-eps", "upipe", {}, None),
     (2, "llama-plain", "fpdt", {"chunk_size": 16}, None),
 ]
 
@@ -122,6 +128,45 @@ def test_same_loss_and_gradients_as_the_unmodified_model(dist_pool, world, famil
     for name in names:
         got = sum(r["grads"][name] for r in results)
         _close(name, got, ref["ref_grads"][name])
+
+
+def _ignore_index_run() -> dict:
+    """This rank's loss share with targets marked by ``ignore_index=-1``, and (rank 0) the
+    unmodified model's with the same targets marked -100."""
+    from upipe.integrations import hf
+
+    ref = _model("llama")
+    model = hf.parallelize(copy.deepcopy(ref), "upipe", kernel="math")
+    ids, labels = _batch()
+    mine = labels.masked_fill(labels == -100, -1)
+    mine[1, 20:30] = -1
+    out = {"loss": model(**hf.shard_batch(model, ids, mine, ignore_index=-1)).loss.detach()}
+    if dist.get_rank() == 0:
+        want = labels.clone()
+        want[1, 20:30] = -100
+        out["ref_loss"] = ref(input_ids=ids, labels=want).loss.detach()
+    return out
+
+
+@pytest.mark.slow  # about 1 s on 2 cores (docs/testing.md)
+def test_ignore_index_marks_tokens_without_a_loss(dist_pool):
+    """``shard_batch(..., ignore_index=)`` names the no-target value of the labels it is given;
+    the batch it returns marks those tokens -100, which the model's loss ignores unasked."""
+    results = dist_pool(2).run(_ignore_index_run)
+    _close("loss", sum(r["loss"] for r in results), results[0]["ref_loss"])
+
+
+class _Adapter(torch.nn.Module):
+    """A module swapped in for a projection, as PEFT's LoRA layers are: base + B(A(x))."""
+
+    def __init__(self, base: torch.nn.Linear):
+        super().__init__()
+        self.base = base
+        self.a = torch.nn.Linear(base.in_features, 4, bias=False)
+        self.b = torch.nn.Linear(4, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.b(self.a(x))
 
 
 def _error(fn, *args, **kwargs) -> str | None:
@@ -147,19 +192,39 @@ def _bad_inputs() -> list:
     msgs.append(_error(model, **batch, attention_mask=padding))
     msgs.append(_error(model, **batch, use_cache=True))
     msgs.append(_error(hf.parallelize, model, "ulysses"))  # twice
+    one_rank = torch.ones_like(batch["input_ids"])
+    one_rank[:, -1] = int(dist.get_rank() == 0)  # padding in rank 1's shard alone
+    msgs.append(_error(model, **batch, attention_mask=one_rank))
+    msgs.append(_error(model, input_ids=batch["input_ids"], labels=batch["labels"]))
+    msgs.append(_error(hf.parallelize, transformers.LlamaForSequenceClassification(
+        transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=8,
+                                 num_key_value_heads=2, pad_token_id=0)), "upipe"))
+    msgs.append(_error(hf.parallelize, _model("llama"), "upipe", heads_per_stage=4.0))
+    layer = model.model.layers[1].self_attn
+    layer.q_proj = _Adapter(layer.q_proj)  # as PEFT injects LoRA
+    msgs.append(_error(model, **batch))
     dist.barrier()  # every rank got here: nothing hung
     return msgs
 
 
 @pytest.mark.slow  # about 1-2 s on 2 cores (docs/testing.md)
 def test_misuse_is_refused_on_every_rank(dist_pool):
-    for fpdt, heads, short, mask, cache, twice in dist_pool(2).run(_bad_inputs):
+    for rank, msgs in enumerate(dist_pool(2).run(_bad_inputs)):
+        fpdt, heads, short, mask, cache, twice, one_rank, labels, head, u_float, lora = msgs
         assert fpdt is not None and "'fpdt' does not support ['qkv_bias']" in fpdt
         assert heads is not None and "heads_per_stage" in heads
         assert short is not None and "divisible" in short
         assert mask is not None and "attention_mask" in mask
         assert cache is not None and "use_cache=False" in cache
         assert twice is not None and "already context-parallel ('upipe')" in twice
+        # the rank with padding names it; the other stops too instead of entering a collective
+        assert one_rank is not None and ("attention_mask with padding" in one_rank if rank == 1
+                                         else "another rank of the CP group" in one_rank)
+        assert labels is not None and "need shift_labels and num_items_in_batch" in labels
+        assert head is not None and "must be a causal LM (LlamaForCausalLM)" in head
+        assert u_float is not None and "heads_per_stage must be an integer, got 4.0" in u_float
+        assert lora is not None and "self_attn.q_proj was replaced" in lora
 
 
 def _bf16_errors(family: str) -> tuple[float, float]:

@@ -196,7 +196,9 @@ class OutputGrad:
                                                                   self.d)
 
 
-def projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, eps, d, in_w=None, in_eps=0.0):
-    return (Projection(wq, bq, q_norm, eps, True, d, in_w, in_eps),
-            Projection(wk, bk, k_norm, eps, True, d, in_w, in_eps),
-            Projection(wv, bv, None, eps, False, d, in_w, in_eps))
+def projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, q_eps, k_eps, d, in_w=None, in_eps=0.0):
+    """The Q, K and V :class:`Projection` of a layer: Q and K rotated and normed by their own
+    per-head RMSNorm (weight (D,) and epsilon, or None), V neither."""
+    return (Projection(wq, bq, q_norm, q_eps, True, d, in_w, in_eps),
+            Projection(wk, bk, k_norm, k_eps, True, d, in_w, in_eps),
+            Projection(wv, bv, None, 0.0, False, d, in_w, in_eps))

@@ -19,6 +19,7 @@ so UPipe computes attention in the model's own head order (a pretrained checkpoi
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,10 @@ class StagePlan:
 def check_heads_per_stage(n_heads: int, cp: int, heads_per_stage: int) -> None:
     """U must be a positive multiple of the CP degree that divides the head count."""
     u = heads_per_stage
+    # a float or a bool would pass the arithmetic below (4.0 % 2, True for 1) and fail later,
+    # or run one head per stage, without naming the option
+    if isinstance(u, bool) or not isinstance(u, numbers.Integral):
+        raise ValueError(f"heads_per_stage must be an integer, got {u!r}")
     if u <= 0 or u % cp:
         raise ValueError(
             f"heads_per_stage ({u}) must be a positive multiple of the CP degree ({cp})"

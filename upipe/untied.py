@@ -74,14 +74,15 @@ from upipe.staging import (
 class _Walk:
     """What a stage walk runs besides its tensors, the same forward and backward: the head
     schedule, the Ulysses group, the attention core (kernel, ring axis, documents, chunks),
-    the options, and the epsilons of the per-head (``eps``) and input (``in_eps``) RMSNorms."""
+    the options, and the epsilons of the per-head RMSNorms (``eps``: Q's and K's, each its own
+    module's) and of the input RMSNorm (``in_eps``)."""
 
     plan: StagePlan
     group: ProcessGroup | None
     core: SequenceAttention
     overlap: bool
     keep: bool
-    eps: float
+    eps: tuple[float, float]
     in_eps: float
 
 
@@ -100,7 +101,7 @@ class _Layer:
 
 def _layer(walk: _Walk, x, wq, wk, wv, bq, bk, bv, q_norm, k_norm, in_w, cos, sin) -> _Layer:
     d = wq.shape[0] // walk.plan.n_heads
-    pq, pk, pv = projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, walk.eps, d, in_w,
+    pq, pk, pv = projections(wq, wk, wv, bq, bk, bv, q_norm, k_norm, *walk.eps, d, in_w,
                              walk.in_eps)
     return _Layer(x, pq, pk, pv, cos, sin)
 
@@ -385,7 +386,7 @@ def upipe_attention(
     keep = check_keep(keep_last_stage, overlap)
     core = SequenceAttention(causal=causal, scale=scale, kernel=kernel, ring_group=ring_group,
                              docs=ring_docs, chunk=chunk_size)
-    walk = _Walk(plan, group, core, overlap, keep, norm_eps, input_norm_eps)
+    walk = _Walk(plan, group, core, overlap, keep, (norm_eps, norm_eps), input_norm_eps)
     return _UPipeFunction.apply(walk, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, input_norm,
                                 cos, sin)
 
@@ -485,7 +486,8 @@ class UPipeAttention(ContextParallelAttention):
         d = self.head_dim
         norms = [None if n is None else norm_params(n, d, name)
                  for name, n in (("q_norm", self.q_norm), ("k_norm", self.k_norm))]
-        eps = next((n[1] for n in norms if n is not None), 1e-6)
+        # each norm its own epsilon (a model may give Q's and K's different ones)
+        eps = tuple(1e-6 if n is None else n[1] for n in norms)
         core = SequenceAttention(causal=self.causal, kernel=self.kernel,
                                  ring_group=self.ring_group, docs=self.ring_documents(docs),
                                  chunk=self.chunk_size)

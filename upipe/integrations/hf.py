@@ -34,12 +34,16 @@ the CP degree, or set FSDP2's gradient divide factor, when the CP ranks are also
 tiled MLPs and a chunked loss that never builds full logits (``out.logits`` is then None).
 
 Limits, each a ValueError at :func:`parallelize` or at the call (before any collective, and on
-every rank of the CP group when one rank refuses its batch): the verified families only; causal
+every rank of the CP group when one rank refuses its batch): the verified families' causal LMs
+only (a sequence or token classifier would pool or average each rank's tokens alone); causal
 self-attention without attention dropout, soft-capping or a non-default attention scale; a
 sliding window only when it covers the longest span attention sees (the sequence, or each packed
 document), where it changes nothing; no padding ``attention_mask`` (pack the documents instead;
 an all-ones mask, a tokenizer's default, is accepted) and no KV cache (training only); RoPE types
-whose frequencies depend on the length ("dynamic", "longrope") are refused. The ranks agree on a
+whose frequencies depend on the length ("dynamic", "longrope") are refused; ``labels`` only with
+:func:`shard_batch`'s ``shift_labels`` and ``num_items_in_batch`` (on more than one rank); no
+projection or norm module replaced after :func:`parallelize` (adapters such as LoRA: merge them
+into the weights first). The ranks agree on a
 call's refusal by one three-integer all-reduce (and a host read of it) per call and CP mesh axis,
 which also refuses ranks given different ``cu_seq_lens``.
 """
@@ -63,6 +67,7 @@ from upipe.module import ContextParallelAttention
 from upipe.registry import build_method
 from upipe.rope import default_inv_freq
 from upipe.stack import MemoryStack
+from upipe.stack.loss import IGNORE_INDEX
 
 _NEEDS = "upipe.integrations.hf needs Hugging Face transformers >= 4.56: pip install 'upipe[hf]'"
 try:
@@ -70,6 +75,7 @@ try:
     from packaging.version import Version
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 except ImportError as e:  # an optional extra
     raise ImportError(_NEEDS) from e
 if Version(transformers.__version__) < Version("4.56"):  # mask interface, shift_labels
@@ -111,13 +117,31 @@ class CPSelfAttention(nn.Module):
     same modules and is deliberately not a registered submodule, so every parameter appears once.
     """
 
+    #: this module's names of the shared modules -> the method's
+    SHARED = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
+              "q_norm": "q_norm", "k_norm": "k_norm"}
+
     def __init__(self, attn: nn.Module, method: ContextParallelAttention):
         super().__init__()
         self.layer_idx = getattr(attn, "layer_idx", None)
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+        for name in self.SHARED:
             if getattr(attn, name, None) is not None:
                 setattr(self, name, getattr(attn, name))
         object.__setattr__(self, "method", method)
+
+    def check_shared(self) -> None:
+        """ValueError when a module the method computes with was replaced after
+        :func:`parallelize` (a LoRA adapter injected by PEFT, a quantised swap). The method
+        holds the modules it was given and reads their weights row by row (UPipe a stage's
+        heads at a time), so it would go on training the old module and ignore the new one."""
+        for name, attr in self.SHARED.items():
+            mine = getattr(self, name, None)
+            if mine is not getattr(self.method, attr):
+                raise ValueError(
+                    f"self_attn.{name} was replaced after hf.parallelize (now "
+                    f"{type(mine).__name__}): the CP method computes with the module it was "
+                    "given and would ignore the new one. Adapters such as LoRA are not "
+                    "supported: merge them into the weights before parallelize")
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values=None, cache=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
@@ -181,10 +205,30 @@ def _check_batch(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
         _check_positions(m, kwargs.get("position_ids"), x.shape[1], docs)
         check_off(model.upipe_cp_family, model.config.model_type, kwargs.get)
         _check_window(model.upipe_cp_window, x.shape[1] * m.cp, docs)
+        # transformers' causal LMs take (input_ids, attention_mask, ...): here, not in the mask
+        # builder, so that a rank whose batch alone has padding stops every rank
+        _no_mask(attention_mask=kwargs.get("attention_mask", args[1] if len(args) > 1 else None))
+        _check_labels(m, kwargs)
+        for layer in model.upipe_cp_layers:
+            layer.check_shared()
     except ValueError as e:
         error = str(e)
     _agree(m, error, cu, x)
     return args, kwargs
+
+
+def _check_labels(m: ContextParallelAttention, kwargs: dict) -> None:
+    """Labels need :func:`shard_batch`'s ``shift_labels`` and ``num_items_in_batch`` when the
+    sequence is split: the loss would shift this rank's labels by one within its shard (a
+    token's target may sit on another rank) and average over this rank's tokens alone, and
+    the ranks' sum would not be the batch's mean loss."""
+    if m.cp == 1 or kwargs.get("labels") is None:
+        return
+    missing = [k for k in ("shift_labels", "num_items_in_batch") if kwargs.get(k) is None]
+    if missing:
+        raise ValueError(f"labels under context parallelism need {' and '.join(missing)}: pass "
+                         "the batch hf.shard_batch(model, input_ids, labels) returns (the "
+                         "targets shifted before sharding, and the batch's count of targets)")
 
 
 def _check_positions(m: ContextParallelAttention, pos: torch.Tensor | None, local: int,
@@ -278,11 +322,27 @@ def _rope(cfg, rotary: nn.Module, head_dim: int) -> tuple[float, torch.Tensor | 
     return theta, inv_freq, scaling
 
 
+def _check_causal_lm(model: nn.Module) -> None:
+    """The model must be its family's causal LM (or a subclass): its logits and loss are per
+    token, which each rank computes for its own tokens. Another head would be wrong without a
+    word: a sequence classifier pools each rank's own last token, a token classifier averages
+    its loss over each rank's tokens alone."""
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model.config.model_type)
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is None or not isinstance(model, cls):
+        raise ValueError(f"model must be a causal LM ({name or '*ForCausalLM'}), got "
+                         f"{type(model).__name__}: its per-token logits and loss are what the "
+                         "ranks' sequence shards compute")
+
+
 def _check_layer(attn: nn.Module, cfg, head_dim: int) -> None:
     """Refuse what the CP methods would silently compute differently (named field and rule)."""
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        if not isinstance(getattr(attn, name, None), nn.Linear):
-            raise ValueError(f"{type(attn).__name__}.{name} must be an nn.Linear")
+        lin = getattr(attn, name, None)
+        if not isinstance(lin, nn.Linear):
+            raise ValueError(f"{type(attn).__name__}.{name} must be an nn.Linear, got "
+                             f"{type(lin).__name__} (adapters such as LoRA are not supported: "
+                             "merge them into the weights first)")
     if not getattr(attn, "is_causal", True):
         raise ValueError("is_causal must be True: decoder self-attention only")
     scaling = getattr(attn, "scaling", head_dim**-0.5)
@@ -324,6 +384,7 @@ def parallelize(
     is built).
     """
     family = check_family(model.config)  # first: other checks assume the family's layout
+    _check_causal_lm(model)
     stack = check_stack(model, stack)
     cfg = _text_config(model)
     n_heads, dim = cfg.num_attention_heads, cfg.hidden_size
@@ -363,6 +424,8 @@ def parallelize(
     # the smallest sliding window of any layer, checked against each call's longest span
     object.__setattr__(model, "upipe_cp_window", min(windows, default=None))
     object.__setattr__(model, "upipe_cp_family", family)  # what a call may not switch on
+    # each call checks that these still compute with the modules they were given
+    object.__setattr__(model, "upipe_cp_layers", [parent.self_attn for parent, _ in layers])
     model.register_forward_pre_hook(_check_batch, with_kwargs=True)
     apply_stack(model, stack, methods[0].cp, methods[0].checkpoint_reentrant)
     return model
@@ -378,14 +441,16 @@ def shard_batch(
         input_ids: (B, S) full sequences; S must suit the method's layout (e.g. divisible by
             the CP degree, by 2x it for zigzag).
         labels: (B, S) unshifted targets as Hugging Face takes them (default ``input_ids``);
-            ``ignore_index`` marks tokens without a loss.
+            ``ignore_index`` marks tokens without a loss there.
         position_ids: (S,) or (B, S) positions restarting at 0 in each packed document
             (``DataCollatorWithFlattening``'s); every row must mark the same documents. None:
             one unpacked sequence per row.
 
     Returns ``input_ids`` (B, S/C) in the method's layout; ``labels`` and ``shift_labels``
     (B, S/C): the globally shifted targets of the same tokens (the loss then skips its own
-    shift), with no target across a document boundary (a document's last token has none);
+    shift), with no target across a document boundary (a document's last token has none); a
+    token without a target is -100 there whatever ``ignore_index`` was (transformers' default,
+    which its losses and the memory stack's chunked loss ignore without being told);
     ``num_items_in_batch``: the whole batch's count of target tokens (a tensor, no host sync),
     so each rank's loss is its sum over that count; with several documents, ``cu_seq_lens_q``
     and ``cu_seq_lens_k``: their global cumulative lengths (a tuple of ints).
@@ -407,12 +472,15 @@ def shard_batch(
             raise ValueError(f"position_ids must have {s} positions per row (input_ids'), got "
                              f"shape {tuple(position_ids.shape)}")
         cu = cu_seqlens_from_position_ids(position_ids)
-    shifted = F.pad(labels[:, 1:], (0, 1), value=ignore_index)  # token t predicts t + 1
+    # -100 for "no target" in what the model gets: the loss is called without ignore_index
+    if ignore_index != IGNORE_INDEX:
+        labels = labels.masked_fill(labels == ignore_index, IGNORE_INDEX)
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # token t predicts t + 1
     if cu is not None and len(cu) > 2:
-        shifted[:, [end - 1 for end in cu[1:-1]]] = ignore_index  # next token: another document
+        shifted[:, [end - 1 for end in cu[1:-1]]] = IGNORE_INDEX  # next token: another document
     local = m.shard(shifted, dim=1).contiguous()  # the loss views it flat
     batch = {"input_ids": m.shard(input_ids, dim=1).contiguous(), "labels": local,
-             "shift_labels": local, "num_items_in_batch": (shifted != ignore_index).sum()}
+             "shift_labels": local, "num_items_in_batch": (shifted != IGNORE_INDEX).sum()}
     if cu is not None and len(cu) > 2:
         batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = tuple(cu)
     return batch

@@ -244,7 +244,8 @@ def _check_positions(m: ContextParallelAttention, pos: torch.Tensor | None, loca
         raise ValueError("position_ids must be this rank's tokens' own positions (global, or "
                          "within their document given cu_seq_lens_q/_k): packed documents "
                          "go through hf.shard_batch(model, input_ids, labels, "
-                         "position_ids=<the full batch's>)")
+                         "position_ids=<the full batch's>); model.generate, which passes "
+                         "the positions of a whole sequence, is not supported (training only)")
 
 
 def _check_window(window: int | None, seq_len: int, docs) -> None:

@@ -12,9 +12,9 @@ as the CUDA caching allocator's ``max_memory_allocated`` counts them
 the emulated peak is the peak the tracker measures in a real gloo run of the same cell
 (tests/test_emulate.py asserts equality).
 
-One step is emulated after the optimizer states exist (they are made by one AdamW step on zero
-gradients before tracking), so the peak is the steady state's, as the real run's peak over its
-warm-up and memory steps is. Per step the FLOPs (``instruments.op_flops.CountedFlops``; this
+One step is emulated after the optimizer states exist (``TrainState.make_optimizer_states``,
+before tracking, as a real run makes them), so the peak is the steady state's, as the real
+run's is. Per step the FLOPs (``instruments.op_flops.CountedFlops``; this
 rank), the bytes this rank sends (``instruments.collectives``) and the work per window of the
 step that the time model prices (``op_costs``) are counted from the same run.
 
@@ -121,15 +121,6 @@ def _label_phases(model, tracker: MemoryTracker) -> list:
     return handles
 
 
-def _init_optimizer_states(state) -> None:
-    """AdamW's states exist from the first step on; make them now (zero gradients) so the one
-    tracked step is a steady-state step."""
-    for p in state.model.parameters():
-        p.grad = torch.zeros_like(p)
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
-
-
 def _block_state_bytes(model, opt, tracker: MemoryTracker) -> int | None:
     """Device bytes of a middle block's parameter shards and their optimizer states, as the
     tracker counts them (they exist before the step and after it); None with fewer than three
@@ -190,15 +181,13 @@ def _play(cell: Cell, cfg: ModelConfig, hw: Hardware, rank: int, count: bool, wo
         with FakeTensorMode(), _kernels(hw):
             state = build(cell, cfg, meshes=meshes, device=device)
             model, opt = state.model, state.optimizer
-            _init_optimizer_states(state)
+            states = state.make_optimizer_states()  # the one tracked step: a steady one
             tracker = MemoryTracker(settle_comm=False, namespace_categories={"fsdp": "model"},
                                     round_bytes=512 if hw.device == "cuda" else 1)
             handles = label_modules(model.attention_modules, tracker, "attention")
             handles += _label_phases(model, tracker)
             handles += label_fsdp_reductions(model, tracker)
             model.set_offload(host_context=tracker.host)
-            states = [t for s in opt.state.values() for t in s.values()
-                      if isinstance(t, torch.Tensor)]
             if count:  # on the tracker's dispatch: one mode layer for all four instruments
                 flop_counter, comm = CountedFlops(), CollectiveCounter()
                 tracker.observers += [flop_counter, comm]

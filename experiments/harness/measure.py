@@ -1,9 +1,10 @@
 """Run one cell on this rank and measure it (docs/design.md#measurement); every rank calls
 ``measure_cell``.
 
-Order: ``warmup`` steps and one memory step run under the ``MemoryTracker`` (its peak is the
-max over them, i.e. the steady state with AdamW's states allocated); then ``iters`` timed steps
-run untracked, each after a barrier, timed as the slowest rank. Memory:
+Order: AdamW's states are made first (``TrainState.make_optimizer_states``: the training is
+unchanged), so every step is a steady-state one; ``warmup`` steps and one memory step run under
+the ``MemoryTracker`` (its peak is the max over them); then ``iters`` timed steps run untracked,
+each after a barrier, timed as the slowest rank. Memory:
 
 - device: on CPU the tracked live tensor bytes (deterministic), on GPU the allocator's peak
   allocated and reserved bytes (the tracked figure is reported beside them);
@@ -55,12 +56,13 @@ def memory_steps(state: TrainState, steps: int, device: torch.device,
     # bytes to the next step's peak (the emulator, which runs one step, has none)
     losses = torch.zeros(steps, device=device)
     model, opt = state.model, state.optimizer
+    states = state.make_optimizer_states()
     handles = label_modules(model.attention_modules, tracker, "attention")
     handles += label_fsdp_reductions(model, tracker)
     model.set_offload(host_context=tracker.host)
     try:
         with tracker:
-            state.track(tracker)
+            state.track(tracker, *states)
             for i in range(steps):
                 loss_sum = state.loss_sum()
                 (loss_sum / state.n_label_tokens).backward()

@@ -67,6 +67,35 @@ class TrainState:
             tracker.track(self.model.rope_table, category="other")
         tracker.track(self.model, self.tokens, self.labels, *states, category="model")
 
+    def make_optimizer_states(self) -> list[torch.Tensor]:
+        """Make AdamW's states now, without changing the training; returns them.
+
+        AdamW makes its states in its first step, after that step's backward, so a first step
+        is no steady-state step: its forward and backward run without the states every later
+        step holds, and its peak is lower. With the states made first, the first measured step
+        is a steady-state one whatever the warm-up (``--warmup 0`` measured too little without
+        this). How: one step on zero gradients at learning rate 0 (the weights stay bitwise:
+        decayed by 1 - 0 * wd, moved by 0), then the step count back to 0, so the next step is
+        bitwise a fresh optimizer's first (its moments are still zero). States that exist
+        already (a step was taken) are returned as they are."""
+        if not self.optimizer.state:
+            self._make_states()
+        return [t for s in self.optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor)]
+
+    def _make_states(self) -> None:
+        for p in self.model.parameters():
+            p.grad = torch.zeros_like(p)
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        self.optimizer.step()
+        for g, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            g["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        for s in self.optimizer.state.values():
+            s["step"].zero_()
+
     def step(self) -> torch.Tensor:
         """One forward/backward/AdamW step; returns this rank's summed loss (detached)."""
         loss_sum = self.loss_sum()

@@ -65,6 +65,9 @@ from experiments.cli_args import (
     add_world_args,
     cell_from_args,
     hardware_from_args,
+    measured,
+    measured_flags_given,
+    out_dir,
     plan_spec_from_args,
     positive_int,
     search_from_args,
@@ -86,6 +89,7 @@ from experiments.gpu.time_validation_gpu import NoGPU, reprice, validate_gpu
 from experiments.harness.interrupts import Terminated, terminating_signals_raise
 from experiments.harness.ranks import exit_without_finalizing
 from experiments.reporting.plots import draw_plots
+from experiments.reporting.reproduction import mesh as paper_mesh
 from experiments.reporting.tables import write_tables
 from experiments.runner.executor import Emulator, Launcher
 from experiments.runner.plan import plan
@@ -151,12 +155,13 @@ def _print_row(a, row: dict, keys: list[str]) -> None:
         print(f"{k:24s} {json.dumps(v) if isinstance(v, dict) else v}{unit}", file=a.stdout)
 
 
-RUN_KEYS = ["status", "method", "seq_len", "doc_len", "nproc", "dp", "stack", "keep_blocks",
-            "workload", "time_median_s", "tokens_per_s_per_gpu", "peak_device_bytes",
+# cell_id first: it names what the other lines leave out (the method's options, overrides)
+RUN_KEYS = ["status", "cell_id", "method", "seq_len", "doc_len", "nproc", "dp", "stack",
+            "keep_blocks", "workload", "time_median_s", "tokens_per_s_per_gpu", "peak_device_bytes",
             "peak_host_bytes", "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes",
             "error"]
-EMULATE_KEYS = ["status", "method", "model", "seq_len", "doc_len", "nproc", "dp", "ring_degree",
-                "stack", "keep_blocks", "dtype", "emulation", "peak_device_bytes",
+EMULATE_KEYS = ["status", "cell_id", "method", "model", "seq_len", "doc_len", "nproc", "dp",
+                "ring_degree", "stack", "keep_blocks", "dtype", "emulation", "peak_device_bytes",
                 "peak_host_bytes", "peak_model_bytes", "peak_attention_bytes", "peak_other_bytes",
                 "peak_phase", "device_budget_bytes", "host_budget_bytes", "host_pinned",
                 "model_tflops_per_step", "comm_bytes_per_step", "comm_bytes_by_op",
@@ -168,7 +173,8 @@ EMULATE_KEYS = ["status", "method", "model", "seq_len", "doc_len", "nproc", "dp"
 def cmd_run(a) -> int:
     cell = cell_from_args(a)
     rank0 = _init_torchrun()
-    row = Launcher(a.timeout, progress=_progress(a), shared_gpu=a.shared_gpu).run(cell)
+    row = Launcher(measured(a, "timeout"), progress=_progress(a), shared_gpu=a.shared_gpu
+                   ).run(cell)
     if rank0:
         if a.json:
             _print_json(a, row)
@@ -188,12 +194,17 @@ def cmd_emulate(a) -> int:
 
 
 def cmd_max_context(a) -> int:
+    given = measured_flags_given(a) if a.emulate else []
+    if given:  # as the emulated hardware's flags are refused without --emulate
+        raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to a "
+                         "real search only: max-context --emulate times no step and launches "
+                         "nothing")
     cell, spec = search_from_args(a, emulate=a.emulate)
     hw = hardware_from_args(a, cell.world, enabled=a.emulate, why="max-context --emulate")
     if a.emulate:
         executor, rank0 = Emulator(hw, exact=bool(a.exact)), True
     else:
-        executor = Launcher(a.timeout, progress=_progress(a))
+        executor = Launcher(measured(a, "timeout"), progress=_progress(a))
         rank0 = _init_torchrun()
     on_probe = print_probe if _progress(a) and rank0 else None
     res = run_search(executor, cell, spec, on_probe)
@@ -238,10 +249,14 @@ def _plan_line(row: dict) -> dict:
         fits = "no: device"
     else:
         fits = status
-    gib = {k: None if row.get(k) is None else round(row[k] / GiB, 1)
-           for k in ("peak_device_bytes", "peak_host_bytes")}
+    # one decimal; two significant digits below 1 GiB (a small --gpu-mem), not a 0
+    gib = {k: None if row.get(k) is None else (
+        round(row[k] / GiB, 1) if row[k] >= GiB else float(f"{row[k] / GiB:.2g}"))
+        for k in ("peak_device_bytes", "peak_host_bytes")}
+    if row.get("peak_device_is_lower_bound"):  # a shallower step's host bytes: no prediction
+        gib["peak_host_bytes"] = None
     u, dp = row.get("heads_per_stage"), row.get("dp", 1)
-    mesh = f"{row['nproc'] // row.get('ring_degree', 1)}x{row.get('ring_degree', 1)}"
+    mesh = paper_mesh(row["method"], row["nproc"], row.get("ring_degree", 1))  # UxR: 1x8 a ring
     return {"method": row["method"], "mesh": mesh if dp == 1 else f"{mesh} dp{dp}",
             "heads_per_stage": "-" if u is None else u,
             "overlap": "yes" if row.get("overlap") else "-",
@@ -462,7 +477,7 @@ def parser() -> argparse.ArgumentParser:
     add_hardware_args(em)
     em.set_defaults(fn=cmd_emulate)
     mc = sub.add_parser("max-context", help="search the longest context that trains")
-    add_cell_args(mc, dtype=None)
+    add_cell_args(mc, dtype=None, iters_default=0)  # a search's probes: memory only
     add_world_args(mc)
     mc.add_argument("--start", type=size, default=None,
                     help="first length (default --seq-len; with --emulate 1M, rounded to the "
@@ -478,7 +493,7 @@ def parser() -> argparse.ArgumentParser:
                     help="probe with the emulator against the emulated hardware instead of "
                          f"running (--dtype defaults to bf16, --world to {EMULATED_WORLD})")
     add_hardware_args(mc, required="--emulate")
-    mc.set_defaults(fn=cmd_max_context, iters=0)
+    mc.set_defaults(fn=cmd_max_context)
     pn = sub.add_parser("plan", help="what fits on a cluster and how fast: every method, "
                                      "stack, mesh and U, emulated and ranked")
     add_plan_args(pn)
@@ -500,7 +515,7 @@ def parser() -> argparse.ArgumentParser:
     vt = sub.add_parser("validate-time", help="the time model against real runs on this CPU "
                                               "(or GPU: --device cuda): calibrate, measure, "
                                               "predict, compare")
-    vt.add_argument("--out", type=Path, default=RESULTS,
+    vt.add_argument("--out", type=out_dir, default=RESULTS,
                     help=f"results root (writes <out>/{TIME_SWEEP}/, with --device cuda "
                          "<out>/time_validation_gpu/; default results)")
     vt.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -525,7 +540,7 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--dry-run", action="store_true",
                     help="expand and validate, say what each cell would do (run, resume, "
                          "retry), run nothing")
-    sw.add_argument("--out", type=Path, default=RESULTS,
+    sw.add_argument("--out", type=out_dir, default=RESULTS,
                     help="results root; each sweep writes <out>/<name>/ (default results)")
     sw.add_argument("--nproc", type=positive_int, default=None,
                     help="override the sweeps' rank count (a GPU node's GPUs)")
@@ -534,12 +549,12 @@ def parser() -> argparse.ArgumentParser:
                     help="re-run cells whose row is an error or a timeout (others resume)")
     sw.add_argument("--timeout", type=seconds, default=None,
                     help="seconds per cell (default: the sweep's)")
-    add_progress_arg(sw)
+    add_progress_arg(sw, has_json=False)
     sw.set_defaults(fn=cmd_sweep)
     pl = sub.add_parser("plot", help="rebuild a sweep's tables and plots from its runs, run "
                                      "nothing")
     pl.add_argument("target", help="sweep name or directory")
-    pl.add_argument("--out", type=Path, default=RESULTS,
+    pl.add_argument("--out", type=out_dir, default=RESULTS,
                     help="results root a sweep name is looked up in (default results)")
     pl.set_defaults(fn=cmd_plot)
     ls = sub.add_parser("list", help="methods, presets, stacks, sweeps")

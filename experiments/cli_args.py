@@ -93,6 +93,16 @@ def non_negative_int(text: str) -> int:
     return _number(text, int, "an integer", lambda v: v >= 0, ">= 0")
 
 
+def out_dir(text: str) -> Path:
+    """argparse type for a folder results are written into: a directory, or a path where one
+    can be made; a file there or in the way above it is refused now, not after the work."""
+    path = Path(text)
+    blocker = next((p for p in (path, *path.absolute().parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise argparse.ArgumentTypeError(f"{blocker} is a file, not a directory")
+    return path
+
+
 def seconds(text: str) -> float:
     """argparse type for a time limit: a positive number of seconds."""
     return _number(text, float, "a number of seconds", lambda v: v > 0, "positive")
@@ -136,15 +146,18 @@ def add_option_args(p: argparse.ArgumentParser) -> None:
                            choices=opt.choices or None, help=text)
 
 
-def add_progress_arg(p: argparse.ArgumentParser) -> None:
+def add_progress_arg(p: argparse.ArgumentParser, has_json: bool = True) -> None:
+    """--no-progress (``has_json``: the verb has a --json, which prints no progress either)."""
     p.add_argument("--no-progress", action="store_true",
-                   help="print no progress on stderr (--json prints none either)")
+                   help="print no progress on stderr"
+                        + (" (--json prints none either)" if has_json else ""))
 
 
 def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
                   nproc_default: str = "the torchrun world, else 4",
-                  measured: bool = True) -> None:
-    """The cell's flags; ``measured`` adds those of a real launch (steps, timeout)."""
+                  measured: bool = True, iters_default: int = 2) -> None:
+    """The cell's flags; ``measured`` adds those of a real launch (steps, timeout; the verb's
+    default timed steps ``iters_default``)."""
     p.add_argument("--method", required=True, help="registry name (upipe-bench list methods)")
     p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--seq-len", type=size, default=4096, help="global tokens: 131072, 128K, 1M")
@@ -181,20 +194,24 @@ def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
                    help="attention kernel (default auto: the fastest this machine runs, or on "
                         "an emulated GPU the fastest PyTorch kernel there: cudnn on Hopper in "
                         "bf16/fp16, else sdpa; rows record it as kernel_ran)")
-    p.add_argument("--workload", default="step", choices=WORKLOADS,
-                   help="step: one training step of the model (default); attention: one "
-                        "attention layer's forward and backward, the model's heads and width")
+    if measured:  # the emulator runs the training step only
+        p.add_argument("--workload", default=None, choices=WORKLOADS,
+                       help="step: one training step of the model (default); attention: one "
+                            "attention layer's forward and backward, the model's heads and "
+                            "width")
     p.add_argument("--budget-mib", type=float, default=None,
                    help="per-rank device budget (CPU: tracked bytes; GPU: allocator limit; "
                         "emulated: replaces --gpu-mem less --reserve)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="model field override, repeatable (e.g. n_layers=2)")
     if measured:
-        p.add_argument("--warmup", type=non_negative_int, default=1,
+        # None when not given, so that max-context --emulate can refuse them (MEASURED_FLAGS)
+        p.add_argument("--warmup", type=non_negative_int, default=None,
                        help="untimed steps before the memory step and the timed ones (default 1)")
-        p.add_argument("--iters", type=non_negative_int, default=2,
-                       help="timed steps (default 2)")
-        p.add_argument("--timeout", type=seconds, default=DEFAULT_TIMEOUT_S,
+        p.add_argument("--iters", type=non_negative_int, default=None,
+                       help=f"timed steps (default {iters_default}; 0: memory only)")
+        p.set_defaults(iters_default=iters_default)
+        p.add_argument("--timeout", type=seconds, default=None,
                        help=f"seconds per launch (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout and no progress")
@@ -310,6 +327,22 @@ def world_from_args(a: argparse.Namespace, default_world: int) -> tuple[int, int
     return nproc, (1 if ring is None else ring)
 
 
+#: flags of a real launch only -> their value when not given
+MEASURED_FLAGS = {"warmup": 1, "iters": 2, "timeout": DEFAULT_TIMEOUT_S, "workload": "step"}
+
+
+def measured(a: argparse.Namespace, name: str):
+    """A real launch's flag (``MEASURED_FLAGS``): its value, or when not given the verb's
+    default (``<name>_default``, as ``add_cell_args`` sets it), else the flag's."""
+    value = getattr(a, name, None)
+    return getattr(a, f"{name}_default", MEASURED_FLAGS[name]) if value is None else value
+
+
+def measured_flags_given(a: argparse.Namespace) -> list[str]:
+    """The real-launch flags given on the command line (as flags), for a verb that emulates."""
+    return [f"--{n}" for n in MEASURED_FLAGS if getattr(a, n, None) is not None]
+
+
 def cell_from_args(a: argparse.Namespace, *, emulated: bool = False,
                    validate: bool = True) -> Cell:
     """The cell the flags describe, validated (``validate=False``: a search's, which
@@ -326,8 +359,8 @@ def cell_from_args(a: argparse.Namespace, *, emulated: bool = False,
                 global_rope_table=getattr(a, "global_rope_table", False),
                 dtype=a.dtype or ("bf16" if emulated else "fp32"),
                 kernel=a.kernel, overrides=parse_overrides(a.override),
-                budget_mib=a.budget_mib, warmup=getattr(a, "warmup", 1),
-                iters=getattr(a, "iters", 2), workload=a.workload, dp=a.dp or 1)
+                budget_mib=a.budget_mib, warmup=measured(a, "warmup"),
+                iters=measured(a, "iters"), workload=measured(a, "workload"), dp=a.dp or 1)
     if validate:
         cell.validate()
     return cell
@@ -419,13 +452,21 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     add_progress_arg(p)
 
 
-def _names(text: str | None) -> tuple[str, ...] | None:
-    return None if text is None else tuple(n.strip() for n in text.split(",") if n.strip())
+def _names(text: str | None, flag: str) -> tuple[str, ...] | None:
+    """``A,B`` -> ("A", "B"); None when not given (the default: all). Naming none is refused:
+    an empty list would otherwise read as not given, and plan everything."""
+    if text is None:
+        return None
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise ValueError(f"{flag} must name at least one, separated by commas, got {text!r} "
+                         "(leave it out for all)")
+    return names
 
 
 def _ring_degrees(text: str | None) -> tuple[int, ...] | None:
     """``--ring-degrees 1,2`` -> (1, 2); None when not given."""
-    names = _names(text)
+    names = _names(text, "--ring-degrees")
     if names is None:
         return None
     try:
@@ -444,8 +485,8 @@ def plan_spec_from_args(a: argparse.Namespace) -> PlanSpec:
                              f"Face config.json, got {a.model!r}")
         model, overrides = hf_overrides(a.model)
     spec = PlanSpec(model=model, overrides=overrides, gpus=a.gpus, dp=a.dp, seq_len=a.seq_len,
-                    dtype=a.dtype, kernel=a.kernel, methods=_names(a.methods),
-                    stacks=_names(a.stacks) or DEFAULT_STACKS, label=label,
+                    dtype=a.dtype, kernel=a.kernel, methods=_names(a.methods, "--methods"),
+                    stacks=_names(a.stacks, "--stacks") or DEFAULT_STACKS, label=label,
                     ring_degrees=_ring_degrees(a.ring_degrees))
     try:
         spec.validate()

@@ -309,6 +309,19 @@ def test_plot_leaves_unchanged_inputs_byte_identical(tmp_path, sweep, capsys):
      "--ring-degrees must be divisors of the CP degree (8), got [3]"),
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "1M", "--ring-degrees", "1,x"],
      "--ring-degrees must be integers separated by commas, got '1,x'"),
+    # an empty list read as "not given", and planned everything
+    (["plan", "--model", "tiny", "--gpus", "4", "--seq-len", "16K", "--methods", ""],
+     "--methods must name at least one, separated by commas, got ''"),
+    (["plan", "--model", "tiny", "--gpus", "4", "--seq-len", "16K", "--stacks", ","],
+     "--stacks must name at least one"),
+    # a real search's flags were ignored by an emulated one
+    (["max-context", "--emulate", "--method", "upipe", "--model", "llama3-8b", "--iters", "5",
+      "--timeout", "1"], "--iters, --timeout apply to a real search only"),
+    (["max-context", "--emulate", "--method", "upipe", "--model", "llama3-8b", "--start", "4K"],
+     "--start (4096) must be a multiple of the granularity, nproc * block (8 * 8192 = 65536)"),
+    # a finished GPU run is what --reprice prices: a traceback, before
+    (["validate-time", "--device", "cuda", "--reprice", "--out", "/nonexistent-upipe-results"],
+     "holds no finished GPU run to price again (no rows.csv or env.json)"),
 ])
 def test_bad_values_are_refused_naming_the_rule(capsys, argv, says):
     assert main(argv) == 2
@@ -323,11 +336,26 @@ def test_bad_values_are_refused_naming_the_rule(capsys, argv, says):
     (["run", "--method", "upipe", "--nproc", "0"], "--nproc"),
     (["run", "--method", "upipe", "--iters", "-1"], "--iters"),
     (["run", "--method", "upipe", "--kernel", "cudnn-v9"], "--kernel"),
+    (["emulate", "--method", "upipe", "--workload", "attention"], "--workload"),  # step only
 ])
 def test_bad_flags_are_refused_before_anything_runs(capsys, argv, flag):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verb", [["sweep", "upipe_overlap-cpu"], ["plot", "upipe_overlap-cpu"],
+                                  ["validate-time"]])
+def test_an_out_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, verb):
+    """A traceback after the work (a sweep's first write), before; --dry-run said every cell
+    would run."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for out in (afile, afile / "below"):
+        with pytest.raises(SystemExit) as e:
+            main([*verb, "--out", str(out)])
+        assert e.value.code == 2 and f"{afile} is a file, not a directory" in (
+            capsys.readouterr().err)
 
 
 def test_a_length_whose_inputs_cannot_exist_here_is_not_launched():

@@ -391,3 +391,26 @@ def test_the_default_workers_are_the_cpus_this_process_may_use(monkeypatch):
     assert default_workers() == 64
     monkeypatch.setattr(os, "cpu_count", lambda: None)
     assert default_workers() == 1
+
+
+def test_a_plan_line_writes_the_mesh_as_ulysses_by_ring_and_no_bound_as_a_host_figure():
+    """Rings are 1 x P, as the paper and the README write them (they were P x 1); a row found
+    over the device by a lower bound (a shallower step's figures) has no host figure; a peak
+    under 1 GiB keeps two significant digits (it was 0)."""
+    base = {"status": Status.OK, "nproc": 8, "stack": "alst", "chunk_size": None,
+            "peak_device_bytes": 54_736_456, "peak_host_bytes": 3 << 30}
+    line = cli._plan_line(base | {"method": "zigzag-ring", "ring_degree": 1})
+    assert line["mesh"] == "1x8" and line["peak_device_gib"] == 0.051
+    assert line["peak_host_gib"] == 3.0
+    assert cli._plan_line(base | {"method": "usp", "ring_degree": 2})["mesh"] == "4x2"
+    bound = cli._plan_line(base | {"method": "upipe", "status": Status.OOM,
+                                   "peak_device_is_lower_bound": True,
+                                   "error": "device peak at least ..."})
+    assert bound["mesh"] == "8x1" and bound["peak_host_gib"] is None
+
+
+def test_over_budget_figures_differ_as_printed():
+    from experiments.emulation.emulate import exceeds
+
+    assert exceeds(80 << 30, 78 << 30) == "80.00 GiB > budget 78.00 GiB"
+    assert exceeds(54_736_456, 53_687_091) == "0.051 GiB > budget 0.050 GiB"

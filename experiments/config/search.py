@@ -33,8 +33,9 @@ class SearchSpec:
         if self.growth < 2:
             raise ValueError(f"search.growth must be >= 2, got {self.growth}")
         if self.start % (nproc * self.block):
-            raise ValueError(f"search.start ({self.start}) must be a multiple of nproc * block "
-                             f"({nproc} * {self.block})")
+            raise ValueError(f"search.start ({self.start}) must be a multiple of the "
+                             f"granularity, nproc * block ({nproc} * {self.block} = "
+                             f"{nproc * self.block})")
         if self.start > self.limit:
             raise ValueError(f"search.start ({self.start}) must not exceed search.limit "
                              f"({self.limit})")

@@ -89,16 +89,23 @@ def kernel_column(cell: Cell, cfg: ModelConfig, hw: Hardware) -> dict:
     return {"kernel_ran": kernel_ran(cell, cfg, hw.device, auto)}
 
 
+def exceeds(peak: int, budget: int) -> str:
+    """"<peak> GiB > budget <budget> GiB", with two decimals, or as many more as make the two
+    differ as printed (a budget of a few MiB: 0.051 > 0.050, not 0.05 > 0.05)."""
+    digits = 2
+    while f"{peak / GiB:.{digits}f}" == f"{budget / GiB:.{digits}f}" and digits < 12:
+        digits += 1
+    return f"{peak / GiB:.{digits}f} GiB > budget {budget / GiB:.{digits}f} GiB"
+
+
 def _row_metrics(cell: Cell, cfg: ModelConfig, hw: Hardware, m: Measurement) -> dict:
     b = m.breakdown
     device_budget, host_budget = hw.device_budget(cell), hw.host_budget(cell.world)
     over = []
     if m.peak_device_bytes > device_budget:
-        over.append(f"device peak {m.peak_device_bytes / GiB:.2f} GiB > budget "
-                    f"{device_budget / GiB:.2f} GiB")
+        over.append(f"device peak {exceeds(m.peak_device_bytes, device_budget)}")
     if m.peak_host_bytes > host_budget:
-        over.append(f"host peak {m.peak_host_bytes / GiB:.2f} GiB > budget "
-                    f"{host_budget / GiB:.2f} GiB per rank")
+        over.append(f"host peak {exceeds(m.peak_host_bytes, host_budget)} per rank")
     return {
         "status": Status.OOM if over else Status.OK, "error": "; ".join(over),
         "mode": "emulated", "memory_source": "emulated", "world_size": cell.world,
@@ -233,7 +240,7 @@ def _lower_bound_row(cell: Cell, cfg: ModelConfig, hw: Hardware, m: Measurement,
     """The ``oom`` row of a cell whose device peak is at least ``m``'s (its memory columns
     are the bounds), saying ``how`` the bound was found."""
     return describe(cell, cfg) | kernel_column(cell, cfg, hw) | _row_metrics(cell, cfg, hw, m) | {
-        "error": (f"device peak at least {m.peak_device_bytes / GiB:.2f} GiB > budget "
-                  f"{hw.device_budget(cell) / GiB:.2f} GiB ({how})"),
+        "error": (f"device peak at least {exceeds(m.peak_device_bytes, hw.device_budget(cell))}"
+                  f" ({how})"),
         "peak_device_is_lower_bound": True, "emulation": "lower bound",
         "emulation_s": round(time.monotonic() - t0, 2)} | provenance()

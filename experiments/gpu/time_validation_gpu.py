@@ -139,7 +139,12 @@ def reprice(folder: Path, more: dict[str, Path] | None = None, *, progress: bool
     own calibration and on each of ``more`` (name -> profile JSON). Each ``STEP_CELLS`` cell is
     emulated exactly as ``validate_gpu`` does and matched to its row by cell id; the measured
     columns are kept. Rewrites rows.csv, summary.json and the plot; env.json gains
-    ``repriced`` (the revision, date and profiles). Returns the summary."""
+    ``repriced`` (the revision, date and profiles). Returns the summary. ValueError when
+    ``folder`` holds no finished run."""
+    missing = [f for f in ("rows.csv", "env.json") if not (folder / f).is_file()]
+    if missing:
+        raise ValueError(f"{folder} holds no finished GPU run to price again (no "
+                         f"{' or '.join(missing)}): run validate-time --device cuda there first")
     rows = pd.read_csv(folder / "rows.csv")
     env = json.loads((folder / "env.json").read_text())
     profiles = {}

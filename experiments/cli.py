@@ -65,8 +65,8 @@ from experiments.cli_args import (
     add_world_args,
     cell_from_args,
     hardware_from_args,
-    measured,
-    measured_flags_given,
+    launch_flag,
+    launch_flags_given,
     out_dir,
     plan_spec_from_args,
     positive_int,
@@ -173,7 +173,7 @@ EMULATE_KEYS = ["status", "cell_id", "method", "model", "seq_len", "doc_len", "n
 def cmd_run(a) -> int:
     cell = cell_from_args(a)
     rank0 = _init_torchrun()
-    row = Launcher(measured(a, "timeout"), progress=_progress(a), shared_gpu=a.shared_gpu
+    row = Launcher(launch_flag(a, "timeout"), progress=_progress(a), shared_gpu=a.shared_gpu
                    ).run(cell)
     if rank0:
         if a.json:
@@ -194,7 +194,7 @@ def cmd_emulate(a) -> int:
 
 
 def cmd_max_context(a) -> int:
-    given = measured_flags_given(a) if a.emulate else []
+    given = launch_flags_given(a) if a.emulate else []
     if given:  # as the emulated hardware's flags are refused without --emulate
         raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to a "
                          "real search only: max-context --emulate times no step and launches "
@@ -204,7 +204,7 @@ def cmd_max_context(a) -> int:
     if a.emulate:
         executor, rank0 = Emulator(hw, exact=bool(a.exact)), True
     else:
-        executor = Launcher(measured(a, "timeout"), progress=_progress(a))
+        executor = Launcher(launch_flag(a, "timeout"), progress=_progress(a))
         rank0 = _init_torchrun()
     on_probe = print_probe if _progress(a) and rank0 else None
     res = run_search(executor, cell, spec, on_probe)

@@ -205,7 +205,7 @@ def add_cell_args(p: argparse.ArgumentParser, *, dtype: str | None = "fp32",
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="model field override, repeatable (e.g. n_layers=2)")
     if measured:
-        # None when not given, so that max-context --emulate can refuse them (MEASURED_FLAGS)
+        # None when not given, so that max-context --emulate can refuse them (LAUNCH_FLAGS)
         p.add_argument("--warmup", type=non_negative_int, default=None,
                        help="untimed steps before the memory step and the timed ones (default 1)")
         p.add_argument("--iters", type=non_negative_int, default=None,
@@ -328,19 +328,19 @@ def world_from_args(a: argparse.Namespace, default_world: int) -> tuple[int, int
 
 
 #: flags of a real launch only -> their value when not given
-MEASURED_FLAGS = {"warmup": 1, "iters": 2, "timeout": DEFAULT_TIMEOUT_S, "workload": "step"}
+LAUNCH_FLAGS = {"warmup": 1, "iters": 2, "timeout": DEFAULT_TIMEOUT_S, "workload": "step"}
 
 
-def measured(a: argparse.Namespace, name: str):
-    """A real launch's flag (``MEASURED_FLAGS``): its value, or when not given the verb's
+def launch_flag(a: argparse.Namespace, name: str):
+    """A real launch's flag (``LAUNCH_FLAGS``): its value, or when not given the verb's
     default (``<name>_default``, as ``add_cell_args`` sets it), else the flag's."""
     value = getattr(a, name, None)
-    return getattr(a, f"{name}_default", MEASURED_FLAGS[name]) if value is None else value
+    return getattr(a, f"{name}_default", LAUNCH_FLAGS[name]) if value is None else value
 
 
-def measured_flags_given(a: argparse.Namespace) -> list[str]:
+def launch_flags_given(a: argparse.Namespace) -> list[str]:
     """The real-launch flags given on the command line (as flags), for a verb that emulates."""
-    return [f"--{n}" for n in MEASURED_FLAGS if getattr(a, n, None) is not None]
+    return [f"--{n}" for n in LAUNCH_FLAGS if getattr(a, n, None) is not None]
 
 
 def cell_from_args(a: argparse.Namespace, *, emulated: bool = False,
@@ -359,8 +359,8 @@ def cell_from_args(a: argparse.Namespace, *, emulated: bool = False,
                 global_rope_table=getattr(a, "global_rope_table", False),
                 dtype=a.dtype or ("bf16" if emulated else "fp32"),
                 kernel=a.kernel, overrides=parse_overrides(a.override),
-                budget_mib=a.budget_mib, warmup=measured(a, "warmup"),
-                iters=measured(a, "iters"), workload=measured(a, "workload"), dp=a.dp or 1)
+                budget_mib=a.budget_mib, warmup=launch_flag(a, "warmup"),
+                iters=launch_flag(a, "iters"), workload=launch_flag(a, "workload"), dp=a.dp or 1)
     if validate:
         cell.validate()
     return cell

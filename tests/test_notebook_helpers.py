@@ -53,7 +53,8 @@ def _sweep(results: Path, name: str, scale: str, rows: list[dict],
 
 def _search(method: str, status: str, max_seq_len, first_failing, **kw) -> dict:
     return {"method": method, "heads_per_stage": None, "ring_degree": 1, "chunk_size": None,
-            "model": "tiny", "nproc": 4, "stack": "alst", "budget_mib": 48, "status": status,
+            "model": "tiny", "nproc": 4, "stack": "alst", "dtype": "fp32", "budget_mib": 48,
+            "status": status,
             "mode": "measured", "max_seq_len": max_seq_len,
             "first_failing_seq_len": first_failing, "granularity": K, "n_probes": 3,
             "error": None if status == "ok" else "needs a CUDA device", **kw}
@@ -104,13 +105,15 @@ def results(tmp_path: Path) -> Path:
     baselines.mkdir()
     pd.DataFrame([
         {"name": "ulysses-tiny-4xcpu", "mode": "measured", "method": "ulysses",
-         "model": "tiny", "nproc": 4, "ring_degree": 1, "stack": "alst", "status": "ok",
-         "max_seq_len": 6 * K, "first_failing_seq_len": 7 * K, "error": None},
+         "model": "tiny", "nproc": 4, "ring_degree": 1, "stack": "alst", "dtype": "fp32",
+         "budget_mib": 48, "status": "ok", "max_seq_len": 6 * K,
+         "first_failing_seq_len": 7 * K, "error": None},
         {"name": "upipe-tiny-4xcpu", "mode": "measured", "method": "upipe", "model": "tiny",
-         "nproc": 4, "ring_degree": 1, "stack": "alst", "status": "ok",
-         "max_seq_len": 9 * K, "first_failing_seq_len": 10 * K, "error": None},
+         "nproc": 4, "ring_degree": 1, "stack": "alst", "dtype": "fp32", "budget_mib": 48,
+         "status": "ok", "max_seq_len": 9 * K, "first_failing_seq_len": 10 * K, "error": None},
         {"name": "ring-tiny-4xcpu", "mode": "measured", "method": "ring", "model": "tiny",
-         "nproc": 4, "ring_degree": 1, "stack": "alst", "status": "skipped",
+         "nproc": 4, "ring_degree": 1, "stack": "alst", "dtype": "fp32", "budget_mib": 48,
+         "status": "skipped",
          "max_seq_len": None, "first_failing_seq_len": None, "error": "not searched"},
     ]).to_csv(baselines / "max_context.csv", index=False)
     (baselines / "max_context.json").write_text(json.dumps(
@@ -356,15 +359,27 @@ def test_per_u_in_units_of_the_ulysses_degree():
     assert table.loc["upipe U=4", "tokens_per_s_per_gpu vs ulysses"] == pytest.approx(0.8)
 
 
-def test_baseline_vs_sweeps(results: Path, tables):
-    _, maxctx = tables
+def test_baseline_vs_sweeps(results: Path):
+    """Beside each baseline row: the sweeps' search of the same cell, none of another's."""
     baseline = nb.read_csv(results / "baselines" / "max_context.csv")
+    maxctx = pd.DataFrame([
+        _search("ulysses", "ok", 6 * K, 7 * K),
+        _search("upipe", "ok", 8 * K, 12 * K),
+        # other cells: another U, a full RoPE table, another budget, another mode, documents
+        _search("upipe", "ok", 10 * K, 11 * K, heads_per_stage=2),
+        _search("ulysses", "ok", 8 * K, 9 * K, global_rope_table=True),
+        _search("ulysses", "ok", 7 * K, 8 * K, budget_mib=64),
+        _search("ulysses", "ok", 9 * K, 10 * K, budget_mib=None, mode="emulated"),
+        _search("ulysses", "ok", 10 * K, 11 * K, doc_len=K)])
     table = nb.baseline_vs_sweeps(baseline, maxctx).set_index("name")
+    assert table.loc["ulysses-tiny-4xcpu", "sweep_max_context"] == "6K"
     assert table.loc["ulysses-tiny-4xcpu", "agrees"] is True
     upipe = table.loc["upipe-tiny-4xcpu"]
     assert (upipe["max_context"], upipe["sweep_max_context"]) == ("9K", "8K")
     assert upipe["agrees"] is False
     assert table.loc["ring-tiny-4xcpu", "max_context"] == "skipped"
+    alone = nb.baseline_vs_sweeps(baseline, maxctx.iloc[2:])  # no search of the same cells
+    assert alone["agrees"].isna().all() and (alone["sweep_max_context"] == "").all()
 
 
 def test_attention_layer_table_medians_per_variant_and_length(results: Path):

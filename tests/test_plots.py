@@ -279,3 +279,21 @@ def test_memory_plot_draws_a_lower_bound_apart_from_a_peak_reached(tmp_path, mon
     marks = [[int(x) for x, _ in c.get_offsets()] for c in ax.collections
              if len(c.get_offsets())]
     assert sorted(marks) == [[16384], [32768]], marks
+
+
+@pytest.mark.parametrize("mode", ["measured", "emulated"])
+def test_throughput_axis_says_where_its_times_come_from(tmp_path, monkeypatch, mode):
+    """Measured rows have a spread of step times (p20-p80 whiskers); an emulated row has the
+    time model's one step, and its axis says so instead of promising whiskers."""
+    from matplotlib.figure import Figure
+
+    rows = [r | {"mode": mode} | ({"time_p20_s": None, "time_p80_s": None, "time_median_s": None}
+                                  if mode == "emulated" else {}) for r in _rows()]
+    _write(tmp_path, rows)
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    draw_plots(tmp_path, ["throughput_vs_seq"])
+    (ax,) = drawn[0].axes
+    assert ax.get_ylabel() == {"measured": "tokens/s per GPU (whiskers: p20-p80 step)",
+                               "emulated": "tokens/s per GPU (time model)"}[mode]
+    assert ("(emulated)" in ax.get_title()) == (mode == "emulated")

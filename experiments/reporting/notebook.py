@@ -434,12 +434,22 @@ def per_u(df: pd.DataFrame) -> pd.DataFrame:
 
 def baseline_vs_sweeps(baseline: pd.DataFrame, maxctx: pd.DataFrame) -> pd.DataFrame:
     """The CI baseline's searches (``results/baselines/max_context.csv``) beside the sweeps' ``ok``
-    searches of the same mode, method, model, ranks, ring degree and stack; ``agrees`` when the
-    two max contexts are equal (empty where no sweep searched that setting)."""
-    keys = ["mode", "method", "model", "nproc", "ring_degree", "stack"]
-    sweeps = (maxctx[maxctx["status"] == Status.OK].groupby(keys)["max_seq_len"].max()
-              .rename("sweep_max_seq_len"))
-    df = baseline.join(sweeps, on=keys)
+    searches of the same cell: mode, method, model, ranks, ring degree, stack, dtype and budget,
+    and the guard's defaults for what its table has no column for (the method's own heads per
+    stage, no overlap, no documents, no full RoPE table: the paper-table sweeps hold one, so
+    their searches are of other cells). ``agrees`` when the two max contexts are equal (empty
+    where no sweep searched that cell)."""
+    keys = ["mode", "method", "model", "nproc", "ring_degree", "stack", "dtype", "budget_mib"]
+    unset = pd.Series(True, index=maxctx.index)
+    for col in ("heads_per_stage", "doc_len", "overlap", "global_rope_table"):
+        if col in maxctx:  # missing, or false for the flags
+            unset &= maxctx[col].isna() | maxctx[col].isin([False, "False"])
+    ok = maxctx[(maxctx["status"] == Status.OK) & unset]
+    # no budget (the GPU's memory less the reserve) is a setting too: -1 stands for it
+    sweeps = (ok.assign(budget_mib=ok["budget_mib"].fillna(-1)).groupby(keys)["max_seq_len"]
+              .max().rename("sweep_max_seq_len"))
+    df = (baseline.assign(budget_mib=baseline["budget_mib"].fillna(-1)).join(sweeps, on=keys)
+          .assign(budget_mib=baseline["budget_mib"]))
     return df.assign(
         max_context=df["max_seq_len"].map(tokens).where(df["status"] == Status.OK,
                                                         df["status"]),

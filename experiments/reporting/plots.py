@@ -446,8 +446,9 @@ def _throughput(rows: pd.DataFrame) -> pd.DataFrame:
 
 def plot_throughput_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bool:
     """Tokens/s per GPU against length, a line per variant, whiskers from the p80 to the p20
-    step time. Reads rows.csv: method, heads_per_stage, model, nproc, stack, seq_len, status,
-    tokens_per_s_per_gpu, time_median_s, time_p20_s, time_p80_s, device."""
+    step time (measured rows; an emulated one has its time model's step only). Reads rows.csv:
+    method, heads_per_stage, model, nproc, stack, seq_len, status, tokens_per_s_per_gpu,
+    time_median_s, time_p20_s, time_p80_s, device."""
     df = _throughput(rows)
     if df.empty:
         return False
@@ -469,7 +470,10 @@ def plot_throughput_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path)
         if paper:  # one legend entry for the marks, in black: each in its variant's colour
             ax.scatter([], [], edgecolors="black", **PAPER_MARK,
                        label=f"{_paper_name(paper)}: its tokens/s per GPU")
-        _finish_lines(ax, df, "tokens/s per GPU (whiskers: p20-p80 step)", "Throughput")
+        # an emulated step is one number from the time model: no spread to draw
+        ylabel = ("tokens/s per GPU (time model)" if _emulated(df)
+                  else "tokens/s per GPU (whiskers: p20-p80 step)")
+        _finish_lines(ax, df, ylabel, "Throughput")
     return True
 
 

@@ -29,6 +29,14 @@ from experiments.emulation.fake_step import Measurement, fullest, measure_fake
 from experiments.emulation.fit import exact_is_cheaper
 from experiments.instruments.memory import MemoryTracker
 
+
+def _options_id(options: dict) -> str:
+    """A case's options in its test id: their values, overrides as key=value."""
+    parts = [("-".join(f"{key}={value}" for key, value in v) if k == "overrides" else str(v))
+             for k, v in options.items()]
+    return "-".join(parts) or "default"
+
+
 # (method, stack, options, ranks). On 4 ranks (2048 tokens): the hybrids (a 2 x 2 mesh needs
 # them) and UPipe on the paper's stack with and without the RoPE table
 # (tests/test_global_rope_table.py shares those runs); the rest on 2 ranks (1024 tokens): the
@@ -40,7 +48,10 @@ CASES = [
     ("upipe", "alst", {}, 4),
     ("ulysses", "alst", {}, 2),
     ("ds-ulysses", "alst", {}, 2),
-    ("ring", "alst", {}, 2),
+    # an odd vocabulary: FSDP2's shards of the embedding and output differ by rank (rank 0's
+    # the larger, the ring's last rank played for the time the smaller), and are re-padded at
+    # its lazy init; the emulator plays rank 0 too and initialises FSDP2 before tracking
+    ("ring", "alst", {"overrides": (("n_layers", "3"), ("vocab_size", "1025"))}, 2),
     ("zigzag-ring", "alst", {}, 2),
     ("usp", "alst", {"ring_degree": 2}, 4),
     ("upipe", "alst", {"ring_degree": 2}, 4),
@@ -74,8 +85,7 @@ CASES = [
 
 @pytest.mark.slow  # a real 2- or 4-rank run per cell: 2-6 s each on 2 cores
 @pytest.mark.parametrize("method,stack,options,ranks", CASES,
-                         ids=[f"{m}-{s}-{'-'.join(map(str, o.values())) or 'default'}-w{w}"
-                              for m, s, o, w in CASES])
+                         ids=[f"{m}-{s}-{_options_id(o)}-w{w}" for m, s, o, w in CASES])
 def test_emulation_equals_the_real_run(dist_pool, method, stack, options, ranks):
     # 512 tokens a rank still take every path of the step (two tiled-MLP shards and two loss
     # chunks per rank, UPipe's head stages, 2 x ranks zigzag chunks); FPDT's chunks (ours and

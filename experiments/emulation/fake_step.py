@@ -70,6 +70,9 @@ class Measurement:
     # device bytes of a middle block's parameter and optimizer-state shards, live all step
     # (None: no middle block)
     block_state_bytes: int | None = None
+    # some parameter's first dimension is not a multiple of the world: FSDP2's shards differ
+    # by rank, the first ranks' the largest (torch.chunk's split)
+    uneven_shards: bool = False
 
 
 @contextlib.contextmanager
@@ -149,7 +152,10 @@ def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True,
     dearest of the three; a memory-only search leaves them all out)."""
     rank = critical_rank(cell)
     m = _play(cell, cfg, hw, rank, count, work and count, replay)
-    for other in get_method(cell.method).memory_ranks(cell.nproc, cell.ring_degree):
+    others = list(get_method(cell.method).memory_ranks(cell.nproc, cell.ring_degree))
+    if m.uneven_shards:  # rank 0 holds the largest model-state shards
+        others.append(0)
+    for other in dict.fromkeys(others):
         if other != rank:
             m = fullest(m, _play(cell, cfg, hw, other, False, False, replay))
     return m
@@ -216,4 +222,5 @@ def _play(cell: Cell, cfg: ModelConfig, hw: Hardware, rank: int, count: bool, wo
         flops=flop_counter.total if count else None,
         comm_bytes=dict(comm.bytes_sent) if count else None,
         work=[(w, step_work.windows[w]) for w in step_work.order if w[0] != "setup"]
-        if work else None, block_state_bytes=block_states)
+        if work else None, block_state_bytes=block_states,
+        uneven_shards=any(p.dim() and p.shape[0] % cell.world for p in model.parameters()))

@@ -196,6 +196,15 @@ def build_model(cell: Cell, cfg: ModelConfig, meshes: Meshes | None,
         model.to_empty(device=device)
         with torch.no_grad():
             model.reset_parameters()
+    if meshes is not None:
+        # FSDP2 initialises at the root's first forward, and there re-pads every unevenly
+        # sharded parameter whose storage is not the one it padded: after ``to_empty`` on CUDA,
+        # and always on fake tensors (no data pointer to compare). Inside a tracked step that
+        # new storage would count as "other", not as model state, and the emulator would
+        # differ from a gloo run (whose storages it recognises). Initialised here, before any
+        # tracking, every run's parameters are final. Private API (there is no public lazy
+        # init; labels.py reaches into the same state), stable from torch 2.5 to 2.13.
+        model._get_fsdp_state()._lazy_init()
     model.set_offload(pin_memory=pin_host_memory(cell.seq_len))
     return model
 

@@ -445,3 +445,23 @@ def test_host_op_s_defaults_to_zero_and_must_be_positive(tmp_path):
     prof["host_op_s"] = 7.5e-6
     with pytest.raises(ProfileError, match="host_op_s: .* without a source"):
         load_profile(_write(tmp_path, prof, "bare.json"))
+
+
+def test_mfu_needs_a_peak_no_priced_rate_exceeds(tmp_path):
+    """MFU's denominator is the dtype's peak only while every rate the profile prices in that
+    dtype (matmul, any kernel's attention) stays under it: else an MFU could exceed 1."""
+    p = load_profile(_write(tmp_path, _minimal()))
+    assert p.mfu_peak("bf16") == p.peak_flops("bf16") == 1e15
+    assert p.mfu_peak("fp32") is None  # no peak at all
+    fast = _minimal()
+    fast["attention"]["sdpa"]["bf16"]["bwd"] = _c({"128": {"16": [[1024, 1e14], [4096, 2e15]]}})
+    p = load_profile(_write(tmp_path, fast, "fast.json"))
+    assert p.peak_flops("bf16") == 1e15 and p.mfu_peak("bf16") is None
+    # the shipped GPUs: fp32 attention runs 3xTF32 tensor-core MMAs past the CUDA cores' fp32
+    # peak (the suite leaves TF32 off for matmuls), so an fp32 step has no MFU there
+    for name in shipped_profiles():
+        shipped = load_profile(name)
+        assert shipped.mfu_peak("bf16") == shipped.peak_flops("bf16")
+        assert shipped.attention_rate("sdpa", "fp32", "fwd", 128, 16384) > shipped.peak_flops(
+            "fp32")
+        assert shipped.mfu_peak("fp32") is None

@@ -135,7 +135,7 @@ def time_columns(cell: Cell, cfg: ModelConfig, profile: Profile | None, m: Measu
         return {}
     pinned = pin_host_memory(cell.seq_len)
     t = step_time([(w, price(work, profile, pinned)) for w, work in m.work], profile)
-    peak = profile.peak_flops(cell.dtype)
+    peak = profile.mfu_peak(cell.dtype)  # None where a kernel beats the dtype's peak: no MFU
     # every replica's sequence
     flops = cell.dp * step_flops(cfg, cell.seq_len, packed_cu_seqlens(cell.seq_len, cell.doc_len))
     return {

@@ -187,9 +187,25 @@ class Profile:
         return float(self.values.get("host_op_s", 0.0))
 
     def peak_flops(self, dtype: str) -> float | None:
-        """The dense matmul peak for ``dtype`` (MFU's denominator), None if the profile has none."""
+        """The dense matmul peak for ``dtype``, None if the profile has none."""
         v = self.values["peak_flops"].get(dtype)
         return None if v is None else float(v)
+
+    def mfu_peak(self, dtype: str) -> float | None:
+        """MFU's denominator for ``dtype``: the peak, if no rate the profile prices in ``dtype``
+        (matmul, attention of any kernel) exceeds it; else None, and no MFU. A fraction of a
+        peak that some kernel beats is no utilisation: fp32 matmuls run on the CUDA cores (the
+        suite leaves TF32 off), while fp32 attention runs 3xTF32 tensor-core MMAs, 41.8 TFLOP/s
+        against the A100's 19.5 (the shipped profiles' sources), so an fp32 step's MFU could
+        exceed 1."""
+        peak = self.peak_flops(dtype)
+        if peak is None:
+            return None
+        # every table's key ends in its dtype: (matmul|matmul_narrow, dtype), (attention*, kernel,
+        # dtype)
+        fastest = max((r for key, t in self._tables.items() if key[-1] == dtype
+                       for r in _rates(t)), default=0.0)
+        return None if fastest > peak else peak
 
     def matmul_rate(self, dtype: str, m: int, n: int, k: int) -> float:
         """FLOP/s of an (m x k) @ (k x n) product in ``dtype``: the rate of the square product
@@ -313,6 +329,13 @@ def _parsed_tables(profile: Profile) -> dict:
             if need not in parsed:
                 raise ProfileError(f"attention.{kernel}.{dtype}: lacks the {need!r} pass")
     return out | attention | _attention_tree(profile.values, "attention_gqa", _by_dim_and_group)
+
+
+def _rates(parsed) -> list[float]:
+    """Every rate of a parsed table: an (xs, rates) pair, or dicts of them at any depth."""
+    if isinstance(parsed, dict):
+        return [r for t in parsed.values() for r in _rates(t)]
+    return list(parsed[1])
 
 
 def _attention_tree(values: dict, name: str, parse) -> dict:

@@ -271,6 +271,12 @@ def _plan_line(row: dict) -> dict:
             "why": why if len(why) <= WHY_CHARS else why[:WHY_CHARS - 3] + "..."}
 
 
+def _plan_number(v: float) -> str:
+    """A plan table's number: three significant digits, thousands in full (7,210 s, 1,330
+    tokens/s), never an exponent."""
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+
+
 def cmd_plan(a) -> int:
     spec = plan_spec_from_args(a)
     hw = hardware_from_args(a, spec.gpus)
@@ -297,9 +303,11 @@ def cmd_plan(a) -> int:
         table = pd.DataFrame(lines).rename(columns=PLAN_COLUMNS)
         table.index = range(1, len(table) + 1)
         with pd.option_context("display.width", 250, "display.max_colwidth", WHY_CHARS,
-                               "display.float_format", "{:.3g}".format):
-            print(f"{spec.label} on {spec.gpus} GPUs at {spec.seq_len} tokens, "
-                  f"{rows[0].get('hardware_profile') or hw.profile or 'h100-sxm'}:\n"
+                               "display.float_format", _plan_number):
+            # a cpu device has no profile unless given: no time model, so no name to print
+            where = rows[0].get("hardware_profile") or hw.profile or (
+                "h100-sxm" if hw.device == "cuda" else "an emulated cpu device, no time model")
+            print(f"{spec.label} on {spec.gpus} GPUs at {spec.seq_len} tokens, {where}:\n"
                   f"{table.to_string()}", file=a.stdout)
     return 0 if any(r["status"] == Status.OK for r in rows) else 1
 

@@ -242,7 +242,8 @@ def add_hardware_args(p: argparse.ArgumentParser, *, required: str = "") -> None
                    help="device memory kept off the budget: the caching allocator's reserve "
                         "beyond its tensors (default: measured on an H100, "
                         f"{DEFAULT_RESERVE_GIB:g}, " + ", ".join(
-                            f"{m} {r:g}" for m, r in METHOD_RESERVE_GIB.items()) + ")")
+                            f"{m} {r:g}" for m, r in METHOD_RESERVE_GIB.items())
+                        + "; 0 with --emulate-device cpu)")
     g.add_argument("--exact", action="store_true", default=None,
                    help="emulate the target size itself instead of predicting it from the fit "
                         "of small exact emulations (slower at paper scale)")

@@ -17,7 +17,6 @@ from experiments import cli
 from experiments.cli import main, parser
 from experiments.cli_args import cell_from_args, world_from_args
 from experiments.config import (
-    DEFAULT_RESERVE_GIB,
     THROUGHPUT_PLOTS,
     Cell,
     Hardware,
@@ -116,9 +115,10 @@ def test_emulate_json_row(capsys):
     assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
     assert row["status"] == "ok", row["error"]
     assert (row["mode"], row["emulation"]) == ("emulated", "exact")
-    # the paper's defaults: bf16, the method's paper stack, the H100 budget less the reserve
+    # the paper's defaults: bf16, the method's paper stack, the H100's memory (no allocator
+    # reserve on a cpu device: a gloo run's tracker counts live tensors only)
     assert (row["dtype"], row["stack"], row["nproc"], row["seq_len"]) == ("bf16", "alst", 4, 4096)
-    assert row["device_budget_bytes"] == int((79.65 - DEFAULT_RESERVE_GIB) * 2**30)
+    assert row["device_budget_bytes"] == int(79.65 * 2**30)
     assert row["host_budget_bytes"] == 2048 * 2**30 // 4  # one node's RAM over its 4 ranks
     assert 0 < row["peak_device_bytes"] < row["device_budget_bytes"]
     assert row["peak_host_bytes"] > 0  # the ALST stack offloads block inputs
@@ -127,7 +127,7 @@ def test_emulate_json_row(capsys):
     assert isinstance(row["comm_bytes_by_op"], dict)
     assert sum(row["comm_bytes_by_op"].values()) == row["comm_bytes_per_step"] > 0
     assert row["hw_device"] == "cpu" and row["hw_gpu_mem_gib"] == 79.65
-    assert row["hw_reserve_gib"] == DEFAULT_RESERVE_GIB  # resolved for the method
+    assert row["hw_reserve_gib"] == 0.0  # resolved for the device
 
 
 def test_keep_blocks_flag_reaches_the_cell_and_is_checked(capsys):
@@ -273,8 +273,7 @@ def test_emulated_sweep_runs_into_tables_and_plots(tmp_path):
         ("rfa-zigzag", "skipped")] * 2 + [("upipe", "ok")] * 2
     ok = grid[grid.status == "ok"].iloc[0]
     assert json.loads(ok["comm_bytes_by_op"]) and ok["emulation"] == "exact"
-    assert (ok["hw_device"], ok["device_memory_bytes"]) == (
-        "cpu", int((79.65 - DEFAULT_RESERVE_GIB) * 2**30))
+    assert (ok["hw_device"], ok["device_memory_bytes"]) == ("cpu", int(79.65 * 2**30))
     mc = pd.read_csv(paths["max_context_csv"]).set_index("method")
     assert set(mc["mode"]) == {"emulated"}
     assert (mc.loc["rfa-zigzag", "status"], mc.loc["rfa-zigzag", "n_probes"]) == ("skipped", 0)

@@ -80,6 +80,14 @@ def test_the_long_variant_is_planned_on_its_level_only_and_when_asked(monkeypatc
     assert [(r["stack"], r["status"]) for r in rows] == [("long", Status.OK)]
     without = PlanSpec("tiny", 4, 4096, methods=("upipe",), stacks=("alst",))
     assert all(c.stack == "alst" for c in configurations(without)[0])
+    # the long levels alone: UPipe's variant only, and a row saying so for every other method
+    # (it had none: the plan printed UPipe's row and said nothing of Ulysses)
+    only = PlanSpec("tiny", 4, 4096, methods=("upipe", "ulysses"), stacks=("long",))
+    cells, rows = configurations(only)
+    assert [(c.method, c.stack) for c in cells] == [("upipe", "long")]
+    (row,) = rows
+    assert (row["method"], row["stack"], row["status"]) == ("ulysses", "long", Status.SKIPPED)
+    assert row["error"].startswith("long: planned for UPipe only")
 
 
 def test_the_default_plan_weighs_selective_recomputation_and_not_the_paper_only_stacks():
@@ -414,3 +422,24 @@ def test_over_budget_figures_differ_as_printed():
 
     assert exceeds(80 << 30, 78 << 30) == "80.00 GiB > budget 78.00 GiB"
     assert exceeds(54_736_456, 53_687_091) == "0.051 GiB > budget 0.050 GiB"
+
+
+def test_plan_on_an_emulated_cpu_device_names_no_gpu_profile(capsys, monkeypatch):
+    """No profile on a cpu device: the header says there is no time model instead of naming
+    the GPU profile it did not use (the plan itself stubbed: its emulations are tested above)."""
+    row = {"status": Status.OK, "method": "ulysses", "nproc": 2, "ring_degree": 1,
+           "stack": "alst", "peak_device_bytes": 2**25, "peak_host_bytes": 0,
+           "hardware_profile": None}
+    monkeypatch.setattr(cli, "plan", lambda spec, hw, **_: [row])
+    argv = ["plan", "--model", "tiny", "--gpus", "2", "--seq-len", "1K", "--no-progress"]
+    assert cli.main([*argv, "--emulate-device", "cpu", "--gpu-mem", "1"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header == "tiny on 2 GPUs at 1024 tokens, an emulated cpu device, no time model:"
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "tiny on 2 GPUs at 1024 tokens, h100-sxm:"
+
+
+def test_plan_numbers_have_no_exponent():
+    """Step seconds and tokens/s in the thousands print in full (they printed as 7.21e+03)."""
+    assert [cli._plan_number(v) for v in (7213.4, 1330.2, 90.93, 0.3834, 0.00049)] == [
+        "7,213", "1,330", "90.9", "0.383", "0.00049"]

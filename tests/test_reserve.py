@@ -43,3 +43,14 @@ def test_budget_uses_the_methods_reserve_unless_one_is_given():
     small.validate()  # the default reserve fits an 8 GiB device ...
     with pytest.raises(ValueError, match=r"reserve_gib .*\(the measured reserve of 'fpdt'\)"):
         small.device_budget(fpdt)  # ... fpdt's measured 10 GiB do not
+
+
+def test_an_emulated_cpu_device_keeps_no_reserve():
+    """The reserve is a CUDA caching allocator's; a gloo run's tracker counts live tensors only,
+    so an emulated cpu device's budget is its whole memory unless a reserve is given."""
+    cpu = Hardware(device="cpu", gpu_mem_gib=1.0)
+    cpu.validate()  # the H100's 6.3 GiB would not fit under 1 GiB
+    assert cpu.device_budget(Cell("fpdt")) == cpu.device_budget(Cell("ulysses")) == GiB
+    assert cpu.columns("ulysses")["hw_reserve_gib"] == 0.0
+    given = Hardware(device="cpu", gpu_mem_gib=1.0, reserve_gib=0.25)
+    assert given.device_budget(Cell("ulysses")) == int(0.75 * GiB)

@@ -40,7 +40,7 @@ class Hardware:
     """ranks per node (the host budget of a rank is host_mem / ranks on its node)"""
     reserve_gib: float | None = None
     """device memory kept off the tensors' budget (the allocator's cache beyond its tensors);
-    None: the measured default for the cell's method (``reserve_for``)"""
+    None: the measured default for the cell's method (``reserve_for``), none on cpu"""
     device: str = "cuda"
     """kernel paths and allocator emulated: "cuda", or "cpu" (exactly a gloo run's tracking)"""
     profile: str | None = None
@@ -55,7 +55,7 @@ class Hardware:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         self._check_reserve(self.reserve_gib if self.reserve_gib is not None
-                            else DEFAULT_RESERVE_GIB)
+                            else 0.0 if self.device == "cpu" else DEFAULT_RESERVE_GIB)
         if self.profile is not None and not (isinstance(self.profile, str) and self.profile):
             raise ValueError(f"profile must be a profile name or a .json path, got "
                              f"{self.profile!r}")
@@ -68,10 +68,13 @@ class Hardware:
                              f"({world}) when the world spans several nodes")
 
     def reserve_for(self, method: str) -> float:
-        """The reserve in GiB for a cell of ``method``: ``reserve_gib`` if set, else the
-        method's measured one, else the measured default."""
+        """The reserve in GiB for a cell of ``method``: ``reserve_gib`` if set, else none on an
+        emulated cpu device (a gloo run's tracker counts live tensors, with no caching
+        allocator to hold more), else the method's measured one, else the measured default."""
         if self.reserve_gib is not None:
             return self.reserve_gib
+        if self.device == "cpu":
+            return 0.0
         reserve = METHOD_RESERVE_GIB.get(method, DEFAULT_RESERVE_GIB)
         self._check_reserve(reserve, f" (the measured reserve of {method!r})")
         return reserve

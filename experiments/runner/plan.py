@@ -194,13 +194,23 @@ def _variants(spec: PlanSpec, method: str) -> list[Cell]:
 
 def configurations(spec: PlanSpec) -> tuple[list[Cell], list[dict]]:
     """(the alst cell of every valid method x mesh x U, rows of the methods that have no valid
-    configuration on this cluster with the first rule each breaks)."""
+    configuration on this cluster with the first rule each breaks, or none on the levels asked:
+    only the long levels, which are UPipe's)."""
     spec.validate()
     cells, invalid = [], []
+    ladder = any(s in LADDER for s in spec.stacks)  # else only the long levels: UPipe's variant
     for method in spec.methods or available_methods():
         variants = _variants(spec, method)
-        if variants:
-            cells += variants
+        planned = [c for c in variants if ladder or c.stack == LONG]
+        if planned:
+            cells += planned
+            continue
+        if variants:  # valid, but on no level asked: a row that says so, not silence
+            cell = Cell.from_dict(variants[0].to_dict() | {"stack": spec.stacks[0]})
+            invalid.append(unrun(cell, None, Status.SKIPPED, (
+                f"{' and '.join(spec.stacks)}: planned for UPipe only (its fused input norm, "
+                "on a plain Ulysses mesh); add another --stacks level for this method, or "
+                "emulate it there with 'upipe-bench emulate --stack'"), "emulated"))
             continue
         cell = Cell(method=method, model=spec.model, overrides=spec.overrides, dp=spec.dp,
                     seq_len=spec.seq_len, nproc=spec.cp, dtype=spec.dtype, kernel=spec.kernel,

@@ -31,6 +31,16 @@ def test_chunk_spans_cover_the_sequence_once():
     assert chunk_spans(14, 7) == [(0, 7), (7, 14)]
 
 
+@pytest.mark.parametrize("chunk", [-2, 0, 2.5, None, True])
+def test_a_chunk_that_is_not_a_positive_integer_is_refused(chunk):
+    """A negative chunk made no span: the chunked backward returned dq as torch.empty left it
+    and dk/dv at zero, without a word."""
+    t = torch.zeros(1, 4, 1, 2)  # (B, S, H, D)
+    with pytest.raises(ValueError, match="chunk must be a positive number of tokens"):
+        chunked_attention_backward(t, t, t, t, t, torch.zeros(1, 1, 4), t.clone(), t.clone(),
+                                   chunk=chunk, causal=True)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 1)])
 @pytest.mark.parametrize("packed", [False, True])

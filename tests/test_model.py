@@ -88,6 +88,16 @@ def test_chunked_cross_entropy_matches_full_logits(chunk):
     torch.testing.assert_close(w.grad, dw)
 
 
+@pytest.mark.parametrize("chunk,labels,match", [
+    (-1, 6, "chunk must be a positive number"),  # was a loss of 0.0 and zero gradients
+    (0, 6, "chunk must be a positive number"), (2.5, 6, "chunk must be a positive number"),
+    (4, 5, r"labels must be \(N,\) for h of \(N, dim\)")])
+def test_chunked_loss_refuses_what_it_would_not_compute(chunk, labels, match):
+    h, w = torch.randn(6, 8, requires_grad=True), torch.randn(11, 8)
+    with pytest.raises(ValueError, match=match):
+        chunked_linear_cross_entropy(h, w, torch.zeros(labels, dtype=torch.long), chunk)
+
+
 def _loss_peak_over_base(n: int, dim: int, vocab: int, chunk: int) -> int:
     """Peak tracked bytes of the chunked loss's forward and backward over what lives before."""
     h = torch.randn(n, dim, requires_grad=True)

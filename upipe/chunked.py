@@ -23,6 +23,8 @@ replays the many blocks of a long sequence instead of dispatching each one.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from upipe.documents import Documents
@@ -31,7 +33,13 @@ from upipe.pure import Span, metadata_pure
 
 
 def chunk_spans(n: int, chunk: int) -> list[tuple[int, int]]:
-    """(start, end) of consecutive chunks of ``chunk`` tokens over n tokens (the last shorter)."""
+    """(start, end) of consecutive chunks of ``chunk`` tokens over n tokens (the last shorter).
+    A chunk that is not a positive integer is refused: a negative one made no span at all, and
+    a chunked function returned what it had not computed."""
+    check_chunk(chunk, name="chunk")
+    if chunk is None:
+        raise ValueError("chunk must be a positive number of tokens, got None")
+    chunk = int(chunk)
     return [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
 
 
@@ -54,7 +62,7 @@ def check_chunk(chunk: int | None, ring: bool = False, name: str = "chunk_size")
     ``name``."""
     if chunk is None:
         return
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+    if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
         raise ValueError(f"{name} must be a positive number of tokens or None, got {chunk!r}")
     if ring:
         raise ValueError(f"{name} (a chunked attention backward) needs the plain Ulysses mesh "

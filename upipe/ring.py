@@ -35,6 +35,8 @@ FakeTensorMode with the fake process group; the kernel is ``upipe.kernels``' dis
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -85,6 +87,22 @@ class RingComm:
         for req in self._reqs:
             req.wait()
         self._reqs, self._inflight = [], []
+
+
+@contextlib.contextmanager
+def _settled(*comms: RingComm):
+    """On an error inside, complete the P2P operations already posted, then raise it. An
+    error of the inputs or the kernel (an unavailable kernel, a dtype mix) raises on every rank
+    at the same step, where each rank's pending sends match its neighbours' receives; left
+    pending, they broke the group for every later collective (gloo timed out on the next
+    all_reduce)."""
+    try:
+        yield
+    except BaseException:
+        for comm in comms:
+            with contextlib.suppress(Exception):
+                comm.wait()
+        raise
 
 
 def _part(x: torch.Tensor, part, dim: int = 1) -> torch.Tensor:
@@ -155,31 +173,32 @@ def ring_attention_forward(
     comm = RingComm(group)
     kw = dict(scale=scale, kernel=kernel)
     out = lse = None
-    for step in range(comm.world):
-        if step + 1 < comm.world:
-            nxt = comm.start([k, v])
-        plan = step_blocks(step, comm.rank, comm.world, q.shape[1], zigzag=zigzag,
-                           causal=causal, docs=docs)
-        if plan is not None:
-            qp, kvp, blk_causal, blocks = plan
-            qs, ks, vs = _part(q, qp), _part(k, kvp), _part(v, kvp)
-            if out is None:  # step 0 covers every query: start from it (no -inf arithmetic)
-                o_b, lse = attention_forward(qs, ks, vs, causal=blk_causal, blocks=blocks, **kw)
-                out = o_b.float()
-                del o_b
-            elif blocks is None:
-                o_b, lse_b = attention_forward(qs, ks, vs, causal=blk_causal, **kw)
-                merge_attention(_part(out, qp), _part(lse, qp, dim=2), o_b, lse_b)
-                del o_b, lse_b
-            else:  # each document's rows merged in place: no block-sized temporary
-                out_p, lse_p = _part(out, qp), _part(lse, qp, dim=2)
-                for (qa, qb), o_b, lse_b in attention_blocks_forward(
-                        qs, ks, vs, causal=blk_causal, blocks=blocks, **kw):
-                    merge_attention(out_p[:, qa:qb], lse_p[:, :, qa:qb], o_b, lse_b)
+    with _settled(comm):
+        for step in range(comm.world):
+            if step + 1 < comm.world:
+                nxt = comm.start([k, v])
+            plan = step_blocks(step, comm.rank, comm.world, q.shape[1], zigzag=zigzag,
+                               causal=causal, docs=docs)
+            if plan is not None:
+                qp, kvp, blk_causal, blocks = plan
+                qs, ks, vs = _part(q, qp), _part(k, kvp), _part(v, kvp)
+                if out is None:  # step 0 covers every query: start from it (no -inf arithmetic)
+                    o_b, lse = attention_forward(qs, ks, vs, causal=blk_causal, blocks=blocks, **kw)
+                    out = o_b.float()
+                    del o_b
+                elif blocks is None:
+                    o_b, lse_b = attention_forward(qs, ks, vs, causal=blk_causal, **kw)
+                    merge_attention(_part(out, qp), _part(lse, qp, dim=2), o_b, lse_b)
                     del o_b, lse_b
-        if step + 1 < comm.world:
-            comm.wait()
-            k, v = nxt
+                else:  # each document's rows merged in place: no block-sized temporary
+                    out_p, lse_p = _part(out, qp), _part(lse, qp, dim=2)
+                    for (qa, qb), o_b, lse_b in attention_blocks_forward(
+                            qs, ks, vs, causal=blk_causal, blocks=blocks, **kw):
+                        merge_attention(out_p[:, qa:qb], lse_p[:, :, qa:qb], o_b, lse_b)
+                        del o_b, lse_b
+            if step + 1 < comm.world:
+                comm.wait()
+                k, v = nxt
     return out.to(q.dtype), lse
 
 
@@ -199,42 +218,43 @@ def ring_attention_backward(
     kw = dict(scale=scale, kernel=kernel)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = recv_d = None  # fp32 (dk, dv) accumulators of the K/V block this rank holds
-    for step in range(kv_comm.world):
-        if step + 1 < kv_comm.world:
-            nxt = kv_comm.start([k, v])
-        plan = step_blocks(step, kv_comm.rank, kv_comm.world, q.shape[1], zigzag=zigzag,
-                           causal=causal, docs=docs)
-        if dkv is None:  # step 0: this rank's own block starts its accumulators
-            dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
-        else:  # the accumulators of the block just received, from the previous rank
+    with _settled(kv_comm, d_comm):
+        for step in range(kv_comm.world):
+            if step + 1 < kv_comm.world:
+                nxt = kv_comm.start([k, v])
+            plan = step_blocks(step, kv_comm.rank, kv_comm.world, q.shape[1], zigzag=zigzag,
+                               causal=causal, docs=docs)
+            if dkv is None:  # step 0: this rank's own block starts its accumulators
+                dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
+            else:  # the accumulators of the block just received, from the previous rank
+                d_comm.wait()
+                dkv = recv_d
+            if plan is not None:
+                qp, kvp, blk_causal, blocks = plan
+                parts = (_part(dout, qp), _part(q, qp), _part(k, kvp), _part(v, kvp),
+                         _part(out, qp), _part(lse, qp, dim=2))
+                targets = (_part(dq, qp), _part(dkv[0], kvp), _part(dkv[1], kvp))
+                if blocks is None:
+                    dq_b, dk_b, dv_b = attention_backward(*parts, causal=blk_causal, **kw)
+                    targets[0].add_(dq_b)
+                    targets[1].add_(dk_b)
+                    targets[2].add_(dv_b)
+                    del dq_b, dk_b, dv_b
+                else:  # each document's gradients added in place: no block-sized temporary
+                    for (qa, qb, ka, kb), dq_b, dk_b, dv_b in attention_blocks_backward(
+                            *parts, causal=blk_causal, blocks=blocks, **kw):
+                        targets[0][:, qa:qb].add_(dq_b)
+                        targets[1][:, ka:kb].add_(dk_b)
+                        targets[2][:, ka:kb].add_(dv_b)
+                        del dq_b, dk_b, dv_b
+            if kv_comm.world > 1:  # pass them on; after the last step they reach their owner
+                recv_d = d_comm.start(dkv)
+            if step + 1 < kv_comm.world:
+                kv_comm.wait()
+                k, v = nxt
+        if kv_comm.world > 1:
             d_comm.wait()
             dkv = recv_d
-        if plan is not None:
-            qp, kvp, blk_causal, blocks = plan
-            parts = (_part(dout, qp), _part(q, qp), _part(k, kvp), _part(v, kvp), _part(out, qp),
-                     _part(lse, qp, dim=2))
-            targets = (_part(dq, qp), _part(dkv[0], kvp), _part(dkv[1], kvp))
-            if blocks is None:
-                dq_b, dk_b, dv_b = attention_backward(*parts, causal=blk_causal, **kw)
-                targets[0].add_(dq_b)
-                targets[1].add_(dk_b)
-                targets[2].add_(dv_b)
-                del dq_b, dk_b, dv_b
-            else:  # each document's gradients added in place: no block-sized temporary
-                for (qa, qb, ka, kb), dq_b, dk_b, dv_b in attention_blocks_backward(
-                        *parts, causal=blk_causal, blocks=blocks, **kw):
-                    targets[0][:, qa:qb].add_(dq_b)
-                    targets[1][:, ka:kb].add_(dk_b)
-                    targets[2][:, ka:kb].add_(dv_b)
-                    del dq_b, dk_b, dv_b
-        if kv_comm.world > 1:  # pass them on; after the last step they reach their owner
-            recv_d = d_comm.start(dkv)
-        if step + 1 < kv_comm.world:
-            kv_comm.wait()
-            k, v = nxt
-    if kv_comm.world > 1:
-        d_comm.wait()
-        dkv = recv_d
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 

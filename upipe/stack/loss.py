@@ -91,4 +91,8 @@ def chunked_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: 
     Returns:
         fp32 scalar, the sum over non-ignored tokens (divide by the global token count).
     """
+    if h.dim() != 2 or labels.shape != (h.shape[0],):
+        raise ValueError(f"labels must be (N,) for h of (N, dim): got labels {tuple(labels.shape)} "
+                         f"and h {tuple(h.shape)}")
+    spans(h.shape[0], chunk)  # refuses a chunk that is not a positive integer, before any work
     return _ChunkedLinearCrossEntropy.apply(h, weight, labels, chunk)

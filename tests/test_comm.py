@@ -168,3 +168,34 @@ def test_a_ring_that_raises_on_every_rank_leaves_the_group_usable(dist_pool, kin
     the group's next collective works."""
     for raised, summed in dist_pool(2).run(_ring_raises_then_the_group_works, kind):
         assert raised and summed == [3.0, 3.0, 3.0]
+
+
+def _group_misuse(case: str) -> str:
+    from upipe import build_method, upipe_attention
+    from upipe.rope import rope_tables
+
+    try:
+        if case == "not a member":  # rank 1 given a group of rank 0 only
+            alone = dist.new_group([0])
+            group = alone if dist.get_rank() == 1 else dist.group.WORLD
+            build_method("ring", 32, 4, 2, 8, group=group)
+        else:  # the same group as both axes of a hybrid
+            x, w, wkv = torch.randn(1, 4, 32), torch.randn(32, 32), torch.randn(16, 32)
+            cos, sin = rope_tables(torch.arange(4), 8, 10000.0, torch.float32)
+            upipe_attention(x, w, wkv, wkv, cos, sin, n_heads=4, n_kv_heads=2,
+                            group=dist.group.WORLD, ring_group=dist.group.WORLD)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("case,match,ranks", [
+    # torch answers -1 for its size and rank, which the methods took as such: an AttributeError
+    # in the forward, or "heads_per_stage (-1) must be a positive multiple of the CP degree (-1)"
+    ("not a member", "group must contain this rank", [1]),
+    # accepted before: a hybrid of 16 tokens out of 8, heads mixed across ranks
+    ("one group twice", "two axes of one mesh", [0, 1]),
+])
+def test_groups_that_cannot_be_the_methods_are_refused(dist_pool, case, match, ranks):
+    said = dist_pool(2).run(_group_misuse, case)
+    assert [r for r, text in enumerate(said) if match in text] == ranks, said

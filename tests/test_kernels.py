@@ -16,6 +16,7 @@ from upipe.kernels import (
     kernel_functions,
     kernel_unavailable_reason,
 )
+from upipe.ring import ring_attention
 
 
 def _inputs(s, hq, hkv, d, dtype, device="cpu"):
@@ -147,3 +148,23 @@ class TestCUDAKernels:
         g2 = attention_backward(dout, q, k, v, o2, l2, causal=causal, kernel="sdpa")
         for a, b in zip(g1, g2, strict=True):
             torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("shapes,causal,match", [
+    # v shorter than k: the CPU SDPA returned an output as if v had k's length
+    (((1, 4, 2, 8), (1, 4, 2, 8), (1, 3, 2, 8)), False, "q \\(B, S_q, Hq, D\\)"),
+    (((1, 4, 3, 8), (1, 4, 2, 8), (1, 4, 2, 8)), False, "Hq a multiple of Hkv"),
+    (((1, 4, 2, 8), (1, 6, 2, 8), (1, 6, 2, 8)), True, "S_q == S_k"),
+])
+def test_attention_refuses_shapes_it_would_compute_nonsense_from(shapes, causal, match):
+    q, k, v = (torch.randn(s) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        attention_forward(q, k, v, causal=causal)
+    with pytest.raises(ValueError, match=match):
+        attention(q, k, v, causal=causal)
+
+
+def test_ring_attention_refuses_k_and_v_of_another_length_than_q():
+    q, kv = torch.randn(1, 4, 2, 8), torch.randn(1, 3, 2, 8)
+    with pytest.raises(ValueError, match="one local length: got 4, 3 and 3"):
+        ring_attention(q, kv, kv, group=None)

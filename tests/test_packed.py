@@ -202,3 +202,18 @@ def test_flash_attn_varlen_equals_the_blockwise_path():
                                causal=True, kernel="flash-attn")
         for full, part in zip(grads, g, strict=True):
             torch.testing.assert_close(full[:, a:b], part)
+
+
+@pytest.mark.parametrize("world,method,seq,kernel", [
+    (1, "upipe", 37, "auto"), (1, "ulysses", 37, "math"),
+    (2, "ring", 30, "auto"), (2, "zigzag-ring", 28, "math"),
+])
+def test_fp64_keeps_fp64_precision_on_packed_documents(dist_pool, world, method, seq, kernel):
+    """fp64 packed documents: the output and dx within a few fp64 ulps of the fp64 truth (the
+    weight gradients are summed over ranks in fp32, as FSDP reduces them). The CPU op's backward
+    refused the fp32 LSE the documents' blocks were gathered into; the math kernel's LSE and
+    the ring's sums rounded to fp32 (dx off by 2e-8 to 4e-8)."""
+    case = Case(method, 8, 2, seq, dtype="fp64", options={"kernel": kernel},
+                docs=DOCS[world, seq])
+    for errors in dist_pool(world).run(compare_with_reference, case):
+        assert errors["y"] < 1e-12 and errors["dx"] < 1e-12, errors

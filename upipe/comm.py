@@ -23,17 +23,42 @@ from upipe.pure import metadata_pure
 
 
 def group_size(group: ProcessGroup | None) -> int:
-    """World size of ``group``; 1 when torch.distributed is not initialised."""
+    """World size of ``group``; 1 when torch.distributed is not initialised. A ValueError
+    when this rank is not in ``group`` (torch answers -1, which the methods took for a size)."""
     if not dist.is_available() or not dist.is_initialized():
         return 1
-    return dist.get_world_size(group)
+    return _member(dist.get_world_size(group), group)
 
 
 def group_rank(group: ProcessGroup | None) -> int:
-    """Rank within ``group``; 0 when torch.distributed is not initialised."""
+    """Rank within ``group``; 0 when torch.distributed is not initialised. A ValueError when
+    this rank is not in ``group``."""
     if not dist.is_available() or not dist.is_initialized():
         return 0
-    return dist.get_rank(group)
+    return _member(dist.get_rank(group), group)
+
+
+def _member(value: int, group: ProcessGroup | None) -> int:
+    if value < 0:
+        raise ValueError(f"group must contain this rank (global rank {dist.get_rank()}): a "
+                         "rank outside it has no place in its sequence shards; give each rank "
+                         "the group it belongs to (every rank calls dist.new_group for every "
+                         "group, and keeps its own)")
+    return value
+
+
+def check_mesh_axes(group: ProcessGroup | None, ring_group: ProcessGroup) -> None:
+    """Refuse a (ring, ulysses) pair of groups that are not two axes of one mesh: they must
+    meet at this rank only (the same group twice made a hybrid that took the sequence for
+    ring x ulysses shards of what it was, and mixed heads held by different ranks)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    ulysses = set(dist.get_process_group_ranks(group or dist.group.WORLD))
+    ring = set(dist.get_process_group_ranks(ring_group))
+    if ulysses & ring != {dist.get_rank()}:
+        raise ValueError(f"ring_group and group must be two axes of one mesh, meeting at this "
+                         f"rank only: they share global ranks {sorted(ulysses & ring)} (use "
+                         "DeviceMesh's two dimensions: upipe.module.mesh_groups)")
 
 
 def _all_to_all(chunks: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

@@ -306,6 +306,20 @@ def _default_scale(q: torch.Tensor, scale: float | None) -> float:
 
 
 @metadata_pure
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+               blocks: DocBlocks | None) -> None:
+    """Refuse shapes a kernel would take and compute nonsense from (the CPU SDPA attended a v
+    shorter than k as if it were a view of k's length), with the rule."""
+    if (q.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0]
+            or q.shape[3] != k.shape[3] or k.shape[2] < 1 or q.shape[2] % k.shape[2]):
+        raise ValueError(f"attention needs q (B, S_q, Hq, D) and k, v (B, S_k, Hkv, D) with Hq "
+                         f"a multiple of Hkv, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if causal and blocks is None and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal attention needs as many queries as keys (S_q == S_k), got "
+                         f"{q.shape[1]} and {k.shape[1]}")
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -327,9 +341,11 @@ def attention_forward(
             (``upipe.documents.Documents.blocks``); None: every query over every key.
 
     Returns:
-        out (B, S_q, Hq, D) in q's dtype, lse (B, Hq, S_q) fp32 (natural log of the softmax
-        denominator of the scaled scores; -inf, with out 0, for rows outside every block).
+        out (B, S_q, Hq, D) in q's dtype, lse (B, Hq, S_q) fp32, fp64 for fp64 inputs (natural
+        log of the softmax denominator of the scaled scores; -inf, with out 0, for rows outside
+        every block).
     """
+    _check_qkv(q, k, v, causal, blocks)
     kernel = resolve_kernel(kernel, q)
     forward, _ = _resolve(kernel, q)
     scale = _default_scale(q, scale)
@@ -426,12 +442,15 @@ def _blockwise_forward(q, k, v, blocks, causal, scale, kernel):
     """Every document block into one (out, lse)."""
     b, sq, h, _ = q.shape
     shape = (b, sq, h, v.shape[3])
+    # the kernels' own LSE dtype: fp32, fp64 for fp64 inputs (the CPU op's backward refuses an
+    # fp32 LSE beside fp64 tensors, and the math kernel's would lose fp64's precision)
+    lse_dtype = _work_dtype(q)
     if _covers_rows(blocks, sq):
         out = q.new_empty(shape)
-        lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+        lse = torch.empty((b, h, sq), dtype=lse_dtype, device=q.device)
     else:  # rows without a visible key: output 0, LSE -inf (the merge's identity)
         out = q.new_zeros(shape)
-        lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, sq), float("-inf"), dtype=lse_dtype, device=q.device)
     for (qa, qb), o, l_ in attention_blocks_forward(q, k, v, causal=causal, scale=scale,
                                                     kernel=kernel, blocks=blocks):
         out[:, qa:qb] = o
@@ -505,7 +524,7 @@ def _math_forward(q, k, v, causal, scale):
     probs = torch.exp(scores - lse[..., None])
     vg = v.to(scores.dtype).permute(0, 2, 1, 3)[:, :, None]  # (B, Hkv, 1, Sk, D)
     out = (probs @ vg).permute(0, 3, 1, 2, 4).reshape(b, sq, hq, d)
-    return out.to(q.dtype), lse.reshape(b, hq, sq).float()
+    return out.to(q.dtype), lse.reshape(b, hq, sq).to(_work_dtype(q))  # fp64 kept for fp64
 
 
 def _math_backward(dout, q, k, v, out, lse, causal, scale):

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from upipe.chunked import check_chunk, chunked_attention_backward
+from upipe.chunked import accumulator_dtype, check_chunk, chunked_attention_backward
 from upipe.comm import group_rank, group_size
 from upipe.documents import DocBlocks, RingDocuments
 from upipe.kernels import (
@@ -147,7 +147,10 @@ def step_blocks(step: int, rank: int, world: int, n_local: int, *, zigzag: bool,
     return (qp, kvp, blk_causal, blocks) if blocks else None
 
 
-def _check_ring_input(q: torch.Tensor, zigzag: bool) -> None:
+def _check_ring_input(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, zigzag: bool) -> None:
+    if not q.shape[1] == k.shape[1] == v.shape[1]:  # a rank's q, k and v are its own tokens'
+        raise ValueError(f"ring attention needs q, k and v of this rank's tokens, one local "
+                         f"length: got {q.shape[1]}, {k.shape[1]} and {v.shape[1]}")
     if zigzag and q.shape[1] % 2:
         raise ValueError(
             f"zigzag ring attention needs an even local length (two chunks), got {q.shape[1]}"
@@ -167,9 +170,9 @@ def ring_attention_forward(
             (contiguous, or zigzag when ``zigzag``); GQA via Hkv < H, K/V travel unexpanded.
         docs: packed documents and the global tokens of each ring rank, or None.
     Returns:
-        out (B, L, H, D) in q's dtype; lse (B, H, L) fp32.
+        out (B, L, H, D) in q's dtype; lse (B, H, L) fp32 (fp64 for fp64 inputs).
     """
-    _check_ring_input(q, zigzag)
+    _check_ring_input(q, k, v, zigzag)
     comm = RingComm(group)
     kw = dict(scale=scale, kernel=kernel)
     out = lse = None
@@ -184,7 +187,7 @@ def ring_attention_forward(
                 qs, ks, vs = _part(q, qp), _part(k, kvp), _part(v, kvp)
                 if out is None:  # step 0 covers every query: start from it (no -inf arithmetic)
                     o_b, lse = attention_forward(qs, ks, vs, causal=blk_causal, blocks=blocks, **kw)
-                    out = o_b.float()
+                    out = o_b.to(accumulator_dtype(q.dtype))  # fp32, fp64 for fp64
                     del o_b
                 elif blocks is None:
                     o_b, lse_b = attention_forward(qs, ks, vs, causal=blk_causal, **kw)
@@ -213,10 +216,11 @@ def ring_attention_backward(
 
     Shapes as in the forward; returns (dq, dk, dv) shaped like (q, k, v), for this rank's blocks.
     """
-    _check_ring_input(q, zigzag)
+    _check_ring_input(q, k, v, zigzag)
     kv_comm, d_comm = RingComm(group), RingComm(group)
     kw = dict(scale=scale, kernel=kernel)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    acc = accumulator_dtype(q.dtype)  # fp32 sums, fp64 for fp64 inputs
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dkv = recv_d = None  # fp32 (dk, dv) accumulators of the K/V block this rank holds
     with _settled(kv_comm, d_comm):
         for step in range(kv_comm.world):
@@ -225,7 +229,7 @@ def ring_attention_backward(
             plan = step_blocks(step, kv_comm.rank, kv_comm.world, q.shape[1], zigzag=zigzag,
                                causal=causal, docs=docs)
             if dkv is None:  # step 0: this rank's own block starts its accumulators
-                dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
+                dkv = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v)]
             else:  # the accumulators of the block just received, from the previous rank
                 d_comm.wait()
                 dkv = recv_d

@@ -52,7 +52,14 @@ import torch
 from torch.distributed import ProcessGroup
 
 from upipe.chunked import accumulator_dtype, check_chunk
-from upipe.comm import Transfer, group_size, head_to_seq_start, seq_to_head, seq_to_head_start
+from upipe.comm import (
+    Transfer,
+    check_mesh_axes,
+    group_size,
+    head_to_seq_start,
+    seq_to_head,
+    seq_to_head_start,
+)
 from upipe.documents import RingDocuments, documents
 from upipe.layout import SeqLayout
 from upipe.module import ContextParallelAttention, check_ulysses_heads
@@ -378,6 +385,8 @@ def upipe_attention(
     check_ulysses_heads(n_heads, n_kv_heads, cp)
     u = cp if heads_per_stage is None else heads_per_stage  # 0 is refused, not the default
     plan = make_stage_plan(n_heads, n_kv_heads, cp, u)
+    if ring_group is not None:
+        check_mesh_axes(group, ring_group)
     ring = 1 if ring_group is None else group_size(ring_group)
     docs = documents(cu_seqlens, x.shape[1] * cp * ring)
     ring_docs = None if docs is None else RingDocuments(

@@ -27,7 +27,7 @@ def group_size(group: ProcessGroup | None) -> int:
     when this rank is not in ``group`` (torch answers -1, which the methods took for a size)."""
     if not dist.is_available() or not dist.is_initialized():
         return 1
-    return _member(dist.get_world_size(group), group)
+    return _member(dist.get_world_size(group))
 
 
 def group_rank(group: ProcessGroup | None) -> int:
@@ -35,10 +35,10 @@ def group_rank(group: ProcessGroup | None) -> int:
     this rank is not in ``group``."""
     if not dist.is_available() or not dist.is_initialized():
         return 0
-    return _member(dist.get_rank(group), group)
+    return _member(dist.get_rank(group))
 
 
-def _member(value: int, group: ProcessGroup | None) -> int:
+def _member(value: int) -> int:
     if value < 0:
         raise ValueError(f"group must contain this rank (global rank {dist.get_rank()}): a "
                          "rank outside it has no place in its sequence shards; give each rank "

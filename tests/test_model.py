@@ -178,6 +178,22 @@ def test_tiled_gives_parameter_gradients_when_only_they_require_grad():
         torch.testing.assert_close(g, p.grad)  # shard-wise fp32 sums: round-off only
 
 
+def test_tiled_weight_gradients_go_to_grad_not_to_autograd_grad():
+    """What docs/using-upipe.md says of the tiled MLP: its weights' gradients are added into
+    ``.grad`` inside the shards' backward, so ``torch.autograd.grad`` over the weights is told
+    they were not used, and fills ``.grad`` all the same (the untiled module's would not)."""
+    from experiments.harness.model import FeedForward
+    from upipe.stack import tiled
+
+    torch.manual_seed(0)
+    m, x = FeedForward(CFG.dim, CFG.ffn_dim), torch.randn(1, 620, CFG.dim, requires_grad=True)
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        torch.autograd.grad(tiled(m, x).sum(), list(m.parameters()))
+    assert all(p.grad is not None for p in m.parameters())
+    (dx,) = torch.autograd.grad(tiled(m, x).sum(), x)  # the input's gradient is autograd's
+    torch.testing.assert_close(dx, torch.autograd.grad(m(x).sum(), x)[0])
+
+
 def test_tiled_residual_gives_parameter_gradients_when_only_they_require_grad():
     """``h + mlp(norm(h))`` shard by shard: the same output and parameter gradients as the
     untiled modules' when h needs none (the parameters are the Function's inputs); a function

@@ -54,8 +54,9 @@ class Hardware:
         for name in ("gpu_mem_gib", "host_mem_gib", "gpus_per_node"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        self._check_reserve(self.reserve_gib if self.reserve_gib is not None
-                            else 0.0 if self.device == "cpu" else DEFAULT_RESERVE_GIB)
+        # a method's own reserve is checked where it is resolved (reserve_for); here the
+        # default's, which every method without a measured reserve gets
+        self._check_reserve(self.reserve_for(""))
         if self.profile is not None and not (isinstance(self.profile, str) and self.profile):
             raise ValueError(f"profile must be a profile name or a .json path, got "
                              f"{self.profile!r}")

@@ -100,6 +100,7 @@ from experiments.runner.time_validation import validate_time
 from experiments.store import read_json
 from experiments.sweeps import SWEEPS, get_sweep
 from experiments.timing.calibrate import calibrate, check_profile_path, write_profile
+from upipe.kernels import KERNELS
 from upipe.registry import available_methods, get_method
 
 RESULTS = Path("results")
@@ -346,11 +347,12 @@ def _named_path(text: str) -> tuple[str, Path]:
 
 
 def cmd_validate_time(a) -> int:
-    if (a.reprice or a.profile) and a.device != "cuda":
-        raise ValueError("--reprice and --profile are for --device cuda (a GPU run's cells "
-                         "priced again)")
-    if a.profile and not a.reprice:
-        raise ValueError("--profile prices a finished run's cells: give --reprice too")
+    if (a.reprice or a.profile or a.kernel) and a.device != "cuda":
+        raise ValueError("--reprice, --profile and --kernel are for --device cuda (a GPU "
+                         "run's cells priced again)")
+    if (a.profile or a.kernel) and not a.reprice:
+        raise ValueError("--profile and --kernel price a finished run's cells: give --reprice "
+                         "too")
     if a.device == "cuda":
         return _validate_time_gpu(a)
     if a.quick:
@@ -382,11 +384,17 @@ def _dry_run(a, sweep, runner: SweepRunner) -> int:
     return 2 if bad else 0
 
 
+def _targets_word(met: bool | None) -> str:
+    """How a GPU validation summary's ``meets_targets`` reads."""
+    return {True: "targets met", False: "targets not met"}.get(met, "no targets for this name")
+
+
 def _validate_time_gpu(a) -> int:
     try:
         if a.reprice:
             more = dict(_named_path(x) for x in a.profile)
-            summary = reprice(a.out / GPU_FOLDER, more, progress=_progress(a))
+            summary = reprice(a.out / GPU_FOLDER, more, kernel=a.kernel,
+                              progress=_progress(a))
         else:
             summary = validate_gpu(a.out, quick=a.quick, progress=_progress(a))
     except NoGPU as e:
@@ -400,7 +408,7 @@ def _validate_time_gpu(a) -> int:
                 s = summary[p]
                 print(f"{p} profile: {s['cells']} cells, median |error| "
                       f"{s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%} "
-                      f"({s['worst_cell']}); targets {'met' if s['meets_targets'] else 'not met'}",
+                      f"({s['worst_cell']}); {_targets_word(s['meets_targets'])}",
                       file=a.stdout)
     return 0
 
@@ -540,6 +548,9 @@ def parser() -> argparse.ArgumentParser:
                          "stand (no GPU needed; the measured columns are kept)")
     vt.add_argument("--profile", action="append", default=[], metavar="NAME=PATH.json",
                     help="with --reprice: one more profile to price the cells on (repeatable)")
+    vt.add_argument("--kernel", choices=[k for k in KERNELS if k != "auto"],
+                    help="with --reprice: the attention kernel the cells ran, for a run whose "
+                         "rows.csv has no kernel column (runs before it)")
     vt.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_progress_arg(vt)
     vt.set_defaults(fn=cmd_validate_time)

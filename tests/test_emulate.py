@@ -120,6 +120,19 @@ def test_a_row_takes_each_memory_figure_of_its_fullest_rank_and_the_counts_of_th
     assert (m.flops, m.comm_bytes, m.work, m.block_state_bytes) == (
         7, {"all_to_all_single": 3}, [], 4)
 
+def test_one_rank_is_played_alone_when_named():
+    """``measure_fake(rank=r)`` plays rank r only (the GPU validation's rank 0): on a
+    contiguous causal ring rank 0 computes one causal block where the critical last rank
+    computes two, so its FLOPs are lower; a rank outside the world is refused by name."""
+    cell = Cell(method="ring", model="tiny", seq_len=2048, nproc=2, dtype="bf16")
+    cfg, hw = cell.validate(), Hardware()  # an emulated GPU: its kernels skip masked blocks
+    critical, first = measure_fake(cell, cfg, hw), measure_fake(cell, cfg, hw, rank=0)
+    assert first.flops < critical.flops
+    assert measure_fake(cell, cfg, hw, rank=1).flops == critical.flops  # the last rank
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
+        measure_fake(cell, cfg, hw, rank=2)
+
+
 # one of each structure: head stages, a hybrid mesh with a ring, sequence chunks (every method's
 # fit also checks itself: tests/test_max_context_regression.py requires no unconfirmed phase)
 FIT_CASES = [

@@ -59,11 +59,29 @@ def test_predictions_name_a_run_without_its_cell_json(tmp_path):
     FileNotFoundError. Nothing is emulated: the check comes first."""
     cell = Cell("ulysses", model="tiny", seq_len=256, nproc=2)
     row = tmp_path / "runs" / cell.cell_id() / "row.json"
-    write_json(row, describe(cell, None) | {"status": "ok", "error": "", "mode": "measured",
-                                            "time_median_s": 2.0})
+    here = {"cpu_model": "AMD EPYC", "cpu_count": 2}
+    write_json(row, describe(cell, None) | here | {"status": "ok", "error": "",
+                                                   "mode": "measured", "time_median_s": 2.0})
+    write_json(tmp_path / "profile.json", {"provenance": here})
     with pytest.raises(BadResultFile, match="cell.json: missing") as e:
         predictions(tmp_path, tmp_path / "profile.json")
     assert e.value.path == row.with_name("cell.json")
+
+
+def test_predictions_refuse_rows_of_another_cpu_than_the_profiles(tmp_path):
+    """A profile calibrated on one CPU does not price step times measured on another (a fresh
+    clone's --calibrate beside the committed rows): refused by name before anything is
+    emulated, with the way out."""
+    cell = Cell("ulysses", model="tiny", seq_len=256, nproc=2)
+    write_json(tmp_path / "runs" / cell.cell_id() / "row.json",
+               describe(cell, None) | {"cpu_model": "AMD EPYC", "cpu_count": 2, "status": "ok",
+                                       "error": "", "mode": "measured", "time_median_s": 2.0})
+    write_json(tmp_path / "profile.json", {"provenance": {"cpu_model": "Intel Xeon",
+                                                          "cpu_count": "2"}})
+    with pytest.raises(ValueError, match=r"1 measured row\(s\) .* another CPU than its "
+                       r"profile.json was calibrated on \(Intel Xeon x 2\): .*AMD EPYC x 2.*"
+                       r"--out <an empty directory>"):
+        predictions(tmp_path, tmp_path / "profile.json")
 
 
 def _gpu_table() -> pd.DataFrame:
@@ -99,6 +117,10 @@ def test_the_gpu_summary_reads_errors_ratios_and_targets():
     # a uniform 2% error moves no ratio and meets median <= 5%, worst <= 10%
     assert s["calibrated"]["worst_ratio_abs_error"] == pytest.approx(0.0, abs=1e-12)
     assert s["calibrated"]["meets_targets"]
+    # a name without targets (another --profile) neither meets nor misses any
+    s = summarize_gpu_validation(_gpu_table().rename(columns={"error_calibrated": "error_mine"}),
+                                 ["shipped", "mine"])
+    assert s["mine"]["targets"] == {} and s["mine"]["meets_targets"] is None
 
 
 def test_the_gpu_plot_is_written(tmp_path):
@@ -127,6 +149,11 @@ def test_the_gpu_validation_runs_end_to_end_at_smoke_sizes(monkeypatch, tmp_path
                                                   "predicted_vs_measured.png"}
     rows = pd.read_csv(folder / "rows.csv")
     assert list(rows["status"]) == ["ok", "ok"]
+    # the kernel the cells ran, named in the cells priced: "auto" there would be the emulated
+    # profile's GPU's choice (cudnn on the h200 profile), not the CPU's sdpa
+    assert list(rows["kernel"]) == ["sdpa", "sdpa"]
+    assert all(tvg.cell_of(m, n, s, e, small=True)[0].cell_id() != c for (m, n, s, e, _), c
+               in zip(tvg.STEP_CELLS, rows["cell_id"], strict=True))
     assert (rows["predicted_s_shipped"] > 0).all()
     assert rows["error_shipped"].tolist() == pytest.approx(  # rows.csv keeps 6 digits
         (rows["predicted_s_shipped"] / rows["step_s"] - 1).tolist(), rel=1e-4)
@@ -150,10 +177,16 @@ def test_reprice_keeps_the_measured_columns_and_prices_every_profile(monkeypatch
     h200 = tvg.load_profile("h200").path
     (folder / "profile.json").write_text(open(h200).read())
     seconds = {"shipped": 2.2, "calibrated": 1.8, "extra": 4.0}
-    monkeypatch.setattr(tvg, "predict", lambda cell, profiles: {
+    kernels = []
+    monkeypatch.setattr(tvg, "predict", lambda cell, profiles: kernels.append(cell.kernel) or {
         "emulated_peak_bytes": 1, **{f"predicted_s_{p}": seconds[p] for p in profiles}})
-    summary = tvg.reprice(folder, {"extra": h200}, progress=False)
+    # rows from before the kernel column: the kernel they ran must be named
+    with pytest.raises(ValueError, match="has no kernel column.*--kernel"):
+        tvg.reprice(folder, {"extra": h200}, progress=False)
+    summary = tvg.reprice(folder, {"extra": h200}, kernel="cudnn", progress=False)
+    assert kernels == ["cudnn", "cudnn"]  # the gone cell is not priced
     rows = pd.read_csv(folder / "rows.csv")
+    assert rows.kernel.tolist() == ["cudnn"] * 3  # filled: the next reprice needs no --kernel
     assert rows.step_s.tolist() == [2.0, 4.0, 1.0]
     assert rows.error_shipped.tolist()[:2] == [pytest.approx(0.1), pytest.approx(-0.45)]
     assert rows.error_extra.tolist()[:2] == [pytest.approx(1.0), pytest.approx(0.0)]
@@ -161,12 +194,24 @@ def test_reprice_keeps_the_measured_columns_and_prices_every_profile(monkeypatch
     assert set(summary) >= {"shipped", "calibrated", "extra"}
     env = json.loads((folder / "env.json").read_text())
     assert env["command"] == "x" and set(env["repriced"]["profiles"]) == set(seconds)
+    # a run with the column: each row's cell is priced with its own kernel, matched by the id
+    # the named kernel gives it
+    cell = tvg.with_kernel(cells[0][0], "sdpa")
+    pd.DataFrame([cells[0][1] | {"kernel": "sdpa", "cell_id": cell.cell_id(), "status": "ok",
+                                 "step_s": 2.0}]).to_csv(folder / "rows.csv", index=False)
+    kernels.clear()
+    tvg.reprice(folder, progress=False)
+    assert kernels == ["sdpa"] and pd.read_csv(folder / "rows.csv").error_shipped[0] == \
+        pytest.approx(0.1)
 
 
 def test_reprice_and_profile_are_refused_where_they_mean_nothing(tmp_path, capsys):
     assert cli.main(["validate-time", "--reprice", "--out", str(tmp_path)]) == 2
-    assert "--reprice and --profile are for --device cuda" in capsys.readouterr().err
+    assert "--reprice, --profile and --kernel are for --device cuda" in capsys.readouterr().err
     assert cli.main(["validate-time", "--device", "cuda", "--profile", f"x={tmp_path}/p.json",
+                     "--out", str(tmp_path)]) == 2
+    assert "give --reprice too" in capsys.readouterr().err
+    assert cli.main(["validate-time", "--device", "cuda", "--kernel", "cudnn",
                      "--out", str(tmp_path)]) == 2
     assert "give --reprice too" in capsys.readouterr().err
     assert cli.main(["validate-time", "--device", "cuda", "--reprice", "--profile", "p.json",

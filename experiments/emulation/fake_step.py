@@ -144,12 +144,20 @@ def critical_rank(cell: Cell) -> int:
 
 
 def measure_fake(cell: Cell, cfg: ModelConfig, hw: Hardware, count: bool = True,
-                 work: bool = True, replay: bool = True) -> Measurement:
+                 work: bool = True, replay: bool = True, rank: int | None = None
+                 ) -> Measurement:
     """Emulate one steady-state step of ``cell`` with the model shape ``cfg`` as its critical
     rank, and as each of its method's ``memory_ranks`` too (memory only; the module doc): the
     memory of the fullest, the counts of the critical one (``count``: also count FLOPs and
     bytes sent, and, with ``work``, the work per window that the time model prices, the
-    dearest of the three; a memory-only search leaves them all out)."""
+    dearest of the three; a memory-only search leaves them all out). ``rank``: play that rank
+    alone instead, memory and counts (a measurement of one rank, such as the GPU validation's
+    rank 0 on the fake process group, is compared with the same rank)."""
+    if rank is not None:
+        if not 0 <= rank < cell.world:
+            raise ValueError(f"rank must be in [0, {cell.world}) for a world of {cell.world} "
+                             f"ranks, got {rank}")
+        return _play(cell, cfg, hw, rank, count, work and count, replay)
     rank = critical_rank(cell)
     m = _play(cell, cfg, hw, rank, count, work and count, replay)
     others = list(get_method(cell.method).memory_ranks(cell.nproc, cell.ring_degree))

@@ -11,7 +11,10 @@ On any single CUDA GPU, in one process:
    DeepSpeed Ulysses; 1 rank at 32K, 8 ranks at 128K to 512K), each cell as rank 0 of its P on
    the ``fake`` process group (real kernels and host copies, no communication), the allocator
    cleaned between cells (``gpu_costs.measure_steps``);
-3. emulate each cell exactly (fake tensors, ``Hardware(device="cuda")``) and price its step on
+3. emulate each cell exactly (fake tensors, ``Hardware(device="cuda")``) as the rank it ran
+   as (rank 0, not the emulator's critical rank) and with the attention kernel it ran (what
+   ``"auto"`` picks on this GPU, named in the cell and the ``kernel`` column: left to
+   ``"auto"``, the emulator would pick the emulated profile's GPU's), and price its step on
    the shipped profile of this GPU (``calibrate.DATASHEETS``; none for another GPU) and on the
    calibration of step 1, without communication, as the cells ran;
 4. write ``<out>/time_validation_gpu/``: ``rows.csv`` (measured step and allocator peak beside
@@ -28,6 +31,7 @@ cells of a finished run again with the code and profiles as they stand, and with
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -45,6 +49,7 @@ from experiments.reporting.validation import plot_gpu_validation, summarize_gpu_
 from experiments.store import write_json, write_text
 from experiments.timing.calibrate import DATASHEETS, calibrate, write_profile
 from experiments.timing.profile import load_profile
+from upipe.kernels import check_kernel, machine_auto_kernel
 
 FOLDER = "time_validation_gpu"
 ITERS = 2  # timed steps per cell (one at 512K tokens), after a warm-up step
@@ -58,12 +63,25 @@ def predict(cell, profiles: dict) -> dict:
     """The cell emulated once and priced on each profile: predicted step seconds (without
     exposed communication: the measured cells ran on the fake process group) and the peak."""
     cfg = cell.validate()
-    m = measure_fake(cell, cfg, Hardware(device="cuda"))
+    m = measure_fake(cell, cfg, Hardware(device="cuda"), rank=0)  # the rank measured_steps ran
     out = {"emulated_peak_bytes": m.peak_device_bytes}
     for name, profile in profiles.items():
         t = time_columns(cell, cfg, profile, m)
         out[f"predicted_s_{name}"] = t["step_time_s"] - t["time_comm_exposed_s"]
     return out
+
+
+def kernel_run(device: torch.device, head_dim: int) -> str:
+    """The attention kernel the cells' bf16 attention runs on ``device`` (``"auto"``'s choice
+    on this machine: ``upipe.kernels.machine_auto_kernel``; ``sdpa`` off CUDA)."""
+    if device.type != "cuda":
+        return "sdpa"
+    return machine_auto_kernel(torch.cuda.current_device(), torch.bfloat16, head_dim)
+
+
+def with_kernel(cell, kernel: str):
+    """``cell`` with its attention kernel named (``"auto"``: unchanged)."""
+    return cell if kernel == "auto" else dataclasses.replace(cell, kernel=kernel)
 
 
 def shipped_profile(device: torch.device, small: bool) -> dict:
@@ -97,10 +115,13 @@ def validate_gpu(out: Path, *, quick: bool = False, small: bool = False,
             calibration_error = f"{type(e).__name__}: {e}"[:1000]
             print(f"calibration failed: {calibration_error}", file=sys.stderr)
     rows = []
+    kernel = None
     for method, nproc, seq_len, extra, _ in STEP_CELLS:
         cell, ident = cell_of(method, nproc, seq_len, extra, small=small)
+        kernel = kernel or kernel_run(device, cell.validate().head_dim)
+        cell = with_kernel(cell, kernel)
         row, _, _ = measure_steps(cell, device, ITERS if seq_len < 2**19 else 1)
-        row = ident | {"cell_id": cell.cell_id()} | row
+        row = ident | {"kernel": kernel, "cell_id": cell.cell_id()} | row
         if row["status"] == Status.OK:
             try:
                 row |= predict(cell, profiles)
@@ -132,20 +153,31 @@ def _write_summary(folder: Path, table: pd.DataFrame, profiles: list[str]) -> di
     return summary
 
 
-def reprice(folder: Path, more: dict[str, Path] | None = None, *, progress: bool = True
-            ) -> dict:
+def reprice(folder: Path, more: dict[str, Path] | None = None, *, kernel: str | None = None,
+            progress: bool = True) -> dict:
     """Price a finished run's measured cells (``folder``: its rows.csv, env.json and
     profile.json) again: on the shipped profile of the run's GPU as it stands now, on the run's
     own calibration and on each of ``more`` (name -> profile JSON). Each ``STEP_CELLS`` cell is
     emulated exactly as ``validate_gpu`` does and matched to its row by cell id; the measured
     columns are kept. Rewrites rows.csv, summary.json and the plot; env.json gains
-    ``repriced`` (the revision, date and profiles). Returns the summary. ValueError when
-    ``folder`` holds no finished run."""
+    ``repriced`` (the revision, date and profiles). Each cell is emulated with the kernel of
+    its row's ``kernel`` column; a run from before that column needs ``kernel``, the kernel its
+    cells ran (``"auto"`` was then resolved on the h100-sxm profile, whatever the GPU), which
+    then fills the column. Returns the summary. ValueError when ``folder`` holds no finished
+    run, or a run without the column is given no ``kernel``."""
     missing = [f for f in ("rows.csv", "env.json") if not (folder / f).is_file()]
     if missing:
         raise ValueError(f"{folder} holds no finished GPU run to price again (no "
                          f"{' or '.join(missing)}): run validate-time --device cuda there first")
     rows = pd.read_csv(folder / "rows.csv")
+    if "kernel" not in rows:
+        if kernel is None:
+            raise ValueError(f"{folder / 'rows.csv'} has no kernel column (a run before it): "
+                             "name the attention kernel its cells ran with --kernel (its "
+                             "env.json's GPU and date tell which; results/time_validation_gpu "
+                             "ran cudnn, results/time_validation_gpu_sdpa sdpa)")
+        # the cell ids of such rows are the "auto" cells'
+        rows.insert(int(rows.columns.get_loc("cell_id")), "kernel", check_kernel(kernel))
     env = json.loads((folder / "env.json").read_text())
     profiles = {}
     shipped = DATASHEETS.get(env.get("gpu_name"))
@@ -157,13 +189,16 @@ def reprice(folder: Path, more: dict[str, Path] | None = None, *, progress: bool
         profiles[name] = load_profile(str(path))
     stale = [c for c in rows.columns if c.startswith(("predicted_s_", "error_"))]
     rows = rows.drop(columns=stale + ["emulated_peak_bytes"], errors="ignore")
-    by_id = {}
+    by_id = {}  # each declared cell under its id with each kernel of the rows, and "auto"
     for method, nproc, seq_len, extra, _ in STEP_CELLS:
         cell, _ = cell_of(method, nproc, seq_len, extra)
-        by_id[cell.cell_id()] = cell
+        for k in {"auto", *rows["kernel"].dropna()}:
+            by_id[with_kernel(cell, k).cell_id()] = cell
     out = []
     for row in rows.to_dict("records"):
         cell = by_id.get(row["cell_id"])
+        if cell is not None:
+            cell = with_kernel(cell, row["kernel"])
         if cell is not None and row["status"] == Status.OK:
             row |= predict(cell, profiles)
             for p in profiles:

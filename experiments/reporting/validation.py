@@ -98,7 +98,8 @@ def _ratios(table: pd.DataFrame, profiles: list[str]) -> list[dict]:
 
 def summarize_gpu_validation(table: pd.DataFrame, profiles: list[str]) -> dict:
     """Per profile the median and worst |error| over the cells it predicted, the UPipe /
-    Ulysses ratios, and whether the issue's targets (``GPU_TARGETS``) are met."""
+    Ulysses ratios, and whether the issue's targets (``GPU_TARGETS``) are met (None for a
+    profile name without targets)."""
     summary: dict = {"cells": len(table),
                      "measured_ok": int((table.get("status") == "ok").sum()) if len(table) else 0,
                      "ratios": _ratios(table, profiles) if len(table) else []}
@@ -116,7 +117,9 @@ def summarize_gpu_validation(table: pd.DataFrame, profiles: list[str]) -> dict:
         met = [stats[k] <= v for k, v in targets.items() if k in stats]
         met += [stats.get("worst_ratio_abs_error", 0.0) <= targets["ratio_abs_error"]
                 ] if "ratio_abs_error" in targets else []
-        summary[p] = stats | {"targets": targets, "meets_targets": bool(met) and all(met)}
+        # a profile without targets (another name given to --reprice --profile) meets none
+        # and misses none: None, not False
+        summary[p] = stats | {"targets": targets, "meets_targets": all(met) if met else None}
     return summary
 
 
@@ -126,7 +129,8 @@ def plot_gpu_validation(table: pd.DataFrame, profiles: list[str], path: Path) ->
                       for p in profiles if f"error_{p}" in table], ignore_index=True)
     long = long.dropna(subset=["error"])
     long["cell"] = (long["method"] + " P=" + long["nproc"].astype(str) + " "
-                    + (long["seq_len"] // 1024).astype(str) + "K " + long["extra"].fillna(""))
+                    + (long["seq_len"] // 1024).astype(str) + "K "
+                    + long["extra"].astype(object).fillna(""))  # all NaN: a float column
     fig = Figure(figsize=(8, 0.3 * long["cell"].nunique() + 2), layout="constrained")
     ax = fig.subplots()
     sns.scatterplot(long, x="error", y="cell", hue="profile", style="profile", s=60, ax=ax)

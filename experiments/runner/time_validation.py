@@ -13,9 +13,11 @@ validation).
    predicted breakdown), ``summary.json`` (median and worst |error|, against the issue's
    targets: median <= 15%, worst <= 35%) and ``predicted_vs_measured.png``.
 
-The profile is this machine's: on another machine, calibrate again (the measured step times
-are that machine's too). Nothing is fitted to the measured steps: the profile comes from the
-calibration's micro-benchmarks only.
+The profile and the measured rows must come from one CPU (provenance's ``cpu_model`` and
+``cpu_count``): on another machine, validate into an empty ``--out`` (the committed
+``results/time_validation_cpu/`` is one machine's profile and runs, compared as they are).
+Nothing is fitted to the measured steps: the profile comes from the calibration's
+micro-benchmarks only.
 """
 
 from __future__ import annotations
@@ -37,15 +39,27 @@ SWEEP = "time_validation_cpu"  # the sweep (experiments/sweeps) the CLI validate
 NPROC = 2  # the sweep's ranks: the calibration times as many at once
 
 
+def machine(provenance: dict) -> str:
+    """The CPU a row or a profile was measured on, as provenance names it (the host name is
+    the same "vm" on every machine of this project's kind, so it tells nothing)."""
+    return f"{provenance.get('cpu_model')} x {provenance.get('cpu_count')}"
+
+
 def predictions(sweep_dir: Path, profile: Path) -> pd.DataFrame:
     """Measured against predicted step time for every measured ok row of the sweep.
     ``store.BadResultFile`` names a run folder without its ``cell.json`` (the sweep's runner
-    writes it again on resume: ``validate_time`` runs the sweep first)."""
+    writes it again on resume: ``validate_time`` runs the sweep first). ValueError when a
+    measured row ran on another CPU than the profile was calibrated on (its step times and the
+    profile's rates are of two machines: nothing to validate)."""
     hw = Hardware(device="cpu", profile=str(profile))
-    records = []
+    calibrated_on = machine(read_json(profile).get("provenance", {}))
+    records, elsewhere = [], []
     for path in sorted(sweep_dir.glob("runs/*/row.json")):
         row = read_row(path)
         if row["status"] != Status.OK or not row.get("time_median_s"):
+            continue
+        if machine(row) != calibrated_on:
+            elsewhere.append(f"{path.parent.name} ({machine(row)})")
             continue
         cell_path = path.with_name(CELL_FILE)
         if not cell_path.is_file():
@@ -66,7 +80,15 @@ def predictions(sweep_dir: Path, profile: Path) -> pd.DataFrame:
             **{k: pred[k] for k in ("time_compute_s", "time_comm_exposed_s",
                                     "time_offload_exposed_s", "time_overhead_s")},
             "measured_git_rev": row.get("git_rev"), "predicted_git_rev": pred.get("git_rev"),
+            "machine": calibrated_on,
         })
+    if elsewhere:
+        raise ValueError(
+            f"{len(elsewhere)} measured row(s) of {sweep_dir} ran on another CPU than its "
+            f"profile.json was calibrated on ({calibrated_on}): {', '.join(elsewhere[:3])}"
+            f"{' ...' if len(elsewhere) > 3 else ''}. Measure both on one machine: "
+            f"validate-time --out <an empty directory> (calibrates and runs every cell here), "
+            f"or delete {sweep_dir / 'runs'} and run validate-time --calibrate")
     return pd.DataFrame.from_records(records)
 
 

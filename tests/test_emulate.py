@@ -131,6 +131,10 @@ def test_one_rank_is_played_alone_when_named():
     assert measure_fake(cell, cfg, hw, rank=1).flops == critical.flops  # the last rank
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
         measure_fake(cell, cfg, hw, rank=2)
+    row = emulate_cell(cell, hw, exact=True, rank=0)
+    assert row["rank_flops_per_step"] == first.flops
+    with pytest.raises(ValueError, match="rank is for an exact emulation"):
+        emulate_cell(cell, hw, rank=0)
 
 
 # one of each structure: head stages, a hybrid mesh with a ring, sequence chunks (every method's

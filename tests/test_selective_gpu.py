@@ -52,6 +52,7 @@ def test_the_run_measures_and_predicts_every_cell(monkeypatch, tmp_path):
     monkeypatch.setattr(selective_gpu, "predict", predict)
     table = selective_gpu.run(tmp_path, small=True, progress=False)
     rows = pd.read_csv(tmp_path / selective_gpu.FOLDER / "rows.csv")
+    assert (rows.kernel == "sdpa").all()  # the kernel that ran, named in the cells priced
     n = len(selective_gpu.METHODS) * len(selective_gpu.LENGTHS) * len(selective_gpu.LEVELS)
     assert len(rows) == n and (rows.status == "ok").all()
     failed = rows[rows.error.notna()]

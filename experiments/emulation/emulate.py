@@ -150,7 +150,8 @@ def time_columns(cell: Cell, cfg: ModelConfig, profile: Profile | None, m: Measu
 
 
 def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
-                 count: bool = True, bound_first: bool = False, certify: bool = True) -> Row:
+                 count: bool = True, bound_first: bool = False, certify: bool = True,
+                 rank: int | None = None) -> Row:
     """The row of ``cell`` emulated on ``hw`` (statuses as ``run_cell``'s: ok, oom over the
     device or host budget, invalid, skipped, error). ``count=False``: memory only (FLOPs and
     bytes sent are None), for searches that need only the status. ``bound_first``: a cell whose
@@ -158,7 +159,11 @@ def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
     ``oom`` row with that lower bound, without the fit's 5-layer samples or a time (for the
     planner, whose question about it is only whether it fits). ``certify=False``: the fit's
     window lines, uncertified beyond the window (``fit.Fit.predict``; the CI guard's cheap
-    check)."""
+    check). ``rank`` (with ``exact``): that rank of the job played alone, memory and time
+    (``measure_fake``), to compare with a measurement of that rank."""
+    if rank is not None and not exact:
+        raise ValueError("emulate_cell: rank is for an exact emulation (exact=True); the fit "
+                         "plays the critical rank")
     try:
         cfg = cell.validate()
         hw.validate(world=cell.world)
@@ -175,7 +180,7 @@ def emulate_cell(cell: Cell, hw: Hardware = PAPER_NODE, *, exact: bool = False,
         # alike) is emulated exactly, as slow as that is
         if (exact or exact_is_cheaper(cell, cfg.n_layers, cfg.dim)
                 or fit_refusal(cell) is not None):
-            m, extra = measure_fake(cell, cfg, hw, count), {"emulation": "exact"}
+            m, extra = measure_fake(cell, cfg, hw, count, rank=rank), {"emulation": "exact"}
         elif bound_first and cfg.n_layers > N_SAMPLE[0] and (
                 (b := depth_lower_bound(cell, hw, count)) is not None
                 and b.peak_device_bytes > hw.device_budget(cell)):

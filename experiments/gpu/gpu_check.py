@@ -3,7 +3,8 @@ emulated and allocator peaks are compared and the difference reported").
 
 Each cell runs twice in this process, on the ``fake`` process group of its P ranks: once with
 real CUDA tensors (collectives are shape-correct no-ops, the memory is real; one GPU plays rank
-0 of P) and once emulated (fake tensors, ``Hardware(device="cuda")``, exact). Written to
+0 of P) and once emulated (fake tensors, ``Hardware(device="cuda")``, exact, as rank 0 with
+the attention kernel the real run's ``"auto"`` picked on this GPU, named). Written to
 ``<out>/rows.csv`` and ``<out>/env.json``:
 
     python -m experiments.gpu.gpu_check --out results/emulate_vs_allocator     # needs a GPU
@@ -16,7 +17,6 @@ nothing: a leftover (a reference cycle not yet collected) would inflate the peak
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import torch
 from experiments.config import Cell, Hardware, Status
 from experiments.emulation.emulate import emulate_cell
 from experiments.emulation.fake_step import fake_world
+from experiments.gpu.time_validation_gpu import kernel_run, with_kernel
 from experiments.harness.measure import measure_cell
 from experiments.provenance import provenance
 from experiments.store import write_json
@@ -75,7 +76,10 @@ def compare(cell: Cell) -> dict:
     with fake_world(cell.world):
         real = measure_cell(cell, cell.validate())
     _clean_allocator()
-    emu = emulate_cell(dataclasses.replace(cell), Hardware(device="cuda"), exact=True)
+    # like with like: the rank that ran, and the kernel it ran ("auto" would be resolved on
+    # the emulated profile's GPU, not this one)
+    ran = with_kernel(cell, kernel_run(torch.device("cuda"), cell.validate().head_dim))
+    emu = emulate_cell(ran, Hardware(device="cuda"), exact=True, rank=0)
     alloc = real["allocator_peak_allocated_bytes"]
     return {
         "method": cell.method, "nproc": cell.nproc, "seq_len": cell.seq_len,

@@ -34,7 +34,13 @@ import torch
 
 from experiments.config import Status
 from experiments.gpu.gpu_costs import cell_of, measure_steps
-from experiments.gpu.time_validation_gpu import NoGPU, predict, shipped_profile
+from experiments.gpu.time_validation_gpu import (
+    NoGPU,
+    kernel_run,
+    predict,
+    shipped_profile,
+    with_kernel,
+)
 from experiments.provenance import provenance
 from experiments.store import write_json, write_text
 
@@ -85,8 +91,11 @@ def run(out: Path, *, small: bool = False, progress: bool = True) -> pd.DataFram
         for seq_len in LENGTHS:
             for stack in LEVELS:
                 cell, ident = cell_of(method, 8, seq_len, {"stack": stack}, small=small)
+                # measured and emulated with the kernel "auto" runs here (time_validation_gpu)
+                kernel = kernel_run(device, cell.validate().head_dim)
+                cell = with_kernel(cell, kernel)
                 row, _, _ = measure_steps(cell, device, ITERS)
-                row = ident | {"stack": stack, "cell_id": cell.cell_id()} | row
+                row = ident | {"stack": stack, "kernel": kernel, "cell_id": cell.cell_id()} | row
                 if row["status"] == Status.OK:
                     try:
                         row |= predict(cell, profiles)

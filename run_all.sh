@@ -2,32 +2,45 @@
 # Main job: reproduce the paper's artefacts into results/ (tables, plots, provenance).
 #
 #   ./run_all.sh                          without GPUs (the default): the CPU-scale counterpart
-#                                         of every artefact (gloo, 4 ranks; ~25 min on 2 cores)
+#                                         of every artefact (gloo, 4 ranks; ~40 min on 2 cores)
 #                                         and the emulated twin of every paper-scale sweep
 #                                         (paper shapes and lengths through the emulator on the
 #                                         paper's 8x H100 80 GB nodes: memory, max context and
 #                                         emulated time), then the time model's CPU validation
-#   NPROC_PER_NODE=8 ./run_all.sh         paper-scale sweeps on this node's GPUs (NCCL)
+#   NPROC_PER_NODE=8 ./run_all.sh         the paper-scale sweeps of 8 GPUs on this node's GPUs
+#                                         (NCCL; the 16-GPU ones are left out: multi-node)
 #   SCALE=emulated ./run_all.sh           only the emulated twins
 #   torchrun --nnodes 2 --nproc-per-node 8 ... -m experiments.cli sweep <name>
 #                                         multi-node: the sweep itself under torchrun
 #
 # Environment:
 #   ONLY=<sweep>[,<sweep>]  run only these sweeps, of any scale (names: upipe-bench list sweeps)
-#   DRY_RUN=1               expand and validate every cell, run nothing
-#   OUT=<dir>               results root (default results/)
+#   DRY_RUN=1               expand and validate every cell, run nothing (0 or 1)
+#   OUT=<dir>               results root (default results/; relative to the caller's directory)
 #   SCALE=<scale>[,<scale>] which sweeps: cpu, paper, emulated (default: paper when
 #                           NPROC_PER_NODE is set, else cpu,emulated)
-#   RETRY_FAILED=1          re-run cells whose row is an error or a timeout (others resume)
+#   RETRY_FAILED=1          re-run cells whose row is an error or a timeout (others resume; 0 or 1)
 #   UPIPE_VENV and the rest: see scripts/bootstrap.sh
 # Extra arguments go to `upipe-bench sweep` (e.g. --timeout 600).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# OUT as the caller means it (relative to the directory run_all.sh is called from), written
+# relative to the repository when inside it: "results", "./results" and "$PWD/results" are
+# one directory, the committed one
+OUT="$(realpath -m --relative-base="$root" "${OUT:-$root/results}")"
 cd "$root"
 
-OUT="${OUT:-results}"
 DRY_RUN="${DRY_RUN:-0}"
+for flag in DRY_RUN RETRY_FAILED; do
+    case "${!flag:-0}" in 0|1) ;;
+        *) echo "run_all.sh: $flag must be 0 or 1, got ${!flag}" >&2; exit 2;;
+    esac
+done
+if [[ -n "${NPROC_PER_NODE:-}" && ! "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]]; then
+    echo "run_all.sh: NPROC_PER_NODE must be a positive integer (this node's GPUs), got $NPROC_PER_NODE" >&2
+    exit 2
+fi
 if [[ -n "${NPROC_PER_NODE:-}" ]]; then SCALE="${SCALE:-paper}"; else SCALE="${SCALE:-cpu,emulated}"; fi
 IFS=',' read -r -a scales <<< "$SCALE"
 for scale in "${scales[@]}"; do
@@ -44,16 +57,25 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 venv="$("$root/scripts/bootstrap.sh")"
 export VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH"
 
-# "<scale> <sweep>" lines: ONLY's sweeps at their own scale, else every sweep of each SCALE.
-plan="$(python - "$SCALE" "${ONLY:-}" <<'EOF'
+# "<scale> <sweep>" lines: ONLY's sweeps at their own scale, else every sweep of each SCALE;
+# with NPROC_PER_NODE, the paper-scale sweeps of another GPU count are left out, with a word
+# (their folders name their GPUs; 16 ranks run on two nodes, under torchrun)
+plan="$(python - "$SCALE" "${ONLY:-}" "${NPROC_PER_NODE:-}" <<'EOF'
 import sys
 from experiments.sweeps import SWEEPS, get_sweep
 scales, only = sys.argv[1].split(","), [n for n in sys.argv[2].split(",") if n]
+gpus = int(sys.argv[3]) if sys.argv[3] else None
 try:
     chosen = [get_sweep(n) for n in only] or [s for s in SWEEPS.values() if s.scale in scales]
 except ValueError as e:
     sys.exit(f"run_all.sh: ONLY: {e}")
 for s in chosen:
+    if s.scale == "paper" and gpus is not None and s.base["nproc"] != gpus:
+        print(f"run_all.sh: {s.name} left out: its cells run on {s.base['nproc']} GPUs and "
+              f"NPROC_PER_NODE is {gpus} (torchrun --nnodes N --nproc-per-node {gpus} ... "
+              f"-m experiments.cli sweep {s.name}, N x {gpus} = {s.base['nproc']})",
+              file=sys.stderr)
+        continue
     print(s.scale, s.name)
 EOF
 )" || exit 2
@@ -87,11 +109,15 @@ if [[ -z "${ONLY:-}" && ",$SCALE," == *",emulated,"* ]]; then
     python -m experiments.runner.long_ladder --results "$OUT" --model qwen3-32b --gpus 16 \
         --seq-len 6M
 fi
-# The emulated Table 3/4 outcomes beside the paper's, when those sweeps ran.
-if [[ " ${sweeps[*]} " == *" table3_llama3_8b_h100x8-emulated "* || \
-      " ${sweeps[*]} " == *" table4_qwen3_32b_h100x16-emulated "* ]]; then
-    python -m experiments.reporting.paper_grid --results "$OUT"
-fi
+# The emulated Table 3/4 outcomes, memory wall and two-node figure beside the paper's, when
+# one of the sweeps the report reads ran.
+for s in table3_llama3_8b_h100x8-emulated table4_qwen3_32b_h100x16-emulated \
+         memory_wall_llama3_8b_h100x8-emulated two_node_llama3_8b_h100x16-emulated; do
+    if [[ " ${sweeps[*]} " == *" $s "* ]]; then
+        python -m experiments.reporting.paper_grid --results "$OUT"
+        break
+    fi
+done
 # The provenance index in $OUT/README.md, rewritten from the tables just written.
 python -m experiments.reporting.results_index --results "$OUT"
 # The README's headline table and docs/results.md's selective-recomputation, UPipe-speed and

@@ -416,6 +416,14 @@ def _validate_time_gpu(a) -> int:
 def cmd_sweep(a) -> int:
     sweeps = [get_sweep(n) for n in a.names]
     if a.nproc:
+        # a paper-scale (or emulated) sweep's folder names its GPUs (h100x16): run on fewer, its
+        # rows would be another experiment under that name
+        named = [f"{s.name} ({s.base['nproc']})" for s in sweeps
+                 if s.scale != "cpu" and s.base["nproc"] != a.nproc]
+        if named:
+            raise ValueError(f"--nproc {a.nproc}: these sweeps run on the GPUs they name, not "
+                             f"{a.nproc}: {', '.join(named)}; more GPUs than a node has run "
+                             "under torchrun --nnodes N, without --nproc")
         sweeps = [s.with_overrides(nproc=a.nproc) for s in sweeps]
     if "WORLD_SIZE" in os.environ and any(s.scale == "emulated" for s in sweeps):
         raise ValueError("emulated sweeps run in one process (the emulator plays every rank): "
@@ -562,7 +570,8 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--out", type=out_dir, default=RESULTS,
                     help="results root; each sweep writes <out>/<name>/ (default results)")
     sw.add_argument("--nproc", type=positive_int, default=None,
-                    help="override the sweeps' rank count (a GPU node's GPUs)")
+                    help="the CPU sweeps' rank count; a paper-scale or emulated sweep takes "
+                         "only the GPU count it names (h100x8: 8)")
     _add_shared_gpu_arg(sw)
     sw.add_argument("--retry-failed", action="store_true",
                     help="re-run cells whose row is an error or a timeout (others resume)")

@@ -100,6 +100,9 @@ def out_dir(text: str) -> Path:
     blocker = next((p for p in (path, *path.absolute().parents) if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
         raise argparse.ArgumentTypeError(f"{blocker} is a file, not a directory")
+    if blocker is not None and not os.access(blocker, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{blocker} is not writable by this user: no results "
+                                         "can be written there")
     return path
 
 

@@ -93,3 +93,13 @@ def test_upipe_keep_last_stage_follows_overlap_unless_given():
             assert m.options()["keep_last_stage"] is keep
     with pytest.raises(ValueError, match="keep_last_stage must be True, False or None, got 1"):
         build_method("upipe", 32, 4, 2, 8, keep_last_stage=1)
+
+
+def test_the_package_states_its_version_and_rows_carry_it():
+    """Every row's ``upipe_version`` was None: the package had no ``__version__``."""
+    import importlib.metadata
+
+    from experiments.provenance import provenance
+
+    assert upipe.__version__ == importlib.metadata.version("upipe")
+    assert provenance()["upipe_version"] == upipe.__version__

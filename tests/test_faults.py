@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from experiments.cli import main, parser
@@ -104,6 +105,8 @@ def test_a_rank_killed_from_outside_is_an_error_not_an_oom():
     row = box["row"]
     assert row["status"] == Status.ERROR, row
     assert "killed by SIGKILL" in row["error"] and "not a measured OOM" in row["error"]
+    # a row that rank 0 never wrote still says what code and machine it came from
+    assert row["git_rev"] and row["torch_version"] == torch.__version__ and row["date_utc"]
 
 
 def _row(cell: Cell, status: str) -> dict:
@@ -319,6 +322,11 @@ def test_plot_leaves_unchanged_inputs_byte_identical(tmp_path, sweep, capsys):
       "--timeout", "1"], "--iters, --timeout apply to a real search only"),
     (["max-context", "--emulate", "--method", "upipe", "--model", "llama3-8b", "--start", "4K"],
      "--start (4096) must be a multiple of the granularity, nproc * block (8 * 8192 = 65536)"),
+    # a sweep whose folder names 16 GPUs ran on 8 under that name, before
+    (["sweep", "table4_qwen3_32b_h100x16", "--nproc", "8", "--dry-run"],
+     "--nproc 8: these sweeps run on the GPUs they name, not 8: table4_qwen3_32b_h100x16 (16)"),
+    (["sweep", "two_node_llama3_8b_h100x16-emulated", "--nproc", "8", "--dry-run"],
+     "two_node_llama3_8b_h100x16-emulated (16)"),
     # a finished GPU run is what --reprice prices: a traceback, before
     (["validate-time", "--device", "cuda", "--reprice", "--out", "/nonexistent-upipe-results"],
      "holds no finished GPU run to price again (no rows.csv or env.json)"),
@@ -355,6 +363,23 @@ def test_an_out_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, verb
         with pytest.raises(SystemExit) as e:
             main([*verb, "--out", str(out)])
         assert e.value.code == 2 and f"{afile} is a file, not a directory" in (
+            capsys.readouterr().err)
+
+
+def test_an_out_this_user_cannot_write_is_refused_before_any_work(tmp_path, capsys,
+                                                                   monkeypatch):
+    """A permission-denied results root gave a FileNotFoundError/PermissionError traceback from
+    the sweep's lock (rc 1). os.access is stood in for: this suite may run as root, whom no
+    permission bit stops."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked
+                        else real(p, mode))
+    for out in (locked, locked / "below"):
+        with pytest.raises(SystemExit) as e:
+            main(["sweep", "upipe_overlap-cpu", "--dry-run", "--out", str(out)])
+        assert e.value.code == 2 and f"{locked} is not writable by this user" in (
             capsys.readouterr().err)
 
 

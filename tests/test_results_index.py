@@ -11,6 +11,7 @@ from experiments.reporting.results_index import (
     BEGIN,
     COMMAND,
     END,
+    ENTRY,
     ENV,
     main,
     render,
@@ -26,6 +27,14 @@ def test_committed_index_is_up_to_date():
     bad = stale(RESULTS)
     assert not bad, (f"results/README.md's results index is stale for {bad}: run `{COMMAND}` "
                      "and commit results/README.md")
+
+
+def test_every_result_folder_has_its_row():
+    """'One row per result directory': gpu_costs_h200 had none, and --check could not tell (it
+    compares the rows it renders)."""
+    listed = set(ENTRY.findall(render(RESULTS)))
+    folders = {d.name for d in RESULTS.iterdir() if d.is_dir()}
+    assert folders - listed == set()
 
 
 def _sweep(root: Path, rows: list[dict], env: dict | None = None) -> Path:

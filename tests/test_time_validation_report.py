@@ -217,3 +217,20 @@ def test_reprice_and_profile_are_refused_where_they_mean_nothing(tmp_path, capsy
     assert cli.main(["validate-time", "--device", "cuda", "--reprice", "--profile", "p.json",
                      "--out", str(tmp_path)]) == 2
     assert "--profile: must be NAME=PATH.json" in capsys.readouterr().err
+
+
+def test_an_unchanged_prediction_keeps_the_revision_that_made_it(tmp_path):
+    """The main job re-running the CPU validation on unchanged numbers leaves comparison.csv
+    byte-identical (it re-stamped all 58 rows with each new revision); a changed number takes
+    the new revision."""
+    from experiments.runner.time_validation import _same_revision_if_unchanged
+
+    table = pd.DataFrame({"cell_id": ["a", "b"], "predicted_s": [1.0, 2.0 / 3],
+                          "predicted_git_rev": ["old", "old"]})
+    path = tmp_path / "comparison.csv"
+    path.write_text(table.to_csv(index=False, float_format="%.6g"))
+    again = table.assign(predicted_git_rev="new", predicted_s=[1.0, 2.0 / 3 + 1e-9])
+    assert _same_revision_if_unchanged(again, path).predicted_git_rev.tolist() == ["old", "old"]
+    moved = again.assign(predicted_s=[1.0, 0.7])
+    assert _same_revision_if_unchanged(moved, path).predicted_git_rev.tolist() == ["new", "new"]
+    assert _same_revision_if_unchanged(moved, tmp_path / "none.csv") is moved

@@ -1,5 +1,7 @@
 """upipe: UPipe (Untied Ulysses) context-parallel attention and the shared CP building blocks."""
 
+import importlib.metadata as _metadata
+
 from upipe.comm import head_to_seq, head_to_seq_autograd, seq_to_head, seq_to_head_autograd
 from upipe.documents import Documents, cu_seqlens_from_position_ids
 from upipe.kernels import KERNELS, attention, attention_backward, attention_forward
@@ -17,6 +19,11 @@ from upipe.ring import (
 from upipe.rope import apply_rope, apply_rope_inverse, rope_tables
 from upipe.staging import StagePlan, make_stage_plan
 from upipe.untied import UPipeAttention, upipe_attention
+
+try:  # pyproject.toml's version, as installed; None when imported from a bare source tree
+    __version__ = _metadata.version("upipe")
+except _metadata.PackageNotFoundError:
+    __version__ = None
 
 __all__ = [
     "KERNELS",

@@ -314,7 +314,9 @@ def run_cell(cell: Cell, timeout_s: float | None = None, progress: bool = False,
     res.setdefault("error", "")
     # load averages flag other work on the machine during the cell (timing noise)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return describe(cell, cfg) | res | {
+    # provenance on every launched row: a timeout, a killed or raising rank return no row of
+    # their own, and rank 0's (on success) is this machine's, with the same revision
+    return describe(cell, cfg) | provenance() | res | {
         "kernel_ran": kernel_ran(cell, cfg, device_type),
         "mode": "measured", "wall_s": round(time.monotonic() - t0, 2), "load_1m_start": load0,
         "load_1m_end": os.getloadavg()[0], "threads_per_rank": threads,

@@ -3,7 +3,8 @@ disagreement's mechanism, the evidence in the paper's code, and whether the suit
 
 Read from the authors' repository (togethercomputer/Untied-Ulysses; paths below are inside it)
 and from DeepSpeed and PyTorch; written out here so the reproduction report carries them
-(``reproduction_report``). Text, not numbers: the numbers the report shows come from the rows.
+(``reproduction_report``). Text, not numbers: the numbers the report shows come from the rows
+(a number of ours typed here goes stale when the rows move; the paper's published ones may stand).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ FINDINGS: tuple[Finding, ...] = (
         "modelled since issue 32: stack `megatron-ds` (`megatron_fpdt`, "
         "baselines/megatron_stack.py)"),
     Finding(
-        "ds-fpdt speed (T3 and T4: 0.53-0.68 of the paper, falling with length)",
+        "ds-fpdt speed (T3 and T4: below the paper's before issue 32, falling with length)",
         "The authors' patch makes FPDT call FlashAttention-3, not flash-attn 2; and FPDT "
         "issues its host copies on side streams, beside the attention kernels of the compute "
         "stream. Ours priced flash-attn 2 and every FPDT copy as exposed.",
@@ -144,7 +145,7 @@ FINDINGS: tuple[Finding, ...] = (
         "and wo)",
         "traced, not modelled: the paper's UPipe holds one (L, dim) tensor more than ours"),
     Finding(
-        "UPipe / USP at 128K on Qwen3-32B (0.968 emulated, 0.886 paper)",
+        "UPipe / USP at 128K on Qwen3-32B (the ratio above; 0.886 in the paper)",
         "What a UPipe stage costs beyond its FLOPs and bytes (launches, small memory-bound "
         "ops, per-stage synchronisation): the time model's open question.",
         "results/kernels_gpu/ (per-head cuDNN rates by GQA ratio)",

@@ -32,7 +32,8 @@ GUARD_COMMAND = "python -m experiments.runner.max_context_guard --update"
 GPU_CHECK_COMMAND = "python -m experiments.gpu allocator"
 PAPER_GRID_COMMAND = "python -m experiments.reporting.paper_grid"
 LADDER_COMMAND = "python -m experiments.runner.long_ladder"
-# GPU checks: (folder, what it shows, mode of every row, the command that regenerates it)
+# GPU checks: (folder, what it shows, mode of every row, the command that regenerates it[,
+# its table inside the folder, env.json beside it: default rows.csv])
 GPU_FOLDERS = (
     ("emulate_vs_allocator", "emulator check on a GPU (no paper table)",
      "measured + emulated", GPU_CHECK_COMMAND),
@@ -54,6 +55,9 @@ GPU_FOLDERS = (
     ("kernels_gpu", "a training step with PyTorch's cuDNN attention against its flash kernel "
      "(no paper table)", "measured",
      "python -m experiments.gpu kernels --out results/kernels_gpu"),
+    ("gpu_costs_h200", "what a step's kernels cost on one H200: steps by method and stages "
+     "(the table counted), per-op times, kernel rates (its README; no paper table)", "measured",
+     "python -m experiments.gpu costs --out results/gpu_costs_h200/steps", "steps/steps.csv"),
 )
 COLUMNS = ("sweep", "reproduces", "mode", "scale", "device", "date", "git rev", "versions",
            "rows (by status)", "plots", "regenerate")
@@ -135,6 +139,8 @@ def _provenance(rows: Rows, env: dict, device: str = "") -> list[str]:
 
 def _tally(what: str, path: str, rows: Rows) -> str:
     """'[27 rows](<path>): 19 ok, 5 oom, 3 skipped'."""
+    if not any("status" in r for r in rows):  # a table without statuses (a GPU benchmark's)
+        return f"[{len(rows)} {what}]({path})"
     return f"[{len(rows)} {what}]({path}): {_counts(r.get('status', '?') for r in rows)}"
 
 
@@ -175,15 +181,17 @@ def other_lines(results: Path) -> list[str]:
             "baselines", "CI guard: max context per method (no paper table)", rows, "—",
             _provenance([], env, hw), _tally("searches", "baselines/max_context.csv", rows), "",
             f"`{GUARD_COMMAND}`"))
-    for name, what, mode, command in GPU_FOLDERS:
-        if rows := _csv(results / name / "rows.csv"):
-            env = _json(results / name / "env.json")
+    for name, what, mode, command, *table in GPU_FOLDERS:
+        table = Path(table[0] if table else "rows.csv")
+        if rows := _csv(results / name / table):
+            env = _json(results / name / table.parent / "env.json")
             # the provenance is env.json's (it corrects the rows' git_rev)
             moded = [{**r, "mode": mode} for r in rows]
             lines.append(_line(
                 name, what, moded, "gpu",
                 _provenance([], env, _distinct(r.get("device", "") for r in rows)),
-                _tally("rows", f"{name}/rows.csv", rows), "", f"`{command}` (needs a GPU)"))
+                _tally("rows", f"{name}/{table.as_posix()}", rows), "",
+                f"`{command}` (needs a GPU)"))
     for path in sorted(results.glob("long_ladder_*-emulated/ladder.csv")):
         # runner.long_ladder's records: a rung each, its provenance in env.json
         if rows := _csv(path):

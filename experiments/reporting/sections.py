@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from experiments.store import write_text
+
 
 def section(text: str, begin: str, end: str) -> str | None:
     """The section of ``text`` from ``begin`` to ``end``, markers included; None when the
@@ -29,7 +31,8 @@ def write_section(path: Path, new: str, begin: str, end: str, default: str = "")
     ``new`` to the file's text (``default`` when the file is absent)."""
     text = path.read_text() if path.exists() else default
     old = section(text, begin, end)
-    path.write_text(text.replace(old, new) if old else f"{text.rstrip()}\n\n{new}\n")
+    # atomic (store.write_text): two main jobs on one results root may rewrite the index
+    write_text(path, text.replace(old, new) if old else f"{text.rstrip()}\n\n{new}\n")
     return path
 
 

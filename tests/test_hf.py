@@ -169,6 +169,19 @@ class _Adapter(torch.nn.Module):
         return self.base(x) + self.b(self.a(x))
 
 
+class _LinearLoRA(torch.nn.Linear):
+    """A LoRA layer that is an nn.Linear (loralib's style): its own forward adds B(A(x))."""
+
+    def __init__(self, base: torch.nn.Linear):
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None)
+        self.load_state_dict(base.state_dict())
+        self.lora_a = torch.nn.Linear(base.in_features, 4, bias=False)
+        self.lora_b = torch.nn.Linear(4, base.out_features, bias=False)
+
+    def forward(self, x):
+        return super().forward(x) + self.lora_b(self.lora_a(x))
+
+
 def _error(fn, *args, **kwargs) -> str | None:
     try:
         fn(*args, **kwargs)
@@ -204,6 +217,22 @@ def _bad_inputs() -> list:
     layer = model.model.layers[1].self_attn
     layer.q_proj = _Adapter(layer.q_proj)  # as PEFT injects LoRA
     msgs.append(_error(model, **batch))
+    # an nn.Linear subclass before parallelize, in the last layer: refused, nothing converted
+    fresh = _model("llama")
+    fresh.model.layers[1].self_attn.q_proj = _LinearLoRA(fresh.model.layers[1].self_attn.q_proj)
+    msgs.append(_error(hf.parallelize, fresh, "upipe"))
+    msgs.append(type(fresh.model.layers[0].self_attn).__name__)
+    # the decoder called directly (a custom loss): the model's checks, on every rank
+    model = hf.parallelize(_model("llama"), "upipe")
+    local = batch["input_ids"].shape[1]
+    packed = torch.arange(SEQ // 2).repeat(2)[None]  # two documents' positions, unsharded
+    msgs.append(_error(model.model, input_ids=batch["input_ids"],
+                       position_ids=packed[:, dist.get_rank() * local:][:, :local]))
+    msgs.append(_error(model.model, input_ids=batch["input_ids"], attention_mask=one_rank))
+    msgs.append(_error(model, **batch, output_attentions=True))
+    # a call through the causal LM is checked once, and a direct call after it still is
+    model(**batch)
+    assert _error(model.model, input_ids=batch["input_ids"], attention_mask=padding)
     dist.barrier()  # every rank got here: nothing hung
     return msgs
 
@@ -211,7 +240,8 @@ def _bad_inputs() -> list:
 @pytest.mark.slow  # about 1-2 s on 2 cores (docs/testing.md)
 def test_misuse_is_refused_on_every_rank(dist_pool):
     for rank, msgs in enumerate(dist_pool(2).run(_bad_inputs)):
-        fpdt, heads, short, mask, cache, twice, one_rank, labels, head, u_float, lora = msgs
+        (fpdt, heads, short, mask, cache, twice, one_rank, labels, head, u_float, lora,
+         subclass, first_layer, direct_positions, direct_one_rank, attentions) = msgs
         assert fpdt is not None and "'fpdt' does not support ['qkv_bias']" in fpdt
         assert heads is not None and "heads_per_stage" in heads
         assert short is not None and "divisible" in short
@@ -225,6 +255,18 @@ def test_misuse_is_refused_on_every_rank(dist_pool):
         assert head is not None and "must be a causal LM (LlamaForCausalLM)" in head
         assert u_float is not None and "heads_per_stage must be an integer, got 4.0" in u_float
         assert lora is not None and "self_attn.q_proj was replaced" in lora
+        # a LoRA nn.Linear subclass was taken and its forward never ran (loss without it)
+        assert subclass is not None and "must be an nn.Linear, got _LinearLoRA" in subclass
+        assert first_layer == "LlamaAttention"  # a refusal at layer 1 left layer 0 as it was
+        # model.model(...) ignored packed position_ids, and a one-rank mask killed the others
+        # (rank 0's share of two 24-token documents is its global positions; rank 1's is not)
+        assert direct_positions is not None and (
+            "position_ids must be" in direct_positions if rank == 1
+            else "another rank of the CP group" in direct_positions)
+        assert direct_one_rank is not None and (
+            "attention_mask with padding" in direct_one_rank if rank == 1
+            else "another rank of the CP group" in direct_one_rank)
+        assert attentions is not None and "output_attentions is not supported" in attentions
 
 
 def _bf16_errors(family: str) -> tuple[float, float]:

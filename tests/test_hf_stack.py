@@ -141,6 +141,41 @@ def test_bad_stack_is_refused_before_any_change():
     hf.parallelize(model, "ulysses", stack="offload")  # the head is not the offload's business
 
 
+def test_tiling_a_mixture_of_experts_is_refused_by_name():
+    """A MoE block's router takes the whole (B, L, hidden) input: the tiled levels crashed in
+    it (a view of a non-contiguous shard, then a 2-D shard where it unpacks three sizes). The
+    levels without tiling convert it (their exactness: tests/test_hf_families.py)."""
+    from upipe.integrations import hf
+
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2)
+    for level in ("alst", "alst-attn", "alst-attn-host"):
+        model = transformers.MixtralForCausalLM(cfg)
+        with pytest.raises(ValueError, match="MemoryStack.tiled needs a dense, per-token MLP .* "
+                                             "MixtralSparseMoeBlock is a mixture of experts"):
+            hf.parallelize(model, "ulysses", stack=level)
+        assert not hasattr(model, "upipe_cp_method")  # refused before any change
+
+
+def test_save_pretrained_names_the_models_own_class(tmp_path):
+    """The stack swaps the model's class for a subclass (the chunked loss): the config that
+    save_pretrained writes must still name a class transformers has."""
+    import json
+
+    from upipe.integrations.hf_stack import apply_stack
+
+    model = _model("llama")
+    apply_stack(model, LEVELS["alst"], cp=1, reentrant=False)
+    assert type(model) is not transformers.LlamaForCausalLM  # the mixin is in
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [
+        "LlamaForCausalLM"]
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(again) is transformers.LlamaForCausalLM
+
+
 def test_chunked_loss_takes_labels_as_transformers_does():
     """One process: plain ``labels`` (shifted here, mean over non-ignored targets), a custom
     ``ignore_index``, and no labels (the model's own forward: logits) all match the unmodified

@@ -50,7 +50,9 @@ which also refuses ranks given different ``cu_seq_lens``.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import weakref
 import zlib
 
 import torch
@@ -209,6 +211,10 @@ def _check_batch(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
         # builder, so that a rank whose batch alone has padding stops every rank
         _no_mask(attention_mask=kwargs.get("attention_mask", args[1] if len(args) > 1 else None))
         _check_labels(m, kwargs)
+        if kwargs.get("output_attentions", getattr(model.config, "output_attentions", False)):
+            raise ValueError("output_attentions is not supported under context parallelism: "
+                             "no method forms the attention probabilities (they would come "
+                             "back empty)")
         for layer in model.upipe_cp_layers:
             layer.check_shared()
     except ValueError as e:
@@ -340,10 +346,15 @@ def _check_layer(attn: nn.Module, cfg, head_dim: int) -> None:
     """Refuse what the CP methods would silently compute differently (named field and rule)."""
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         lin = getattr(attn, name, None)
-        if not isinstance(lin, nn.Linear):
+        # exactly nn.Linear: the method reads .weight (and .bias) row by row, so a subclass's
+        # own forward (a LoRA layer's low-rank term, a quantised weight's dequantisation)
+        # would never run
+        if type(lin) is not nn.Linear:
             raise ValueError(f"{type(attn).__name__}.{name} must be an nn.Linear, got "
-                             f"{type(lin).__name__} (adapters such as LoRA are not supported: "
-                             "merge them into the weights first)")
+                             f"{type(lin).__name__} (the CP method reads its weight and would "
+                             "skip a subclass's own forward; adapters such as LoRA and "
+                             "quantised layers are not supported: merge them into the "
+                             "weights first)")
     if not getattr(attn, "is_causal", True):
         raise ValueError("is_causal must be True: decoder self-attention only")
     scaling = getattr(attn, "scaling", head_dim**-0.5)
@@ -398,7 +409,9 @@ def parallelize(
     if not layers:
         raise ValueError(f"{type(model).__name__} has no decoder layers with a self_attn module")
     methods, windows = [], []
-    for parent, attn in layers:
+    # every layer checked and its method built before any is converted: a refusal at a later
+    # layer leaves the model as it was (a retry was refused as "already context-parallel")
+    for _parent, attn in layers:
         if isinstance(attn, CPSelfAttention):
             raise ValueError(f"{type(model).__name__} is already context-parallel "
                              f"({attn.method.registry_name!r}): parallelize it once")
@@ -416,8 +429,9 @@ def parallelize(
         if any(t.is_meta for t in (*m.parameters(), *m.buffers())):
             raise ValueError(f"method {method!r} keeps state of its own beyond the projections; "
                              "it cannot adopt a pretrained layer")
-        parent.self_attn = CPSelfAttention(attn, m)
         methods.append(m)
+    for (parent, attn), m in zip(layers, methods, strict=True):
+        parent.self_attn = CPSelfAttention(attn, m)
     cfg.use_cache = False
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     # layout, rank and CP degree for shard_batch; not a submodule (its parameters are the layer's)
@@ -428,8 +442,43 @@ def parallelize(
     # each call checks that these still compute with the modules they were given
     object.__setattr__(model, "upipe_cp_layers", [parent.self_attn for parent, _ in layers])
     model.register_forward_pre_hook(_check_batch, with_kwargs=True)
+    _check_direct_decoder_calls(model)
     apply_stack(model, stack, methods[0].cp, methods[0].checkpoint_reentrant)
     return model
+
+
+def _check_direct_decoder_calls(model: nn.Module) -> None:
+    """The base decoder (``model.model``) called directly, as a custom loss does, gets the
+    model's checks too (without them its packed ``position_ids`` were ignored, and a padding
+    mask on one rank killed the others in a collective). A call through the causal LM is
+    checked once: the model's pre-hook marks it checked until its forward returns or raises.
+    The decoder's hook holds the model by a weak reference: a strong one would be a cycle that
+    keeps the model, and its process group, alive after the user's last reference."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if not isinstance(base, nn.Module) or base is model:
+        return
+    object.__setattr__(model, "upipe_cp_checked", False)
+    model.register_forward_pre_hook(_mark_checked, with_kwargs=True)  # after _check_batch
+    model.register_forward_hook(_unmark_checked, with_kwargs=True, always_call=True)
+    base.register_forward_pre_hook(functools.partial(_check_direct_call, weakref.ref(model)),
+                                   with_kwargs=True)
+
+
+def _mark_checked(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    object.__setattr__(model, "upipe_cp_checked", True)  # _check_batch passed this call
+
+
+def _unmark_checked(model: nn.Module, args: tuple, kwargs: dict, output) -> None:
+    object.__setattr__(model, "upipe_cp_checked", False)
+
+
+def _check_direct_call(model_ref: weakref.ref, base: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of the base decoder: ``_check_batch`` unless the causal LM's forward,
+    which checked the call already, is calling it."""
+    model = model_ref()
+    if model is None or model.upipe_cp_checked:
+        return args, kwargs
+    return _check_batch(model, args, kwargs)
 
 
 def shard_batch(

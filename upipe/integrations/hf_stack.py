@@ -101,6 +101,15 @@ def check_stack(model: nn.Module, stack: str | MemoryStack | None) -> MemoryStac
                 if not isinstance(getattr(layer, "mlp", None), nn.Module):
                     raise ValueError(f"MemoryStack.{name} needs an mlp module in every decoder "
                                      f"layer; {type(layer).__name__} has none")
+    if stack.tiled:
+        for layer in layers:
+            if hasattr(layer.mlp, "experts"):
+                # its router takes the whole (B, L, hidden) input (it views and unpacks it, and
+                # returns the router logits of all tokens): not a per-token module to tile
+                raise ValueError(f"MemoryStack.tiled needs a dense, per-token MLP in every "
+                                 f"decoder layer; {type(layer.mlp).__name__} is a mixture of "
+                                 "experts (use a level without tiling: 'offload', or "
+                                 "MemoryStack(checkpoint=True, offload=True, chunked_loss=True))")
     if stack.chunked_loss:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if not isinstance(head, nn.Linear) or head.bias is not None:
@@ -198,8 +207,11 @@ def _with_mixin(module: nn.Module, mixin: type) -> None:
     if not issubclass(cls, mixin):
         key = (cls, mixin)
         if key not in _SUBCLASSES:
-            _SUBCLASSES[key] = type(f"{mixin.__name__.lstrip('_')}{cls.__name__}", (mixin, cls),
-                                    {"__module__": cls.__module__})
+            # the class's own name: transformers' save_pretrained writes it as the config's
+            # architectures (a "ChunkedLossLlamaForCausalLM" there named no class a loader has)
+            _SUBCLASSES[key] = type(cls.__name__, (mixin, cls),
+                                    {"__module__": cls.__module__,
+                                     "__qualname__": cls.__qualname__})
         module.__class__ = _SUBCLASSES[key]
 
 

@@ -22,8 +22,8 @@ What this module maps (fpdt_layer.py, DeepSpeed 0.19.8):
   own cost.
 * Layout: ``FPDT_InputConstruct`` gives rank r the r-th piece of every global chunk of
   ``chunk_size`` tokens, in chunk order: our ``SeqLayout("chunked", chunk_size)``. FPDT needs
-  whole chunks (S a multiple of chunk_size) or, with S <= chunk_size, runs one chunk on the
-  device (then the layout is contiguous and nothing is offloaded).
+  whole chunks: S a positive multiple of chunk_size (``check_whole_chunks``); with one chunk the
+  layout is contiguous and nothing is offloaded.
 * Input/output: FPDT is sequence-first, (L, B, dim); ours is (B, L, dim).
 
 Off CUDA (a CPU run, and the emulator's fake CPU tensors) FPDT runs with stand-ins for
@@ -74,11 +74,16 @@ _PACKAGES = {"flash_attn": "flash-attn"}
 
 
 def check_whole_chunks(seq_len: int, chunk_size: int) -> None:
-    """FPDT cuts the sequence into seq_len // chunk_size whole chunks (at least one)."""
-    if seq_len > chunk_size and seq_len % chunk_size:
+    """FPDT cuts the sequence into seq_len // chunk_size whole chunks, at least one:
+    Megatron-DeepSpeed's ``FPDT_InputConstruct`` asserts ``seq_len % chunk_size == 0``, and
+    ``FPDT_Attention`` divides the local length by ``seq_len // chunk_size`` chunks (zero below
+    one chunk: a ZeroDivisionError), so a shorter sequence is refused here too rather than run
+    as one chunk of its own length under a row that names ``chunk_size``."""
+    if seq_len < chunk_size or seq_len % chunk_size:
         raise ValueError(
-            f"seq_len ({seq_len}) must be a multiple of chunk_size ({chunk_size}) for 'ds-fpdt' "
-            "(FPDT processes whole chunks), or at most chunk_size; pad the sequence"
+            f"seq_len ({seq_len}) must be a positive multiple of chunk_size ({chunk_size}) for "
+            "'ds-fpdt' (DeepSpeed's FPDT processes whole chunks: give a chunk_size that divides "
+            "the sequence, or pad the sequence)"
         )
 
 
@@ -202,7 +207,7 @@ class DSFPDTAttention(ContextParallelAttention):
                     for t in rope_tables(pos, self.head_dim, self.rope_theta, x.dtype))
         w_qkv = self._qkv_weight()
         fpdt = self.fpdt
-        fpdt.chunk_size = min(self.chunk_size, s)  # S <= chunk_size: one on-device chunk
+        fpdt.chunk_size = self.chunk_size
         # Plain tensors (not Parameters): a view of wo keeps the gradient path without
         # registering wo under a second name inside FPDT.
         fpdt.qkv_linear_weight = w_qkv

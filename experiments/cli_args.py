@@ -38,7 +38,12 @@ from experiments.config import (
 )
 from experiments.config.options import default, every_option
 from experiments.runner.plan import DEFAULT_STACKS, PlanSpec, default_workers
-from experiments.timing.profile import ProfileError, profile_for, shipped_profiles
+from experiments.timing.profile import (
+    ProfileError,
+    load_profile,
+    profile_for,
+    shipped_profiles,
+)
 from upipe.kernels import KERNELS
 from upipe.options import MethodOption
 
@@ -277,18 +282,34 @@ def hardware_from_args(a: argparse.Namespace, world: int | None = None, *,
     values = {"gpu_mem_gib": a.gpu_mem, "host_mem_gib": a.host_mem,
               "gpus_per_node": a.gpus_per_node, "reserve_gib": a.reserve,
               "device": a.emulate_device, "profile": a.hardware}
-    hw = dataclasses.replace(Hardware(), **{k: v for k, v in values.items() if v is not None})
     try:
+        if a.hardware is not None and a.emulate_device is None:
+            # the profile's device: a CPU calibration emulates a cpu device without being told
+            values["device"] = load_profile(a.hardware).device
+        hw = dataclasses.replace(Hardware(), **{k: v for k, v in values.items() if v is not None})
         hw.validate(world)
         profile = profile_for(hw)
-        if a.hardware is not None and a.gpu_mem is None:  # the profiled GPU's memory
-            hw = dataclasses.replace(hw, gpu_mem_gib=profile.gpu_mem_gib)
+        if a.hardware is not None and a.gpu_mem is None:  # the profiled device's memory
+            hw = dataclasses.replace(hw, **_profiled_memory(profile, hw, world, a.host_mem))
             hw.validate(world)
     except ProfileError as e:  # the profile file's own fault: its path and its JSON fields
         raise ValueError(f"--hardware: {e}") from None
     except ValueError as e:
         raise ValueError(named_as_flags(str(e), HARDWARE_FLAGS)) from None
     return hw
+
+
+def _profiled_memory(profile, hw: Hardware, world: int | None, host_mem: float | None) -> dict:
+    """``Hardware`` fields from a profile's device memory: a GPU's is each rank's; a CPU
+    calibration's is the host's physical memory, which the ranks on the host share (each gets
+    its part; it gave every rank all of it) and which is also the host memory offload uses,
+    unless ``--host-mem`` says otherwise. A rank's device and host bytes then come from one
+    memory that each budget counts in full, so a cell near both budgets may not fit."""
+    if profile.device != "cpu":
+        return {"gpu_mem_gib": profile.gpu_mem_gib}
+    ranks = min(world or hw.gpus_per_node, hw.gpus_per_node)
+    return {"gpu_mem_gib": profile.gpu_mem_gib / ranks,
+            **({} if host_mem is not None else {"host_mem_gib": profile.gpu_mem_gib})}
 
 
 def parse_mesh(text: str) -> tuple[int, int]:

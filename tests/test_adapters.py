@@ -243,7 +243,7 @@ def _fpdt_case(world, h, hkv, seq, cid, **options):
 FPDT_CPU_CASES = [  # (world, case)
     _fpdt_case(2, 8, 2, 32, "w2-gqa-4chunks", chunk_size=8, offload=False),
     _fpdt_case(2, 4, 1, 24, "w2-kv1-3chunks", chunk_size=8, offload=False),
-    _fpdt_case(2, 6, 6, 20, "w2-mha-1chunk-offload-flag"),
+    _fpdt_case(2, 6, 6, 20, "w2-mha-1chunk-offload-flag", chunk_size=20),  # S == chunk_size
     # KV heads 2 -> 4 replicas: each head's copies must sit next to each other (interleaved)
     _fpdt_case(4, 8, 2, 32, "w4-kv2-4chunks", chunk_size=8, offload=False),
 ]

@@ -454,3 +454,23 @@ def test_a_new_option_of_one_method_needs_no_line_outside_it(monkeypatch, capsys
         Cell("torch-cp", stack="native", options={"rotate_method": "ring"}).validate()
     with pytest.raises(ValueError, match="rotate_method applies to torch-cp only, not 'upipe'"):
         Cell("upipe", options={"rotate_method": "alltoall"}).validate()
+
+
+def test_a_cpu_calibration_is_a_cpu_device_whose_memory_its_ranks_share():
+    """--hardware with a CPU calibration (results/time_validation_cpu/profile.json, 23.5 GiB on
+    2 ranks): the cpu device without --emulate-device (it was refused as a profile "for a cpu
+    device" on cuda), each rank its part of the host's memory (each got all of it), and that
+    memory as the host's for offload (it was the 2 TB default)."""
+    from experiments.cli_args import hardware_from_args
+
+    path = Path(__file__).resolve().parent.parent / "results/time_validation_cpu/profile.json"
+    mem = load_profile(str(path)).gpu_mem_gib
+    a = parser().parse_args(["emulate", "--method", "upipe", "--model", "tiny", "--world", "2",
+                             "--hardware", str(path)])
+    hw = hardware_from_args(a, 2)
+    assert (hw.device, hw.gpu_mem_gib, hw.host_mem_gib) == ("cpu", mem / 2, mem)
+    assert hw.device_budget(cell_from_args(a)) == int(mem / 2 * 2**30)  # no reserve on cpu
+    a = parser().parse_args(["emulate", "--method", "upipe", "--model", "tiny", "--world", "2",
+                             "--hardware", str(path), "--host-mem", "64", "--gpu-mem", "3"])
+    hw = hardware_from_args(a, 2)
+    assert (hw.gpu_mem_gib, hw.host_mem_gib) == (3.0, 64.0)  # given: as given

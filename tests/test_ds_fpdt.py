@@ -138,3 +138,20 @@ def test_emulated_fpdt_runs_fa3_and_its_host_copies_run_beside_the_compute():
     assert work["copy", "sync", "d2h"] == work["copy", "sync", "h2d"] == block_inputs
     assert work["copy", "side", "d2h"] > 0 and work["copy", "side", "h2d"] > 0
     assert {k[1] for k in work if k[0] == "attention"} == {"fa3"}
+
+
+def test_a_sequence_of_no_whole_chunk_is_refused():
+    """DeepSpeed's FPDT splits S into S // chunk_size chunks: below one chunk it divides by zero
+    (the adapter used to run it as one chunk of S tokens under a row naming chunk_size); a
+    sequence of whole chunks, one included, runs."""
+    from baselines.ds_fpdt import check_whole_chunks
+
+    for s in (1024, 4096):
+        check_whole_chunks(s, 1024)
+    for s in (512, 1500):
+        with pytest.raises(ValueError, match=rf"seq_len \({s}\) must be a positive multiple of "
+                                             r"chunk_size \(1024\)"):
+            check_whole_chunks(s, 1024)
+    cell = Cell(method="ds-fpdt", model="tiny", nproc=2, seq_len=2048)  # default 64K chunks
+    with pytest.raises(ValueError, match="must be a positive multiple of chunk_size"):
+        cell.validate()

@@ -185,6 +185,10 @@ def test_bare_number_is_refused(tmp_path):
     prof["matmul"]["bf16"] = [[1024, 1e14]]
     with pytest.raises(ProfileError, match=r"matmul\.bf16: .* without a source"):
         load_profile(_write(tmp_path, prof, "table.json"))
+    prof = _minimal()  # a flag is a constant: side_streams flips the overlap model
+    prof["side_streams"] = False
+    with pytest.raises(ProfileError, match="side_streams: False is a flag without a source"):
+        load_profile(_write(tmp_path, prof, "flag.json"))
 
 
 def test_unknown_profile_lists_the_shipped_ones():

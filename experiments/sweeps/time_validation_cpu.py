@@ -2,7 +2,8 @@
 measured, then predicted by the emulator on this machine's calibrated profile
 (``upipe-bench validate-time``).
 
-Every CPU-capable method at CPU scale (tiny and tiny-wide, 2K to 8K tokens, 2 gloo ranks on 2
+Seven methods at CPU scale (``METHODS``: every CPU-capable one but ``ds-fpdt``, ``torch-cp`` and
+``usp-ulysses``, which are not in it; tiny and tiny-wide, 2K to 8K tokens, 2 gloo ranks on 2
 cores, the paper's ALST stack), and every other stack level for Ulysses and UPipe at 4K: the
 cells whose measured step times the prediction must match (median |error| <= 15%, worst <= 35%,
 issue 14). No paper artefact: a validation of the emulator's time axis.
@@ -25,8 +26,9 @@ STACK_CELLS = [  # the other stack levels, for the two methods the paper compare
 SWEEPS = [
     Sweep(
         name="time_validation_cpu",
-        description="CPU step times to validate the emulated time model: every method, tiny "
-                    "and tiny-wide, 2K-8K tokens, 2 gloo ranks",
+        description="CPU step times to validate the emulated time model: seven methods "
+                    "(not ds-fpdt, torch-cp, usp-ulysses), tiny and tiny-wide, 2K-8K tokens, "
+                    "2 gloo ranks",
         scale="cpu",
         base={"nproc": 2, "stack": "alst", "dtype": "fp32", "warmup": 1, "iters": 3},
         axes={"model": MODELS,

@@ -103,8 +103,11 @@ def _strip(tree, path: str):
         return tree["value"]
     if isinstance(tree, dict):
         return {k: _strip(v, f"{path}.{k}" if path else k) for k, v in tree.items()}
-    if isinstance(tree, (int, float, list)) and not isinstance(tree, bool):
-        raise ProfileError(f"{path}: {tree!r} is a number without a source; write it as "
+    # a bool is a constant too (side_streams flips the overlap model); strings (names,
+    # descriptions, provenance) are not
+    if isinstance(tree, (int, float, list)):
+        what = "a flag" if isinstance(tree, bool) else "a number"
+        raise ProfileError(f"{path}: {tree!r} is {what} without a source; write it as "
                            '{"value": ..., "source": "..."}')
     return tree
 

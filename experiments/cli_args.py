@@ -283,7 +283,7 @@ def hardware_from_args(a: argparse.Namespace, world: int | None = None, *,
               "gpus_per_node": a.gpus_per_node, "reserve_gib": a.reserve,
               "device": a.emulate_device, "profile": a.hardware}
     try:
-        if a.hardware is not None and a.emulate_device is None:
+        if a.hardware and a.emulate_device is None:  # "" is refused by validate, by name
             # the profile's device: a CPU calibration emulates a cpu device without being told
             values["device"] = load_profile(a.hardware).device
         hw = dataclasses.replace(Hardware(), **{k: v for k, v in values.items() if v is not None})

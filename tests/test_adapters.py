@@ -131,7 +131,9 @@ def test_config_rules_without_building():
         get_method("rfa-zigzag").check_config(8, 2, cp=4, seq_len=20)
     fpdt = get_method("ds-fpdt")
     fpdt.check_config(8, 2, cp=2, seq_len=64, chunk_size=16)
-    fpdt.check_config(8, 2, cp=2, seq_len=64)  # one chunk of the 64K default
+    fpdt.check_config(8, 2, cp=2, seq_len=64, chunk_size=64)  # one chunk
+    with pytest.raises(ValueError, match="positive multiple of chunk_size"):
+        fpdt.check_config(8, 2, cp=2, seq_len=64)  # the 64K default: no whole chunk
     with pytest.raises(ValueError, match="multiple of chunk_size"):
         fpdt.check_config(8, 2, cp=2, seq_len=40, chunk_size=16)
     with pytest.raises(ValueError, match="n_heads"):

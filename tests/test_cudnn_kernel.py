@@ -89,14 +89,17 @@ def test_refusals_name_the_rule():
 @pytest.mark.slow  # about 1 s on 2 cores (docs/testing.md)
 def test_methods_calling_their_own_library_refuse_cudnn_and_say_why():
     for method, kernel in (("torch-cp", "sdpa"), ("ds-fpdt", "flash-attn")):
+        # ds-fpdt: whole chunks (its 64K default is longer than the sequence)
+        opts = {"chunk_size": 256} if method == "ds-fpdt" else {}
         cell = Cell(method=method, model="tiny", seq_len=1024, nproc=4, dtype="bf16",
-                    kernel="cudnn")
+                    kernel="cudnn", options=opts)
         row = emulate_cell(cell, Hardware(), exact=True, count=False)
         assert row["status"] == "skipped"
         assert f"method {method!r} does not take kernel 'cudnn'" in row["error"]
         assert f"method {method!r} does not take kernel 'cudnn'" in unavailable_reason(cell)
         auto = emulate_cell(Cell(method=method, model="tiny", seq_len=1024, nproc=4,
-                                 dtype="bf16"), Hardware(), exact=True, count=False)
+                                 dtype="bf16", options=opts), Hardware(), exact=True,
+                            count=False)
         assert auto["status"] == "ok" and auto["kernel_ran"] == kernel  # its own, recorded
 
 

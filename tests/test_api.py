@@ -36,6 +36,9 @@ def test_single_process_without_torch_distributed(method):
     m.load_state_dict(ref.state_dict())
     x = torch.randn(2, 23, 40, dtype=torch.float64)
     torch.testing.assert_close(m(x), ref(x), atol=1e-12, rtol=1e-12)
+    # an empty batch ran forward and failed in the backward (a reshape of 0 elements)
+    with pytest.raises(ValueError, match=r"at least one sequence \(batch > 0\)"):
+        m(x[:0])
 
 
 def test_function_form_with_own_projections():
@@ -61,6 +64,31 @@ def test_function_form_with_own_projections():
     torch.testing.assert_close(y_fused, y, atol=1e-12, rtol=1e-12)
     (gx_fused,) = torch.autograd.grad(y_fused.sum(), x)
     torch.testing.assert_close(gx_fused, gx, atol=1e-12, rtol=1e-12)
+
+
+def test_function_form_refuses_tensors_its_head_counts_do_not_fit():
+    """An MHA layer's k/v weights given with n_kv_heads=2 ran GQA on their first two heads
+    (their other rows got zero gradients); a longer bias was read in part; an empty shard
+    killed the process in the kernel (SIGFPE); overlap='yes' was taken as True."""
+    m = UPipeAttention(48, 8, 8, 16).double()  # MHA: 8 K/V heads
+    x = torch.randn(1, 19, 48, dtype=torch.float64)
+    cos, sin = rope_tables(torch.arange(19), 16, m.rope_theta, x.dtype)
+    w = (m.wq.weight, m.wk.weight, m.wv.weight)
+    cases = [
+        (dict(n_kv_heads=2), r"wk must have shape \(32, 48\) .* got \(128, 48\)"),
+        (dict(bq=torch.zeros(256, dtype=x.dtype)), r"bq must have shape \(128,\)"),
+        (dict(q_norm=torch.ones(8, dtype=x.dtype)), r"q_norm must have shape \(16,\)"),
+        (dict(wo=torch.zeros(48, 64, dtype=x.dtype)), r"wo must be \(dim_out, n_heads \* "),
+        (dict(overlap="yes"), "overlap must be True or False, got 'yes'"),
+    ]
+    for extra, says in cases:
+        kw = dict(n_heads=8, n_kv_heads=8) | extra
+        with pytest.raises(ValueError, match=says):
+            upipe_attention(x, *w, cos, sin, **kw)
+    with pytest.raises(ValueError, match=r"cos must have shape \(19, 16\)"):
+        upipe_attention(x, *w, cos[:18], sin, n_heads=8, n_kv_heads=8)
+    with pytest.raises(ValueError, match="x must be .* no empty dimension"):
+        upipe_attention(x[:, :0], *w, cos[:0], sin[:0], n_heads=8, n_kv_heads=8)
 
 
 def test_upipe_long_context_options_are_checked():

@@ -66,7 +66,9 @@ def check_chunk(chunk: int | None, ring: bool = False, name: str = "chunk_size")
         raise ValueError(f"{name} must be a positive number of tokens or None, got {chunk!r}")
     if ring:
         raise ValueError(f"{name} (a chunked attention backward) needs the plain Ulysses mesh "
-                         "(ring_degree 1): with a ring axis the ring's blocks are the chunks")
+                         "(ring_degree 1) given as a group, not a (ring, ulysses) mesh or "
+                         "ring_group, even of one ring rank: with a ring axis the ring's blocks "
+                         "are the chunks")
 
 
 @metadata_pure

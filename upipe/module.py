@@ -325,6 +325,8 @@ class ContextParallelAttention(nn.Module):
             )
         if x.shape[1] == 0:
             raise ValueError("x_local must hold at least one token (seq_local > 0)")
+        if x.shape[0] == 0:  # the forward ran, and the backward failed reshaping it
+            raise ValueError("x_local must hold at least one sequence (batch > 0)")
         self.seq_layout.check_local(x.shape[1], self.cp)
 
     def documents(self, cu_seqlens, x: torch.Tensor) -> Documents | None:

@@ -190,7 +190,9 @@ def _backward_stages(layer: _Layer, walk: _Walk, x2, dx2, out, dout, lses, kept)
     x, pq, pk, pv, cos, sin = layer.x, layer.pq, layer.pk, layer.pv, layer.cos, layer.sin
     plan, group, core, overlap = walk.plan, walk.group, walk.core, walk.overlap
     # dK/dV are summed over a block's stages in accumulator_dtype (only U/C heads wide); dx and
-    # the weight rows in the input dtype, as autograd would, to keep dx one (L, dim) tensor
+    # the weight rows in the input dtype, to keep dx one (L, dim) tensor: dx takes 3 H / U
+    # roundings where autograd's takes 3, so in bf16 its error grows as U shrinks (measured on
+    # CPU with 40-64 heads: about 5x autograd's at U = 1, 2.5-3x at U = 2, 1x at U = H)
     dev, acc, c = x.device, accumulator_dtype(x.dtype), group_size(group)
     idx = plan_indices(plan, dev)
 
@@ -228,8 +230,9 @@ def _backward_stages(layer: _Layer, walk: _Walk, x2, dx2, out, dout, lses, kept)
     def send_back(p, transfer, idx, rows, ov):
         # the caller drops its gradient first: only the transfer holds it (or its result)
         in_flight.append((p, transfer, idx, rows))
-        if not ov:
-            finish(*in_flight.pop())
+        if not ov:  # in the order sent: a block's last dQ, still in flight, before its dK, dV,
+            while in_flight:  # so dx sums in the blocking schedule's order, bit for bit
+                finish(*in_flight.pop(0))
 
     forward_order = _order(plan)
     lse_of = {bs: lse for bs, lse in zip(forward_order, lses, strict=True)}
@@ -383,6 +386,8 @@ def upipe_attention(
     """
     cp = group_size(group)
     check_ulysses_heads(n_heads, n_kv_heads, cp)
+    _check_function_inputs(x, n_heads, n_kv_heads, overlap, wq=wq, wk=wk, wv=wv, wo=wo, bq=bq,
+                           bk=bk, bv=bv, q_norm=q_norm, k_norm=k_norm, cos=cos, sin=sin)
     u = cp if heads_per_stage is None else heads_per_stage  # 0 is refused, not the default
     plan = make_stage_plan(n_heads, n_kv_heads, cp, u)
     if ring_group is not None:
@@ -398,6 +403,38 @@ def upipe_attention(
     walk = _Walk(plan, group, core, overlap, keep, (norm_eps, norm_eps), input_norm_eps)
     return _UPipeFunction.apply(walk, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, input_norm,
                                 cos, sin)
+
+
+def _check_function_inputs(x: torch.Tensor, n_heads: int, n_kv_heads: int, overlap,
+                           **tensors: torch.Tensor | None) -> None:
+    """The function form's tensors against its head counts, each refused by name before any
+    collective (the same on every rank). The module form's come from its own nn.Linear
+    layers; here a k/v weight of more heads than ``n_kv_heads`` ran on its first heads only,
+    a longer bias was read in part, and an empty shard crashed the kernel."""
+    if not isinstance(overlap, bool):
+        raise ValueError(f"overlap must be True or False, got {overlap!r}")
+    if x.dim() != 3 or 0 in x.shape:
+        raise ValueError(f"x must be (B, L, dim) with no empty dimension, got shape "
+                         f"{tuple(x.shape)}")
+    _, local, dim = x.shape
+    wq = tensors["wq"]
+    if wq.dim() != 2 or wq.shape[1] != dim or wq.shape[0] % n_heads or not wq.shape[0]:
+        raise ValueError(f"wq must be (n_heads * head_dim, dim) = ({n_heads} * D, {dim}), got "
+                         f"shape {tuple(wq.shape)}")
+    d = wq.shape[0] // n_heads
+    want = {"wk": (n_kv_heads * d, dim), "wv": (n_kv_heads * d, dim), "bq": (n_heads * d,),
+            "bk": (n_kv_heads * d,), "bv": (n_kv_heads * d,), "q_norm": (d,), "k_norm": (d,),
+            "cos": (local, d), "sin": (local, d)}
+    for name, shape in want.items():
+        t = tensors[name]
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (n_heads {n_heads}, n_kv_heads "
+                             f"{n_kv_heads}, head_dim {d} from wq, {local} local tokens), got "
+                             f"{tuple(t.shape)}")
+    wo = tensors["wo"]
+    if wo is not None and (wo.dim() != 2 or wo.shape[1] != n_heads * d):
+        raise ValueError(f"wo must be (dim_out, n_heads * head_dim) = (dim_out, {n_heads * d}), "
+                         f"got shape {tuple(wo.shape)}")
 
 
 def check_keep(keep_last_stage: bool | None, overlap: bool) -> bool:

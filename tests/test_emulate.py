@@ -137,6 +137,22 @@ def test_one_rank_is_played_alone_when_named():
         emulate_cell(cell, hw, rank=0)
 
 
+@pytest.mark.slow  # about 15 s on 2 cores: the fit's window, two samples at S, one exact step
+def test_a_certified_prediction_off_the_lattice_is_the_exact_step():
+    """A packed UPipe cell (doc_len 3072: lattice 3072) at 14336 tokens, off the lattice: the
+    chord between the lattice samples was 328 KiB below the exact peak with the row certified,
+    and a search took an out-of-memory length; the fit now emulates S itself there."""
+    cell = Cell.from_dict(dict(method="upipe", model="tiny", seq_len=14336, nproc=4,
+                               dtype="bf16", overrides=(("n_layers", "8"),), doc_len=3072))
+    hw = Hardware(gpu_mem_gib=1.0, reserve_gib=0.0)
+    fit = emulate_cell(cell, hw, count=False)
+    exact = emulate_cell(cell, hw, count=False, exact=True)
+    assert fit["emulation"] == "fit" and fit["fit_nonaffine_phases"] == []
+    assert 14336 in fit["fit_checked_lens"]
+    assert (fit["peak_device_bytes"], fit["peak_host_bytes"]) == (
+        exact["peak_device_bytes"], exact["peak_host_bytes"])
+
+
 # one of each structure: head stages, a hybrid mesh with a ring, sequence chunks (every method's
 # fit also checks itself: tests/test_max_context_regression.py requires no unconfirmed phase)
 FIT_CASES = [

@@ -34,9 +34,11 @@ of the same phase takes over. The fit therefore works phase by phase:
 Lattice: Q = lcm(P x dim (the tiled MLP's shards of dim tokens), 2 x P x 128 (zigzag halves
 and the flash kernels' 128-row blocks), the method's chunk size, a packed cell's doc_len). Off
 the lattice (e.g. Qwen3-32B's dim 5120 over 16 ranks at multiples of 64K tokens) the MLP's
-shards are a little shorter than dim: the lines are still evaluated at S, exact for the phases
-whose tensors scale with S (attention, loss, checkpoints), approximate by part of one shard's
-scratch in the MLP's (and, packed, by the last document's remainder).
+last shard is shorter than dim and a packed cell's last document holds the remainder, so the
+lines through lattice samples are not the step's there (the chord between two of them was
+found below the true peak): a certified prediction emulates S itself at its sample depths
+(memory only) and takes the line in N from those; ``certify=False`` keeps to the window's
+lines, approximate there.
 tests/test_emulate.py checks predictions against exact emulations of the target.
 """
 
@@ -191,6 +193,9 @@ class Fit:
     def __post_init__(self):
         self._phase_cache: dict[tuple[int, int], dict] = {}
         self._uncertified: list[str] = []  # the last prediction's series left uncertified
+        # (depth, length) -> exact emulation at a length off the lattice (``_off_lattice``),
+        # kept apart: the convexity that certifies the lattice's samples does not hold there
+        self._off: dict[tuple[int, int], Measurement] = {}
         # counted only when every window sample is: a memory-only fit may take a counted
         # 4-layer window from the cache (``_cached``) beside 5-layer samples of its own
         self.counted = all(self.samples[n][x].flops is not None
@@ -215,7 +220,11 @@ class Fit:
     def _certified(self, get, n: int, seq_len: int, label: str) -> Fraction:
         """``get(measurement, phases)`` with ``n`` layers at ``seq_len``, certified by the
         samples around it (``convex_at``), sampling where they do not; what stays uncertified
-        is recorded for this prediction's summary."""
+        is recorded for this prediction's summary. Off the lattice, ``seq_len`` itself is
+        sampled (``_off_lattice``)."""
+        off = self._off_lattice(n, seq_len)
+        if off is not None:
+            return Fraction(get(off, _phases(off, n)))
         while True:
             xs = sorted(self.samples[n])
             ys = [get(self.samples[n][x], self._phases_of(n, x)) for x in xs]
@@ -229,6 +238,22 @@ class Fit:
             why = "no sampler" if self.sample is None else "changes within one quantum"
             self._uncertified.append(f"{label} ({why} of {seq_len})")
         return p.value
+
+    def _off_lattice(self, n: int, seq_len: int) -> Measurement | None:
+        """The exact emulation at ``seq_len`` with ``n`` layers when ``seq_len`` is off the
+        lattice (memory only, sampled once), else None. There the lines through lattice samples
+        are not the step's: the MLP's last shard is shorter than dim, a packed cell's last
+        document holds the remainder, and the chord between two lattice samples can sit below
+        the true peak (measured: 164-328 KiB low for UPipe with doc_len 3072 on the tiny model,
+        and a search accepted a length that was out of memory), so no convexity certifies it.
+        None too without a sampler or below the shortest sampled length (the caller's rule)."""
+        if seq_len % self.quantum == 0 or self.sample is None or seq_len < self.shortest:
+            return None
+        if (n, seq_len) not in self._off:
+            self._off[n, seq_len] = m = self.sample(n, seq_len)
+            if n == N_SAMPLE[1]:
+                self.nonaffine += _check_mid(m, n)
+        return self._off[n, seq_len]
 
     def _bilinear(self, get, seq_len: int, n_layers: int, label: str, certify: bool) -> int:
         """``get(measurement, phases)`` at (seq_len, n_layers): certified at each sample depth
@@ -308,7 +333,8 @@ class Fit:
         """The fit's provenance for a row: its window, depths, what it could not certify,
         whether the prediction was certified (``predict``) and the lengths of its samples
         besides the window's (before it, and those sampled to certify predictions so far)."""
-        checked = sorted({x for n in N_SAMPLE for x in self.samples[n]} - set(self.seq_lens))
+        checked = sorted(({x for n in N_SAMPLE for x in self.samples[n]}
+                          | {x for _, x in self._off}) - set(self.seq_lens))
         return {"emulation": "fit", "fit_seq_lens": list(self.seq_lens),
                 "fit_layers": list(N_SAMPLE),
                 "fit_nonaffine_phases": sorted(set(self.nonaffine + self._uncertified)),

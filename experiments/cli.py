@@ -221,7 +221,7 @@ def cmd_max_context(a) -> int:
                   f"{out['first_failing_seq_len']}  ({out['n_probes']} probes, {out['status']}"
                   f"{', ' + out['mode'] if a.emulate else ''})"
                   + (f"\n{out['error']}" if out["error"] else ""), file=a.stdout)
-            if out.get("peak_device_bytes") is not None:
+            if out["max_seq_len"] is not None and out.get("peak_device_bytes") is not None:
                 print(f"at max_seq_len: peak device {out['peak_device_bytes'] / GiB:.2f} GiB, "
                       f"host {out['peak_host_bytes'] / GiB:.2f} GiB per rank", file=a.stdout)
     return 0 if res["status"] == Status.OK else 1

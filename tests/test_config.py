@@ -386,6 +386,55 @@ def test_search_brackets_to_granularity(true_max):
     assert res["n_probes"] == len(calls) <= 12
 
 
+@pytest.mark.parametrize("true_max", [3000, 10**6])
+def test_a_limit_off_the_granularity_ends_the_search(true_max):
+    """limit 5000 on a 1024 lattice: the grow phase probed 4096 forever (it stopped only at a
+    length >= the limit, which the lattice never reaches)."""
+    calls = []
+    spec = SearchSpec(start=2048, block=256, limit=5000)
+    res = search_max_context(Cell("ulysses", nproc=4), spec, _fake_run(true_max, calls))
+    assert len(calls) <= 4 and max(calls) == 4096
+    assert res["max_seq_len"] == (4096 if true_max > 4096 else 2048)
+    assert res["first_failing_seq_len"] == (None if true_max > 4096 else 3072)
+
+
+def test_nothing_fits_is_said_and_a_shrinking_search_stops_at_the_methods_shortest_length():
+    """A search whose shortest probe runs out of memory says so (it was status ok, no word);
+    ds-fpdt's shortest length is one whole chunk: the search shrank to 1024 tokens, which it
+    refuses, and ended invalid with a retry hint."""
+    calls = []
+    res = search_max_context(Cell("ulysses", nproc=4), SearchSpec(start=4096, block=256),
+                             _fake_run(10, calls))
+    assert res["max_seq_len"] is None and "nothing fits" in res["error"]
+    fpdt = Cell("ds-fpdt", model="tiny", nproc=2, options={"chunk_size": 2048})
+    calls = []
+    res = search_max_context(fpdt, SearchSpec(start=4096, block=512), _fake_run(10, calls))
+    assert calls == [4096, 2048] and res["status"] == "ok" and res["max_seq_len"] is None
+    assert "nothing fits: the shortest length probed, 2048 tokens" in res["error"]
+
+
+def test_a_granularity_the_method_cannot_take_is_refused_before_any_probe():
+    """ds-fpdt with 1K chunks on a 512-token lattice: the bisection reached 8704 tokens after
+    seven probes and ended invalid; zigzag needs lengths divisible by 2 x CP."""
+    from experiments.runner.search import run_search
+
+    class Executor:
+        def unavailable(self, cell):
+            return None
+
+        def run(self, cell):
+            raise AssertionError("no probe may run")
+
+    for cell, spec, says in (
+            (Cell("ds-fpdt", model="tiny", nproc=2, options={"chunk_size": 1024}),
+             SearchSpec(start=2048, block=256, limit=16384), "whole chunks"),
+            (Cell("zigzag-ring", model="tiny", nproc=2), SearchSpec(start=2040, block=255),
+             "zigzag")):
+        res = run_search(Executor(), dataclasses.replace(cell, seq_len=spec.start), spec)
+        assert res["status"] == "invalid" and res["n_probes"] == 0, res
+        assert "granularity" in res["error"] and says in res["error"], res["error"]
+
+
 def test_search_stops_on_errors():
     calls = []
     res = search_max_context(Cell("ulysses", nproc=4), SearchSpec(start=4096, block=256),
@@ -394,6 +443,7 @@ def test_search_stops_on_errors():
     assert res["status"] == "error"
     assert res["max_seq_len"] is None and res["first_failing_seq_len"] is None
     assert "16384 tokens ended with status error; so far 8192 passed" in res["error"]
+    assert "run the search again; a sweep: --retry-failed" in res["error"]
     assert "no maximum" in res["error"] and res["error"].endswith("boom")
     with pytest.raises(ValueError, match="search.start"):
         SearchSpec(start=1000, block=256).validate(4)

@@ -45,6 +45,12 @@ def test_compare_reports_drops_lost_rows_and_gains():
                   ("d", 512, "ok", "")])
     bad, _ = compare(old, new)
     assert bad == ["a: max context 1024 -> None (status error: boom)"]
+    # the same maxima from a fit that no longer confirms a phase affine: its lines were
+    # continued from the window's last two points, so a drop may not show
+    new = old.assign(fit_nonaffine_phases=["", "backward;loss", "", ""])
+    bad, _ = compare(old.assign(fit_nonaffine_phases=["", "loss", None, ""]), new)
+    assert bad == ["b: the fit no longer confirms ['backward'] affine (max context 2048, from "
+                   "lines it could not check)"]
 
 
 def test_baseline_covers_every_entry():

@@ -184,7 +184,9 @@ def compare(old: pd.DataFrame, new: pd.DataFrame) -> tuple[list[str], list[str]]
     """(regressions, improvements) as lines naming the row and the old and new lengths.
 
     A regression: a row whose maximum context is below its baseline, a row that had a length
-    and no longer gets one, or a baseline row that disappeared.
+    and no longer gets one, a baseline row that disappeared, or a row whose fit no longer
+    confirms a phase affine that its baseline's did (its maximum then rests on lines continued
+    from the window's last two points, which the guard cannot trust to show a drop).
     """
     new_by = {r["name"]: r for r in new.to_dict("records")}
     bad, better = [], []
@@ -198,9 +200,20 @@ def compare(old: pd.DataFrame, new: pd.DataFrame) -> tuple[list[str], list[str]]
         if was is not None and (now is None or now < was):
             bad.append(f"{r['name']}: max context {was} -> {now} "
                        f"(status {cur['status']}{': ' + cur['error'] if cur['error'] else ''})")
+            continue
+        phases = set(_phase_list(cur.get("fit_nonaffine_phases"))) - set(
+            _phase_list(r.get("fit_nonaffine_phases")))
+        if phases:
+            bad.append(f"{r['name']}: the fit no longer confirms {sorted(phases)} affine (max "
+                       f"context {now}, from lines it could not check)")
         elif now is not None and (was is None or now > was):
             better.append(f"{r['name']}: max context {was} -> {now}")
     return bad, better
+
+
+def _phase_list(value) -> list[str]:
+    """A row's ``fit_nonaffine_phases`` (";"-joined; empty, None or NaN: none)."""
+    return [p for p in value.split(";") if p] if isinstance(value, str) else []
 
 
 def write(table: pd.DataFrame, path: Path = PATH) -> None:

@@ -65,11 +65,18 @@ def search_max_context(base: Cell, spec: SearchSpec, run: Callable[[Cell], dict]
         """A probe neither passed nor ran out of memory: no maximum can be claimed."""
         bracket = f"; so far {ok} passed" if ok else ""
         bracket += f", {bad} ran out of memory" if bad else ""
+        # an error or a timeout may pass another time; an invalid or skipped probe will not
+        again = (" (run the search again; a sweep: --retry-failed)"
+                 if status in (Status.ERROR, Status.TIMEOUT) else "")
         return result(status, None, None,
                       f"the probe at {lengths[-1]} tokens ended with status {status}{bracket}: "
-                      "no maximum reported (re-run it: --retry-failed). "
-                      + probes[-1].get("error", ""))
+                      f"no maximum reported{again}. " + probes[-1].get("error", ""))
 
+    # the longest length probed: the limit on the lattice (a limit off it was never reached,
+    # and the grow phase probed the same length forever); the shortest: the first lattice
+    # length the method takes (ds-fpdt: one whole chunk)
+    top = max(gran, spec.limit // gran * gran)
+    floor = None  # found when the start fails: a shrinking search needs it
     ok, bad = None, None
     length = spec.start
     while True:  # grow (or, if the start fails, shrink) to bracket the limit
@@ -78,21 +85,52 @@ def search_max_context(base: Cell, spec: SearchSpec, run: Callable[[Cell], dict]
             return interrupted(status, ok, bad)
         if status == PASS:
             ok = length
-            if bad is not None or length >= spec.limit:
+            if bad is not None or length >= top:
                 break
-            length = min(length * spec.growth, max(gran, spec.limit // gran * gran))
+            length = min(length * spec.growth, top)
         else:
             bad = length
-            if ok is not None or length <= gran:
+            floor = shortest_valid(base, gran, spec.start) if floor is None else floor
+            if ok is not None or length <= floor:
                 break
-            length = max(gran, (length // spec.growth) // gran * gran)
+            length = max(floor, (length // spec.growth) // gran * gran)
     while ok is not None and bad is not None and bad - ok > gran:  # bisect
         mid = (ok + bad) // 2 // gran * gran
         status = probe(mid)
         if status not in (PASS, FAIL):
             return interrupted(status, ok, bad)
         ok, bad = (mid, bad) if status == PASS else (ok, mid)
-    return result(Status.OK, ok, bad)
+    why = (f"nothing fits: the shortest length probed, {bad} tokens, ran out of memory"
+           if ok is None else "")
+    return result(Status.OK, ok, bad, why)
+
+
+def _valid(base: Cell, seq_len: int) -> str | None:
+    """Why ``base`` at ``seq_len`` tokens is invalid, or None."""
+    try:
+        dataclasses.replace(base, seq_len=seq_len).validate()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def shortest_valid(base: Cell, gran: int, start: int) -> int:
+    """The shortest lattice length (a multiple of ``gran``) up to ``start`` that ``base``'s
+    method takes (``start`` itself was checked)."""
+    return next((n for n in range(gran, start, gran) if _valid(base, n) is None), start)
+
+
+def check_lattice(base: Cell, spec: SearchSpec) -> None:
+    """ValueError when the search's lattice has a length ``base``'s method refuses above the
+    start (its layout's divisibility: zigzag's 2 x CP, ds-fpdt's whole chunks): the search
+    would end there ``invalid``, probes in. One step above the start and the next tell, as
+    both are multiples of the granularity."""
+    gran = spec.granularity(base.nproc)
+    for n in (spec.start + gran, spec.start + 2 * gran):
+        if n <= spec.limit and (why := _valid(base, n)) is not None:
+            raise ValueError(f"the search's granularity (nproc * block = {gran} tokens) must "
+                             f"keep every probed length valid for {base.method!r}; at {n} "
+                             f"tokens: {why}")
 
 
 def skipped_search(status: str, reason: str, granularity: int | None) -> dict:
@@ -108,6 +146,7 @@ def run_search(executor, base: Cell, spec: SearchSpec, on_probe: Probe | None = 
     try:
         base.validate()
         spec.validate(base.nproc)
+        check_lattice(base, spec)
     except ValueError as e:
         return skipped_search(Status.INVALID, str(e), None)
     reason = executor.unavailable(base)

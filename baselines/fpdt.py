@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from upipe.amp import cast_for_autocast
 from upipe.comm import group_size, head_to_seq, seq_to_head
 from upipe.documents import DocBlocks, Documents
 from upipe.host import HostStore
@@ -400,9 +401,10 @@ class FPDTAttention(ContextParallelAttention):
         # Q and the outputs are kept only for a backward (K/V are needed by later chunks anyway)
         save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights))
         store = HostStore(x.device, self.offload, self.host_context, self.pin_memory)
-        return _FPDTFunction.apply(
-            x, *weights, self.chunk_plan(x.shape[1], docs), self.group, store, save
-        )
+        # under autocast: on x and the weights cast to its dtype (upipe.amp), since the
+        # Function projects with them itself
+        return cast_for_autocast(_FPDTFunction.apply, x.device.type, x, *weights,
+                                 self.chunk_plan(x.shape[1], docs), self.group, store, save)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", chunk_size={self.chunk_size}, offload={self.offload}"

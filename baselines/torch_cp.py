@@ -60,6 +60,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from baselines.zigzag_ring import ZigzagRingAttention
+from upipe.amp import cast_for_autocast
 from upipe.kernels import fused_op_scope, kernel_device_type
 from upipe.registry import register_method
 
@@ -174,7 +175,9 @@ def torch_ring_sdpa(q, k, v, group, *, causal: bool,
     head-tail (zigzag) layout when causal; ``group``: the CP process group. Returns
     (B, H, L, D) in q's dtype.
     """
-    out, _lse = _TorchRingSDPA.apply(q, k, v, group, causal, rotate_method)
+    # under autocast: on q, k, v of its dtype (upipe.amp), as torch's SDPA is
+    out, _lse = cast_for_autocast(_TorchRingSDPA.apply, q.device.type, q, k, v, group, causal,
+                                  rotate_method)
     return out
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from baselines.ulysses import UlyssesAttention, ulysses_attention
+from upipe.amp import cast_for_autocast
 from upipe.kernels import attention_backward, attention_forward, check_kernel
 from upipe.registry import register_method
 
@@ -70,7 +71,9 @@ def ring_of_one_attention(
 ) -> torch.Tensor:
     """yunchang's ring attention over one rank: (B, S, H, D) x (B, S, Hkv, D) -> (B, S, H, D),
     differentiable; the values of upipe's kernel, yunchang's allocations (module docstring)."""
-    return _RingOfOne.apply(q, k, v, causal, scale, check_kernel(kernel))
+    # under autocast: on q, k, v of its dtype (upipe.amp), as torch's SDPA is
+    return cast_for_autocast(_RingOfOne.apply, q.device.type, q, k, v, causal, scale,
+                             check_kernel(kernel))
 
 
 @register_method("usp-ulysses")

@@ -53,6 +53,7 @@ from collections.abc import Callable
 
 import torch
 
+from upipe.amp import cast_for_autocast
 from upipe.documents import DocBlocks
 from upipe.pure import metadata_pure
 
@@ -839,4 +840,6 @@ def attention(
 ) -> torch.Tensor:
     """Differentiable attention, (B, S, Hq, D) x (B, S, Hkv, D) -> (B, S, Hq, D); ``blocks``:
     packed documents, as in :func:`attention_forward`."""
-    return _Attention.apply(q, k, v, causal, scale, check_kernel(kernel), blocks)
+    # under autocast: on q, k, v of its dtype (upipe.amp), as torch's SDPA is
+    return cast_for_autocast(_Attention.apply, q.device.type, q, k, v, causal, scale,
+                             check_kernel(kernel), blocks)

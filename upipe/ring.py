@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from upipe.amp import cast_for_autocast
 from upipe.chunked import accumulator_dtype, check_chunk, chunked_attention_backward
 from upipe.comm import group_rank, group_size
 from upipe.documents import DocBlocks, RingDocuments
@@ -290,8 +291,9 @@ def ring_attention(
     Inputs are this rank's tokens in the layout ``zigzag`` names (see the module docstring);
     ``docs``: packed documents (attention stays inside each), or None.
     """
-    return _RingAttention.apply(q, k, v, group, zigzag, causal, scale, check_kernel(kernel),
-                                docs)
+    # under autocast: on q, k, v of its dtype (upipe.amp), as torch's SDPA is
+    return cast_for_autocast(_RingAttention.apply, q.device.type, q, k, v, group, zigzag,
+                             causal, scale, check_kernel(kernel), docs)
 
 
 class SequenceAttention:

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
+from upipe.amp import cast_for_autocast
 from upipe.chunked import accumulator_dtype, check_chunk
 from upipe.comm import (
     Transfer,
@@ -316,6 +317,13 @@ class _UPipeFunction(torch.autograd.Function):
                 d_in, None, None)
 
 
+def _apply(walk: _Walk, x, *tensors) -> torch.Tensor:
+    """``_UPipeFunction`` of x and ``tensors`` (its forward's arguments after x). Under autocast
+    it runs on every floating input cast to autocast's dtype, the weights too (``upipe.amp``):
+    the Function projects with them itself, where autocast would cast them per matmul."""
+    return cast_for_autocast(_UPipeFunction.apply, x.device.type, walk, x, *tensors)
+
+
 def upipe_attention(
     x: torch.Tensor,
     wq: torch.Tensor,
@@ -401,8 +409,7 @@ def upipe_attention(
     core = SequenceAttention(causal=causal, scale=scale, kernel=kernel, ring_group=ring_group,
                              docs=ring_docs, chunk=chunk_size)
     walk = _Walk(plan, group, core, overlap, keep, (norm_eps, norm_eps), input_norm_eps)
-    return _UPipeFunction.apply(walk, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, input_norm,
-                                cos, sin)
+    return _apply(walk, x, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, input_norm, cos, sin)
 
 
 def _check_function_inputs(x: torch.Tensor, n_heads: int, n_kv_heads: int, overlap,
@@ -538,7 +545,7 @@ class UPipeAttention(ContextParallelAttention):
                                  ring_group=self.ring_group, docs=self.ring_documents(docs),
                                  chunk=self.chunk_size)
         walk = _Walk(self.plan, self.group, core, self.overlap, self.keep_last_stage, eps, in_eps)
-        y = _UPipeFunction.apply(
+        y = _apply(
             walk, x, self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight,
             self.wq.bias, self.wk.bias, self.wv.bias, *(None if n is None else n[0] for n in norms),
             in_w, cos, sin)

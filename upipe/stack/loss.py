@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from upipe.amp import autocast_state, recompute_autocast
 from upipe.chunked import spans
 from upipe.pure import Span, metadata_pure
 
@@ -62,6 +63,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, labels, chunk):
         ctx.save_for_backward(h, weight, labels)
         ctx.chunk = chunk
+        ctx.amp = autocast_state(h.device.type)  # the backward's logits are the forward's
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         # each chunk a span of the whole tensors: no view is made outside the chunk's call,
         # which the emulator replays (hundreds of chunks per call)
@@ -76,8 +78,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         dh = torch.empty_like(h)
         # fp32 accumulation of the head's gradient across chunks (one weight-sized buffer)
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for c in spans(h.shape[0], chunk):
-            _chunk_backward_into(dh, dw, h, weight, labels, grad_total, c)
+        with recompute_autocast(ctx.amp):
+            for c in spans(h.shape[0], chunk):
+                _chunk_backward_into(dh, dw, h, weight, labels, grad_total, c)
         return dh, dw.to(weight.dtype), None, None
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from upipe.amp import autocast_state, recompute_autocast
 from upipe.chunked import spans
 from upipe.pure import Span, metadata_pure
 
@@ -70,6 +71,7 @@ class _Tiled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, module, x, shards, *params):
         ctx.call, ctx.module, ctx.shards = call, module, shards
+        ctx.amp = autocast_state(x.device.type)  # the recompute runs as the forward did
         ctx.save_for_backward(x)
         outs = [_shard_forward(call, module, x, s) for s in _shards(x.shape[-2], shards, -2)]
         return torch.cat(outs, dim=-2)
@@ -85,9 +87,10 @@ class _Tiled(torch.autograd.Function):
         dx2 = torch.zeros_like(x2)
         # forward's shards (torch.chunk's), each a span of the whole tensors: no view is made
         # outside the shard's call, which the emulator replays
-        for s in _shards(x2.shape[0], ctx.shards, 0):
-            _shard_backward(ctx.call, ctx.module, x2, dx2, dout2, s, input_grad,
-                            _grads_exist((ctx.module,)))
+        with recompute_autocast(ctx.amp):
+            for s in _shards(x2.shape[0], ctx.shards, 0):
+                _shard_backward(ctx.call, ctx.module, x2, dx2, dout2, s, input_grad,
+                                _grads_exist((ctx.module,)))
         return (None, None, dx2.view(x.shape) if input_grad else None, None,
                 *(None for _ in ctx.needs_input_grad[4:]))
 
@@ -159,6 +162,7 @@ class _TiledResidual(torch.autograd.Function):
     @staticmethod
     def forward(ctx, modules, h, shards, *params):
         ctx.modules, ctx.shards = modules, shards
+        ctx.amp = autocast_state(h.device.type)  # the recompute runs as the forward did
         ctx.save_for_backward(h)
         out = torch.empty_like(h)
         for s in _shards(h.shape[-2], shards, -2):
@@ -169,8 +173,9 @@ class _TiledResidual(torch.autograd.Function):
     def backward(ctx, dout):
         (h,) = ctx.saved_tensors
         dh = dout.clone(memory_format=torch.contiguous_format)  # the residual's part
-        for s in _shards(h.shape[-2], ctx.shards, -2):
-            _residual_backward(ctx.modules, h, dh, dout, s, _grads_exist(ctx.modules))
+        with recompute_autocast(ctx.amp):
+            for s in _shards(h.shape[-2], ctx.shards, -2):
+                _residual_backward(ctx.modules, h, dh, dout, s, _grads_exist(ctx.modules))
         return None, dh, None, *(None for _ in ctx.needs_input_grad[3:])
 
 

@@ -110,3 +110,27 @@ def test_upipe_on_a_mesh_rings_once_per_stage(dist_pool, u, blocks, stages):
         assert (res["n_blocks"], res["n_stages"]) == (blocks, stages)
         assert res["fwd"] == {"alltoall_base_": 2 * blocks + 2 * stages} | _scaled(fwd, stages)
         assert res["bwd"] == {"alltoall_base_": 4 * blocks + 4 * stages} | _scaled(bwd, stages)
+
+
+def _uneven_all_to_alls() -> list[int]:
+    """Rank 0 keeps 1 of its 4 rows of 1 KiB and sends 3; rank 1 keeps 3 and sends 1: the bytes
+    each all-to-all with split sizes counts as sent (c10d, functional; gloo's list form takes
+    equal tensors only)."""
+    import torch.distributed._functional_collectives as funcol
+
+    rank = dist.get_rank()
+    splits = [1, 3]  # rows to rank 0, to rank 1: rank 0 keeps 1, rank 1 keeps 3
+    x = torch.zeros(4, 256)
+    recv = [[1, 1], [3, 3]][rank]  # rows from rank 0, from rank 1
+    with CollectiveCounter() as cc:
+        dist.all_to_all_single(torch.empty(sum(recv), 256), x, recv, splits)
+        funcol.wait_tensor(funcol.all_to_all_single(x, recv, splits, dist.group.WORLD))
+    return [cc.bytes_sent[k] for k in ("alltoall_base_", "all_to_all_single")]
+
+
+def test_an_uneven_all_to_all_counts_what_leaves_the_rank(dist_pool):
+    """An all-to-all sends its input but the rows it keeps: 3 KiB from rank 0 (which keeps its
+    first row) and 1 KiB from rank 1 (which keeps its last 3), where 1/P kept counted 2 KiB
+    and 1 KiB."""
+    sent = dist_pool(2).run(_uneven_all_to_alls)
+    assert sent == [[3072] * 2, [1024] * 2]

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
-from experiments.config import Cell
-from experiments.harness.stats import memory_figures, summarise
+from experiments.config import Cell, MiB, Status
+from experiments.harness.stats import budget_status, memory_figures, summarise
 from experiments.instruments.labels import label_modules
 from experiments.instruments.memory import MemoryTracker
 from experiments.row import unknown_keys
@@ -465,6 +465,32 @@ def test_a_row_says_when_its_peak_may_count_a_collective_the_backend_still_held(
     assert "unsettled_collectives" not in row(settled, settled)
 
 
+def test_a_rows_split_of_the_peak_is_the_fullest_ranks_own():
+    """The model / attention / other split comes from the rank with the largest peak, so it
+    adds up to the row's peak; each part's maximum over ranks mixed ranks (140 B of parts for
+    a 100 B peak here, on ranks that hold their bytes in different places)."""
+    cell = Cell(method="ulysses", model="tiny", seq_len=256, nproc=2)
+    cfg, cpu = cell.validate(), torch.device("cpu")
+    ranks = [{"times": [], "tracked_peak_device_bytes": 100, "peak_host_bytes": 0,
+              "peak_model_bytes": 60, "peak_attention_bytes": 10, "peak_other_bytes": 30},
+             {"times": [], "tracked_peak_device_bytes": 90, "peak_host_bytes": 7,
+              "peak_model_bytes": 20, "peak_attention_bytes": 50, "peak_other_bytes": 20}]
+    row = summarise(cell, cfg, ranks, cpu, flops=None)
+    assert row["peak_device_bytes"] == 100 and row["peak_host_bytes"] == 7
+    assert (row["peak_model_bytes"], row["peak_attention_bytes"],
+            row["peak_other_bytes"]) == (60, 10, 30)
+
+
+@pytest.mark.parametrize("over", [0, 1, 63, 64])
+def test_a_peak_a_byte_over_the_budget_is_an_oom(over):
+    """The budget is checked on the exact tracked bytes (a float32 peak rounded a peak up to
+    63 B over a 1000 MiB budget to within it)."""
+    cell = Cell(method="ulysses", model="tiny", seq_len=256, nproc=1, budget_mib=1000)
+    status, _ = budget_status(cell, {"tracked_peak_device_bytes": 1000 * MiB + over},
+                              torch.device("cpu"))
+    assert status == (Status.OOM if over else Status.OK)
+
+
 def _reduce_scatter_then_allocate() -> tuple[float, int, int]:
     """One gloo reduce-scatter under a tracker whose settle timeout is 5 s, the send buffer
     dropped, then one allocation: (seconds taken, live bytes, peak bytes)."""
@@ -701,3 +727,58 @@ def test_attention_memory_matches_accounting(s, dist_pool):
     # here), adds Q and a second block's K, V: 3U more, 0.6 U/H.
     bound = 2.4 + 1.6 * s.overlap + 0.6 * _keeps(s)
     assert up_head / ul_head <= bound * s.heads_per_stage / s.n_heads, (up_head, ul_head)
+
+
+def test_cpu_attention_flops_are_counted_by_the_sdpa_formulas():
+    """The CPU flash kernel (what ``--emulate-device cpu`` steps run) has no formula in torch's
+    registry: its attention counted 0 FLOPs, and such rows' ``rank_flops_per_step`` came out
+    below the model's own FLOPs. GQA counts every query head over its KV head's keys."""
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    from experiments.instruments.op_flops import CountedFlops
+
+    q = torch.randn(1, 4, 64, 16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(2))
+    with CountedFlops() as fwd:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    with CountedFlops() as bwd:
+        out.sum().backward()
+    shape = (1, 4, 64, 16)
+    assert fwd.total == sdpa_flop_count(shape, shape, shape) > 0
+    assert bwd.total == sdpa_backward_flop_count(shape, shape, shape, shape) > 0
+
+
+def _fsdp_parameter_categories() -> set[str]:
+    """One tracked step of the tiny model under FSDP2 on this rank: the categories of the
+    unsharded parameters' storages still live after it (FSDP2 keeps the last gathered group)."""
+    import experiments.harness.measure as measure
+
+    trackers = []
+
+    class Kept(MemoryTracker):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            trackers.append(self)
+
+    cell = Cell(method="ulysses", model="tiny", seq_len=256, nproc=dist.get_world_size(),
+                stack="alst", warmup=0, iters=0)
+    state = measure.build(cell, cell.validate())
+    measure.MemoryTracker = Kept
+    try:
+        measure.memory_steps(state, 1, torch.device("cpu"))
+    finally:
+        measure.MemoryTracker = MemoryTracker
+    live = trackers[0]._live
+    gathered = {id(t.untyped_storage()) for m in state.model.modules()
+                if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group
+                for p in m._get_fsdp_state()._fsdp_param_group.fsdp_params
+                for t in getattr(p, "all_gather_outputs", [])}
+    return {live[k][0].category for k in gathered if k in live}
+
+
+def test_fsdp_gathered_parameters_are_model_states(dist_pool):
+    """FSDP2 allocates the unsharded parameters with plain ops in its hooks: they were counted
+    as "other", so a row's ``peak_model_bytes`` left out a block's full parameters."""
+    for categories in dist_pool(2).run(_fsdp_parameter_categories):
+        assert categories == {"model"}

@@ -71,3 +71,30 @@ def test_join_until_ticks_while_the_ranks_run_and_stops_at_the_deadline():
     assert len(calls) == 3
     never = types.SimpleNamespace(join=lambda timeout: False)
     assert ranks.join_until(never, deadline=0.0) is False  # time.monotonic() is past 0
+
+
+def test_join_draining_reads_a_result_larger_than_a_pipe_while_the_ranks_run():
+    """A rank's ``put`` of more than a pipe holds (64 KiB) returns only once it is read: read
+    after the join, the rank never ended and the cell timed out with its row lost (a long
+    ``--iters`` run's times). ``join_draining`` reads while it joins."""
+    import multiprocessing
+
+    results = multiprocessing.get_context("spawn").SimpleQueue()
+    row = {"times_s": [float(i) for i in range(20_000)]}  # about 180 KiB pickled
+    rank = threading.Thread(target=results.put, args=(row,), daemon=True)
+    rank.start()
+
+    def join(timeout):
+        rank.join(timeout)
+        return not rank.is_alive()
+
+    pc = types.SimpleNamespace(join=join)
+    done, got = ranks.join_draining(pc, deadline=None, results=results)
+    assert done and got == [row]
+    stuck = threading.Thread(target=results.put, args=(row,), daemon=True)
+    stuck.start()
+    # what the launcher did before: join without reading, until the deadline
+    assert ranks.join_until(types.SimpleNamespace(
+        join=lambda timeout: (stuck.join(timeout), not stuck.is_alive())[1]),
+        deadline=0.0) is False
+    results.get()  # let the stuck writer end

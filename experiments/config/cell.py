@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -143,8 +144,11 @@ class Cell:
             raise ValueError(f"dp must be >= 1, got {self.dp}")
         if self.warmup < 0 or self.iters < 0:
             raise ValueError(f"warmup and iters must be >= 0, got {self.warmup}, {self.iters}")
-        if self.budget_mib is not None and self.budget_mib <= 0:
-            raise ValueError(f"budget_mib must be positive, got {self.budget_mib}")
+        # NaN fails every comparison, so it is refused too (it ran every step, then failed
+        # turning the budget into bytes); no budget is None, not inf
+        if self.budget_mib is not None and not (0 < self.budget_mib < math.inf):
+            raise ValueError(f"budget_mib must be a positive, finite number of MiB, got "
+                             f"{self.budget_mib}")
         if self.ring_degree < 1:
             raise ValueError(f"ring_degree must be >= 1, got {self.ring_degree}")
         if self.workload not in WORKLOADS:

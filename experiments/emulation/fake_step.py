@@ -45,7 +45,7 @@ from experiments.emulation.kernel_models import PYTORCH_KERNELS, cuda_kernels
 from experiments.emulation.replay import CallReplay
 from experiments.harness.train import build, make_meshes
 from experiments.instruments.collectives import CollectiveCounter
-from experiments.instruments.labels import label_fsdp_reductions, label_modules
+from experiments.instruments.labels import label_fsdp_model_states, label_modules
 from experiments.instruments.memory import MemoryTracker
 from experiments.instruments.op_flops import CountedFlops
 from experiments.timing.op_costs import StepWork, Window
@@ -200,7 +200,7 @@ def _play(cell: Cell, cfg: ModelConfig, hw: Hardware, rank: int, count: bool, wo
                                     round_bytes=512 if hw.device == "cuda" else 1)
             handles = label_modules(model.attention_modules, tracker, "attention")
             handles += _label_phases(model, tracker)
-            handles += label_fsdp_reductions(model, tracker)
+            handles += label_fsdp_model_states(model, tracker)
             model.set_offload(host_context=tracker.host)
             if count:  # on the tracker's dispatch: one mode layer for all four instruments
                 flop_counter, comm = CountedFlops(), CollectiveCounter()

@@ -15,9 +15,15 @@ import itertools
 
 from experiments.config import ModelConfig
 
-# Dense bf16 tensor-core peak per GPU (vendor datasheets: H100 SXM and H200 989.5 TFLOP/s,
-# A100 312 TFLOP/s).
-PEAK_BF16_FLOPS = {"H100": 989.5e12, "H200": 989.5e12, "A100": 312e12}
+# Dense bf16 tensor-core peak per GPU, by a part of the CUDA device name, the more specific
+# names first (the first that the name contains is taken). Vendor datasheets give BF16 "with
+# sparsity", twice the dense figure: H100 SXM 1,979 / PCIe 1,513 / NVL 1,671 TFLOP/s (NVIDIA
+# H100 Tensor Core GPU datasheet), H200 SXM 1,979 / NVL 1,671 (H200 datasheet); A100 312
+# dense (A100 datasheet, SXM and PCIe alike). The SXM parts' names carry no form factor
+# ("NVIDIA H100 80GB HBM3", "NVIDIA H200"), so a PCIe or NVL part matched "H100" and got the
+# SXM peak, its MFU a fifth low.
+PEAK_BF16_FLOPS = {"H100 PCIe": 756.5e12, "H100 NVL": 835.5e12, "H200 NVL": 835.5e12,
+                   "H100": 989.5e12, "H200": 989.5e12, "A100": 312e12}
 
 
 def matmul_params(cfg: ModelConfig) -> int:

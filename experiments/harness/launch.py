@@ -54,7 +54,7 @@ from experiments.harness.ranks import (
     enter_rank,
     exit_without_finalizing,
     free_port,
-    join_until,
+    join_draining,
     started_ranks,
     threads_per_rank,
 )
@@ -187,15 +187,18 @@ def _spawn(cell: Cell, cfg: ModelConfig, timeout_s: float | None, threads: int,
     with started_ranks(_rank_main, (cell, cfg, free_port(), threads, progress, results,
                                     shared_gpu), cell.world) as pc:
         try:
-            if not join_until(pc, deadline):
+            # read while the ranks run: a row over a pipe's 64 KiB (thousands of --iters) kept
+            # rank 0 in its put and the others at their barrier until the timeout
+            done, got = join_draining(pc, deadline, results)
+            if not done:
                 return {"status": Status.TIMEOUT, "error": f"cell ran past timeout_s={timeout_s}"}
         except mp.ProcessExitedException as e:
             return _killed(e)
         except mp.ProcessRaisedException as e:
             return _raised(str(e))
-    if results.empty():
+    if not got:
         return {"status": Status.ERROR, "error": "rank 0 exited without a result"}
-    return results.get()
+    return got[0]
 
 
 def disagreement(cell: Cell) -> str | None:

@@ -39,7 +39,7 @@ from experiments.harness.stats import (
     timed,
 )
 from experiments.harness.train import TrainState, build
-from experiments.instruments.labels import label_fsdp_reductions, label_modules
+from experiments.instruments.labels import label_fsdp_model_states, label_modules
 from experiments.instruments.memory import MemoryTracker
 
 
@@ -58,7 +58,7 @@ def memory_steps(state: TrainState, steps: int, device: torch.device,
     model, opt = state.model, state.optimizer
     states = state.make_optimizer_states()
     handles = label_modules(model.attention_modules, tracker, "attention")
-    handles += label_fsdp_reductions(model, tracker)
+    handles += label_fsdp_model_states(model, tracker)
     model.set_offload(host_context=tracker.host)
     try:
         with tracker:

@@ -106,6 +106,22 @@ def join_until(pc: mp.ProcessContext, deadline: float | None,
     return True
 
 
+def join_draining(pc: mp.ProcessContext, deadline: float | None, results) -> tuple[bool, list]:
+    """``join_until`` reading ``results`` (a ``SimpleQueue`` the ranks put into) while the ranks
+    run: a pipe holds 64 KiB, and a rank whose ``put`` does not fit waits until it is read,
+    while its peers wait for it at their next collective, until the deadline. Returns (whether
+    every rank ended before ``deadline``, what they put, in order)."""
+    got = []
+
+    def drain():
+        while not results.empty():
+            got.append(results.get())
+
+    done = join_until(pc, deadline, drain)
+    drain()
+    return done, got
+
+
 def enter_rank(threads: int) -> None:
     """A spawned rank's first step: Ctrl-C is ignored (the launcher turns it into one line and
     ends the ranks itself, rather than each rank printing a traceback), SIGTERM and SIGHUP are

@@ -90,6 +90,10 @@ def summarise(cell: Cell, cfg: ModelConfig, per_rank: list[dict], device: torch.
     for key in per_rank[0]:
         if key != "times":
             row[key] = max(r[key] for r in per_rank)
+    # the split of the device peak is the fullest rank's own, so its parts add up to its peak
+    # (each part's max over ranks could come from different ranks)
+    fullest = max(per_rank, key=lambda r: r["tracked_peak_device_bytes"])
+    row.update({k: fullest[k] for k in BREAKDOWN_KEYS})
     if not row.get("unsettled_collectives"):  # a column only where the figure needs the word
         row.pop("unsettled_collectives", None)
     row["peak_device_bytes"] = row.get("allocator_peak_allocated_bytes",
@@ -120,6 +124,10 @@ def reset_device_peaks(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+
+
+#: memory_figures' split of the tracked device peak (model + attention + other = the peak)
+BREAKDOWN_KEYS = ("peak_model_bytes", "peak_attention_bytes", "peak_other_bytes")
 
 
 def memory_figures(tracker, device: torch.device) -> dict:
@@ -157,7 +165,9 @@ def budget_status(cell: Cell, mem: dict, device: torch.device) -> tuple[str, str
     over the budget is an OOM, the only OOM a CPU run has."""
     if device.type != "cpu" or cell.budget_mib is None:
         return Status.OK, ""
-    peak = torch.tensor([float(mem["tracked_peak_device_bytes"])])
+    # int64: a float32 peak rounds (by 64 B at 1000 MiB), and a peak just over the budget
+    # read as within it
+    peak = torch.tensor([mem["tracked_peak_device_bytes"]], dtype=torch.int64)
     if dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if peak.item() > cell.budget_mib * MiB:

@@ -30,8 +30,8 @@ _BYTES: dict[str, tuple[str, str]] = {
     "reduce_scatter_": ("input_tensors", "ring"),
     "allreduce_": ("tensors", "all_reduce"),
     "allreduce_coalesced_": ("tensors", "all_reduce"),
-    "alltoall_base_": ("input", "ring"),
-    "alltoall_": ("input_tensors", "ring"),
+    "alltoall_base_": ("input", "all_to_all"),
+    "alltoall_": ("input_tensors", "all_to_all"),
     "send": ("tensors", "all"),
     "recv_": ("tensors", "none"),
     "recv_any_source_": ("tensors", "none"),
@@ -45,22 +45,24 @@ _FUNCTIONAL_BYTES: dict[str, tuple[str, str]] = {
     "all_gather_into_tensor": ("gathered", "ring"),
     "reduce_scatter_tensor": ("input", "ring"),
     "all_reduce": ("input", "all_reduce"),
-    "all_to_all_single": ("input", "ring"),
+    "all_to_all_single": ("input", "all_to_all"),
 }
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 
 
-def _sent(rule: str, payload: int, p: int, is_root: bool) -> int:
+def _sent(rule: str, payload: int, p: int, is_root: bool, kept: int | None = None) -> int:
     """Bytes one rank sends for a ``payload``-byte collective over ``p`` ranks.
 
     The ring-algorithm factors of nccl-tests' PERFORMANCE.md ("bus bandwidth",
     github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md): each rank sends (P-1)/P of the
-    gathered output (all-gather), of its input (reduce-scatter, all-to-all), and 2(P-1)/P of the
-    tensor for an all-reduce (a reduce-scatter, then an all-gather). For an all-to-all this is
-    exact with even splits, where the chunk a rank keeps is 1/P of its input. Broadcast: the
-    root sends the tensor once, the others are counted as sending nothing (a ring or tree relays
-    it, but only the root's bytes are new on the wire). Integer arithmetic, floored per call.
+    gathered output (all-gather), of its input (reduce-scatter), and 2(P-1)/P of the tensor for
+    an all-reduce (a reduce-scatter, then an all-gather). An all-to-all sends its input but the
+    chunk it keeps (``kept`` bytes, ``_kept``): 1/P of it with even splits. Broadcast: the root
+    sends the tensor once, the others are counted as sending nothing (a ring or tree relays it,
+    but only the root's bytes are new on the wire). Integer arithmetic, floored per call.
     """
+    if rule == "all_to_all":
+        return payload - kept if kept is not None else payload * (p - 1) // p
     if rule == "ring":
         return payload * (p - 1) // p
     if rule == "all_reduce":
@@ -68,6 +70,19 @@ def _sent(rule: str, payload: int, p: int, is_root: bool) -> int:
     if rule == "root":
         return payload if is_root else 0
     return payload if rule == "all" else 0
+
+
+def _kept(bound: dict, payload_arg: str, rank: int) -> int | None:
+    """Bytes of its own input an all-to-all keeps on this rank: the ``input_split_sizes[rank]``
+    rows of an uneven split, the rank's own tensor of the list form; None for even splits
+    (no sizes given: ``_sent`` keeps 1/P)."""
+    x = bound[payload_arg]
+    if isinstance(x, (list, tuple)):
+        return _nbytes(x[rank])
+    splits = bound.get("input_split_sizes")
+    if not splits:
+        return None
+    return int(splits[rank]) * (_nbytes(x) // x.shape[0])
 
 
 def _nbytes(x) -> int:
@@ -104,7 +119,9 @@ def _describe_functional(name: str, bound: dict) -> CollectiveCall | None:
     group = _resolve_process_group(bound["group_name"])
     payload_kind, rule = _FUNCTIONAL_BYTES[name]
     payload = _nbytes(bound["input"]) * (group.size() if payload_kind == "gathered" else 1)
-    return CollectiveCall(name, payload, _sent(rule, payload, group.size(), False), group, None)
+    kept = _kept(bound, "input", group.rank()) if rule == "all_to_all" else None
+    return CollectiveCall(name, payload, _sent(rule, payload, group.size(), False, kept), group,
+                          None)
 
 
 def describe_collective(func, args, kwargs) -> CollectiveCall | None:
@@ -124,8 +141,9 @@ def describe_collective(func, args, kwargs) -> CollectiveCall | None:
     is_root = bound.get("root_rank") == group.rank()
     payload_arg, rule = _BYTES[name]
     payload = _nbytes(bound[payload_arg])
+    kept = _kept(bound, payload_arg, group.rank()) if rule == "all_to_all" else None
     peer = bound.get("dst", bound.get("src"))
-    return CollectiveCall(name, payload, _sent(rule, payload, group.size(), is_root), group,
+    return CollectiveCall(name, payload, _sent(rule, payload, group.size(), is_root, kept), group,
                           None if peer is None else int(peer))
 
 
@@ -135,8 +153,9 @@ class CollectiveCounter(TorchDispatchMode):
     Attributes:
         counts: number of calls per op name.
         bytes_sent: bytes this rank sends per op name, with the ring factors of ``_sent`` (e.g. an
-            all-gather of an N-byte output over P ranks: N * (P-1) // P). Integers, exact up to
-            the floor of each call's fraction.
+            all-gather of an N-byte output over P ranks: N * (P-1) // P; an all-to-all: its
+            input but the chunk it keeps, of even or uneven splits). Integers, exact up to the
+            floor of each call's fraction.
         payload_bytes: size of the buffer each call moves, per op name (all-gather: the output;
             reduce-scatter and all-to-all: the input; all-reduce, send, recv, broadcast: the
             tensor).

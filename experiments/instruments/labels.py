@@ -1,8 +1,9 @@
 """Label what a module allocates, in forward and backward, for the memory tracker.
 
 ``label_modules`` attributes a module's allocations to a tracker category (or phase) across
-autograd and activation checkpointing; ``label_fsdp_reductions`` counts FSDP2's gradient
-reductions as model states. Used by the measured harness and the emulator alike.
+autograd and activation checkpointing; ``label_fsdp_model_states`` counts FSDP2's gathered
+parameters and gradient reductions as model states. Used by the measured harness and the
+emulator alike.
 """
 
 from __future__ import annotations
@@ -83,15 +84,24 @@ class _Restore:
         self.obj.__dict__.pop(self.name, None)
 
 
-def label_fsdp_reductions(model: nn.Module, tracker: MemoryTracker) -> list:
-    """Count what FSDP2's post-backward allocates as model states (category "model").
+#: the FSDP2 parameter-group methods whose allocations are model states: the gathered
+#: parameters (``unshard`` starts the all-gather, ``wait_for_unshard`` copies it out into the
+#: unsharded parameters, allocating their storage on the first gather and growing it again after
+#: each reshard) and the sharded gradients (``post_backward``'s reduce-scatter output)
+FSDP_MODEL_STATE_METHODS = ("unshard", "wait_for_unshard", "post_backward")
 
-    FSDP2 makes the sharded gradients (the reduce-scatter's output) with plain ops in each
-    unit's post-backward, where no label of ours is active; running the post-backward under the
-    "model" category attributes them when they are allocated, so the breakdown is right at every
-    moment (and in every phase of the emulator), not only at one peak. Returns handles whose
-    ``remove()`` restores FSDP2's method. Reaches into FSDP2's per-module state (private API,
-    stable from torch 2.5 to 2.13).
+
+def label_fsdp_model_states(model: nn.Module, tracker: MemoryTracker) -> list:
+    """Count what FSDP2 allocates for the parameters and their gradients as model states
+    (category "model"): ``FSDP_MODEL_STATE_METHODS`` of every parameter group run under it.
+
+    FSDP2 makes the unsharded parameters and the sharded gradients with plain ops (``empty``,
+    a storage ``resize_``, the copy-out) in its hooks, where no label of ours is active: without
+    this the gathered parameters were counted as "other" (only the all-gather's flat buffer, an
+    ``fsdp::`` op, was "model"). Running the methods under the category attributes each
+    allocation when it is made, so the breakdown is right at every moment (and in every phase
+    of the emulator). Returns handles whose ``remove()`` restores FSDP2's methods. Reaches into
+    FSDP2's per-module state (private API, stable from torch 2.5 to 2.13).
     """
     handles = []
     for m in model.modules():
@@ -100,12 +110,13 @@ def label_fsdp_reductions(model: nn.Module, tracker: MemoryTracker) -> list:
         group = m._get_fsdp_state()._fsdp_param_group
         if group is None:
             continue
-        original = group.post_backward
+        for name in FSDP_MODEL_STATE_METHODS:
+            original = getattr(group, name)
 
-        def post_backward(*args, _original=original, **kwargs):
-            with tracker.category("model"):
-                return _original(*args, **kwargs)
+            def labelled(*args, _original=original, **kwargs):
+                with tracker.category("model"):
+                    return _original(*args, **kwargs)
 
-        group.post_backward = post_backward
-        handles.append(_Restore(group, "post_backward"))
+            setattr(group, name, labelled)
+            handles.append(_Restore(group, name))
     return handles

@@ -23,22 +23,27 @@ def _as_query_heads(q_shape, kv_shape) -> tuple[int, ...]:
     return (b, q_shape[1], s, d)
 
 
-def _cudnn_fwd_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+def _sdpa_fwd_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
     q = tuple(query.shape)
     return sdpa_flop_count(q, _as_query_heads(q, key.shape), _as_query_heads(q, value.shape))
 
 
-def _cudnn_bwd_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+def _sdpa_bwd_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
     q = tuple(query.shape)
     return sdpa_backward_flop_count(tuple(grad_out.shape), q, _as_query_heads(q, key.shape),
                                     _as_query_heads(q, value.shape))
 
 
-# PyTorch's cuDNN attention ops take K/V with fewer heads than q (GQA); torch's own formulas
-# for them assert equal head counts before torch 2.13 (2.11: "sdpa_flop_count: query/key/value
-# shapes are incompatible"), so the emulator counts them here, by the same SDPA formulas
-_OWN = {_aten._scaled_dot_product_cudnn_attention: _cudnn_fwd_flops,
-        _aten._scaled_dot_product_cudnn_attention_backward: _cudnn_bwd_flops}
+# Counted here by torch's SDPA formulas (BHSD inputs, as these ops take them):
+# - PyTorch's cuDNN attention ops take K/V with fewer heads than q (GQA); torch's own formulas
+#   for them assert equal head counts before torch 2.13 (2.11: "sdpa_flop_count:
+#   query/key/value shapes are incompatible");
+# - the CPU flash kernel (``kernel="sdpa"`` on a CPU, what an ``--emulate-device cpu`` step
+#   runs) has no formula in torch's registry (2.13): its attention counted nothing.
+_OWN = {_aten._scaled_dot_product_cudnn_attention: _sdpa_fwd_flops,
+        _aten._scaled_dot_product_cudnn_attention_backward: _sdpa_bwd_flops,
+        _aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_fwd_flops,
+        _aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_bwd_flops}
 
 
 def flop_formula(func):

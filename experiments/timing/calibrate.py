@@ -348,17 +348,11 @@ def _rank_main(rank: int, world: int, port: int, threads: int, device: str, dtyp
 def _spawn(world: int, device: str, dtypes, kernels, grid: Grid, threads: int):
     """(every rank's compute rates, the collective timings) from ``world`` spawned ranks."""
     results = mp.get_context("spawn").SimpleQueue()
-    got = []
-
-    def drain():  # while the ranks run: a pipe holds 64 KiB
-        while not results.empty():
-            got.append(results.get())
-
     args = (world, ranks.free_port(), threads, device, dtypes, kernels, grid, results)
     with ranks.started_ranks(_rank_main, args, world) as pc:
-        if not ranks.join_until(pc, time.monotonic() + TIMEOUT_S, drain):
+        done, got = ranks.join_draining(pc, time.monotonic() + TIMEOUT_S, results)
+        if not done:
             raise TimeoutError(f"calibrate ran past {TIMEOUT_S:.0f} s; its ranks were killed")
-    drain()
     if not got:
         raise RuntimeError("calibrate: rank 0 exited without its measurements")
     return got[0]

@@ -105,8 +105,10 @@ fi
 # The ladder to 8M tokens on one node (and Qwen3-32B's on 16 GPUs), with the emulated twins
 # and without ONLY: a rung whose record stands is kept, as a sweep resumes its cells.
 if [[ -z "${ONLY:-}" && ",$SCALE," == *",emulated,"* ]]; then
-    python -m experiments.runner.long_ladder --results "$OUT"
-    python -m experiments.runner.long_ladder --results "$OUT" --model qwen3-32b --gpus 16 \
+    ladder=(--results "$OUT")
+    [[ "${RETRY_FAILED:-0}" == 1 ]] && ladder+=(--retry-failed)
+    python -m experiments.runner.long_ladder "${ladder[@]}"
+    python -m experiments.runner.long_ladder "${ladder[@]}" --model qwen3-32b --gpus 16 \
         --seq-len 6M
 fi
 # The emulated Table 3/4 outcomes, memory wall and two-node figure beside the paper's, when

@@ -451,3 +451,22 @@ def test_search_stops_on_errors():
         SearchSpec(start=1000, block=256).validate(4)
     with pytest.raises(ValueError, match=r"search.start \(8388608\) must not exceed search.limit"):
         SearchSpec(start=8 * 2**20, block=256, limit=2**20).validate(4)
+
+
+@pytest.mark.parametrize("fields, msg", [
+    ({"checkpoint": "no"}, r"StackConfig.checkpoint must be True or False, got 'no'"),
+    ({"tiled": None}, r"StackConfig.tiled must be True or False, got None"),
+    ({"checkpoint": False}, r"StackConfig.offload needs checkpoint=True"),
+    ({"offload": False, "offload_first": True}, r"StackConfig.offload_first needs offload=True"),
+    ({"tiled": False, "residual_ffn": True}, r"StackConfig.residual_ffn needs tiled=True"),
+    ({"keep_on_host": True}, r"StackConfig.keep_on_host needs keep_attention=True"),
+    ({"offload": False, "keep_attention": True, "keep_on_host": True},
+     r"StackConfig.keep_on_host needs offload=True"),
+    ({"megatron_fpdt": True}, r"StackConfig.megatron_fpdt runs without tiled"),
+])
+def test_stack_config_holds_its_documented_dependencies(fields, msg):
+    """A level made by code (a ladder rung's ``dataclasses.replace``) is checked as the named
+    levels are: a block dropped an offload without checkpointing while ``block_offloads``
+    still said it offloaded, and ``checkpoint="no"`` was true."""
+    with pytest.raises(ValueError, match=msg):
+        dataclasses.replace(STACKS["alst"], **fields)

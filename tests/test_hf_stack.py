@@ -124,6 +124,9 @@ def test_bad_stack_is_refused_before_any_change():
         MemoryStack(checkpoint=False, offload=True, tiled=False, chunked_loss=False)
     with pytest.raises(ValueError, match=r"MemoryStack.tiled must be a bool"):
         MemoryStack(checkpoint=True, offload=False, tiled="yes", chunked_loss=False)
+    for bad in (["alst"], 3):  # a list raised "unhashable type"
+        with pytest.raises(ValueError, match=r"is not a memory-stack level: choose one of"):
+            hf.parallelize(model, "ulysses", stack=bad)
     for bad in (-1, 1.0, True):
         with pytest.raises(ValueError, match=r"MemoryStack.uncheckpointed_layers must be an int "
                                              ">= 0"):

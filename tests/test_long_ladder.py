@@ -78,6 +78,31 @@ def test_a_run_keeps_the_records_it_has_and_runs_the_rest(tmp_path, monkeypatch)
     assert "git_rev" in json.loads((out / "env.json").read_text())
 
 
+def test_retry_failed_runs_again_the_rungs_that_failed_and_keeps_the_rest(tmp_path, monkeypatch):
+    """A rung whose step or search ended in an error or a timeout is kept by a plain run (as a
+    sweep keeps its rows) and run again with ``retry_failed``; an OOM is an outcome, kept."""
+    ran = []
+
+    def fake_run(i, model, gpus, seq_len, hw=None):
+        ran.append(i)
+        return _record(i, model, gpus, seq_len, status="ok")
+
+    monkeypatch.setattr(long_ladder, "run_rung", fake_run)
+    out = long_ladder.folder("llama3-8b", 8, tmp_path)
+    out.mkdir(parents=True)
+    records = [_record(i) for i in range(len(long_ladder.RUNGS))]
+    records[1] |= {"status": "error", "error": "a rank died"}
+    records[2] |= {"search_status": "timeout"}
+    pd.DataFrame(records).to_csv(out / long_ladder.FILE, index=False)
+    long_ladder.run_ladder("llama3-8b", 8, 2**23, tmp_path, progress=lambda _: None)
+    assert ran == []
+    long_ladder.run_ladder("llama3-8b", 8, 2**23, tmp_path, progress=lambda _: None,
+                           retry_failed=True)
+    assert ran == [1, 2]
+    got = pd.read_csv(out / long_ladder.FILE)
+    assert list(got["status"][:3]) == ["oom", "ok", "ok"]
+
+
 def test_the_table_renders_each_rung_and_marks_what_is_not_certified():
     rows = pd.DataFrame([
         _record(0),

@@ -60,6 +60,34 @@ class StackConfig:
     nothing but what its tiled ops recompute by design (the tiled MLP's and norms' shards);
     the other blocks run as the level without it"""
 
+    def __post_init__(self):
+        """Every field a bool and every "with X" of the docstrings held, so a level registered
+        by code (``dataclasses.replace`` of a rung, a new level) runs as its fields say: the
+        blocks silently dropped an offload without checkpointing while ``block_offloads``
+        still said they offloaded."""
+        for name, value in vars(self).items():
+            if not isinstance(value, bool):
+                raise ValueError(f"StackConfig.{name} must be True or False, got {value!r}")
+        needs = {  # field -> (the fields it needs, why)
+            "offload": (("checkpoint",), "it offloads the checkpointed block inputs"),
+            "offload_all": (("offload",), "it widens which blocks offload"),
+            "offload_first": (("offload",), "it widens which blocks offload"),
+            "offload_last": (("offload",), "it widens which blocks offload"),
+            "reentrant": (("checkpoint",), "it says how blocks are checkpointed"),
+            "residual_ffn": (("tiled",), "it is the tiled MLP's residual form"),
+            "keep_attention": (("checkpoint",), "it keeps what the recompute would run again"),
+            "keep_on_host": (("keep_attention", "offload"),
+                             "it sends the kept tensors where the offloaded inputs go"),
+            "keep_block": (("checkpoint",), "it exempts blocks from checkpointing"),
+        }
+        for name, (required, why) in needs.items():
+            missing = [r for r in required if not getattr(self, r)]
+            if getattr(self, name) and missing:
+                raise ValueError(f"StackConfig.{name} needs {' and '.join(missing)}=True: {why}")
+        if self.megatron_fpdt and self.tiled:
+            raise ValueError("StackConfig.megatron_fpdt runs without tiled: it replaces the "
+                             "tiled MLP and norms by Megatron-DeepSpeed's")
+
 
 STACKS: dict[str, StackConfig] = {
     # the ladder: each level adds to the one before

@@ -16,7 +16,9 @@ argument, not levels a user picks.
 It writes ``results/long_ladder_<model>_h100x<gpus>-emulated/``: ``ladder.csv`` (a record per
 rung, in rung order) and ``env.json`` (the provenance of the run that last wrote a record). A
 rung whose record is there for the same cell is kept (as a sweep resumes a cell), so
-``./run_all.sh`` re-runs nothing; delete the folder to run the ladder again.
+``./run_all.sh`` re-runs nothing; ``--retry-failed`` (``RETRY_FAILED=1 ./run_all.sh``) runs
+again a rung whose step or search ended in an error or a timeout, as a sweep's does; delete
+the folder to run the whole ladder again.
 ``reporting.ladder_table`` renders the records into docs/results.md.
 """
 
@@ -31,7 +33,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments.config import EMULATED_GRANULARITY, STACKS, Cell, Hardware, parse_size
+from experiments.config import (
+    EMULATED_GRANULARITY,
+    STACKS,
+    Cell,
+    Hardware,
+    Status,
+    parse_size,
+)
 from experiments.config.search import SearchSpec
 from experiments.emulation.emulate import PAPER_NODE, emulate_cell
 from experiments.provenance import provenance
@@ -115,12 +124,20 @@ def read(path: Path) -> pd.DataFrame:
     return pd.read_csv(path) if path.exists() else pd.DataFrame()
 
 
+def _failed(record: dict) -> bool:
+    """Whether a rung's step or its search ended in an error or a timeout (what a retry can
+    change; an OOM or a refusal it cannot)."""
+    return (record["status"] in Status.RETRYABLE
+            or record["search_status"] in Status.RETRYABLE)
+
+
 def run_ladder(model: str, gpus: int, seq_len: int, results: Path = RESULTS,
-               progress=print) -> Path:
+               progress=print, retry_failed: bool = False) -> Path:
     """Every rung's record into ``folder(model, gpus)/ladder.csv``, keeping a rung whose record
-    is there for the same cell; the file is rewritten after each rung, so an interrupted run
-    keeps what it measured. ValueError, naming the field and its rule, for a cell that is not
-    valid (before anything runs or is written)."""
+    is there for the same cell (with ``retry_failed``, but one that failed: ``_failed``); the
+    file is rewritten after each rung, so an interrupted run keeps what it measured.
+    ValueError, naming the field and its rule, for a cell that is not valid (before anything
+    runs or is written)."""
     for i in range(len(RUNGS)):  # bad input (a model, a rank count, a length) before any run
         rung_cell(i, model, gpus, seq_len).validate()
     out = folder(model, gpus, results)
@@ -128,7 +145,8 @@ def run_ladder(model: str, gpus: int, seq_len: int, results: Path = RESULTS,
     have = read(path)
     # a record stands for its cell and its rung's mechanisms (the stack's name is the rung's
     # number, so the name alone would keep a record of a rung since redefined)
-    kept = {(r["cell_id"], r["stack_fields"]): r for r in have.to_dict("records")}
+    kept = {(r["cell_id"], r["stack_fields"]): r for r in have.to_dict("records")
+            if not (retry_failed and _failed(r))}
     keys = [(rung_cell(i, model, gpus, seq_len).cell_id(), json.dumps(fields, sort_keys=True))
             for i, (_, fields, _) in enumerate(RUNGS)]
     records = []
@@ -156,9 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--seq-len", default="8M", help="the length each rung's step is shown at")
     p.add_argument("--results", type=Path, default=RESULTS, help="results root")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="run again the rungs whose step or search ended in an error or a timeout")
     a = p.parse_args(argv)
     try:
-        path = run_ladder(a.model, a.gpus, parse_size(a.seq_len), a.results)
+        path = run_ladder(a.model, a.gpus, parse_size(a.seq_len), a.results,
+                          retry_failed=a.retry_failed)
     except ValueError as e:  # the rule a field breaks, without a traceback or a record
         print(f"long_ladder: {e}", file=sys.stderr)
         return 2

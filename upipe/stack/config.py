@@ -77,7 +77,7 @@ def memory_stack(stack: str | MemoryStack) -> MemoryStack:
     """A level name (``LEVELS``) or a ``MemoryStack`` -> the ``MemoryStack``."""
     if isinstance(stack, MemoryStack):
         return stack
-    if stack not in LEVELS:
+    if not isinstance(stack, str) or stack not in LEVELS:
         raise ValueError(f"stack {stack!r} is not a memory-stack level: choose one of "
                          f"{sorted(LEVELS)} or pass a MemoryStack")
     return LEVELS[stack]

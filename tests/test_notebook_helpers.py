@@ -185,13 +185,28 @@ def test_sweep_dirs_an_artefact_in_scale_order_and_by_workload(results: Path):
 def test_provenance_of_a_sweep(results: Path):
     cpu = nb.provenance(results / f"{ARTEFACT}-cpu")
     assert cpu["command"] == f"upipe-bench sweep {ARTEFACT}-cpu --out results"
-    assert (cpu["scale"], cpu["git_rev"], cpu["ran on"]) == ("cpu", "abc123+dirty", "Test CPU")
+    # the rows carry no revision: env.json's, marked as the results index marks it
+    assert (cpu["scale"], cpu["git_rev"], cpu["ran on"]) == ("cpu", "abc123+dirty †",
+                                                              "Test CPU")
     assert cpu["emulated hardware"] is None
     emulated = nb.provenance(results / f"{ARTEFACT}-emulated")
     assert emulated["emulated hardware"] == "8x 80 GiB cuda per node, 4 GiB reserve"
     table = nb.provenance_table(nb.sweep_dirs(results, ARTEFACT))
     assert list(table.columns) == [f"{ARTEFACT}-cpu", f"{ARTEFACT}-emulated"]
     assert table.loc["scale"].tolist() == ["cpu", "emulated"]
+
+
+def test_provenance_counts_the_revisions_of_the_rows(results: Path):
+    """A sweep resumed at several revisions: its rows' revisions with their counts, as the
+    results index prints them, not env.json's (the last invocation's) alone."""
+    folder = results / f"{ARTEFACT}-cpu"
+    revs = ["610a52f3" + "0" * 32] * 2 + ["b32103be" + "0" * 32 + "+dirty"]
+    rows = [_row("ulysses", 2 * K, git_rev=rev) for rev in revs]
+    pd.DataFrame([{"sweep": folder.name, **r} for r in rows]).to_csv(folder / "rows.csv",
+                                                                     index=False)
+    assert nb.provenance(folder)["git_rev"] == "610a52f3 (2), b32103be+dirty (1)"
+    assert nb.inventory(results).loc[f"{ARTEFACT}-cpu/rows.csv", "git_rev"] == (
+        "610a52f3 (2), b32103be+dirty (1)")
 
 
 def test_provenance_command_of_a_script_and_a_recorded_command(results: Path):
@@ -212,7 +227,7 @@ def test_inventory_lists_every_table_with_its_provenance(results: Path):
     assert cpu["status"] == "ok 6, oom 3, skipped 1"
     baseline = inv.loc["baselines/max_context.csv"]
     assert baseline["command"] == "python -m experiments.runner.max_context_guard --update"
-    assert (baseline["git_rev"], baseline["scale"]) == ("def456", "")
+    assert (baseline["git_rev"], baseline["scale"]) == ("def456 †", "")
     assert inv.loc["gpu_check/rows.csv", "mode"] == ""  # no mode column: none invented
 
 
@@ -304,6 +319,60 @@ def test_vs_ulysses_is_over_the_median_of_ulysses_ok_rows(tables):
     assert math.isnan(ratio[upipe & (grid["seq_len"] == 8 * K)].item())
 
 
+def test_vs_ulysses_within_each_cell_ulysses_is_one():
+    """Two models and two stacks at one length (time_validation_cpu's shape): each row over
+    the Ulysses of its own model and stack, so Ulysses is exactly 1.0; a packed row has no
+    packed Ulysses, so no ratio (it is never over an unpacked one)."""
+    rows = pd.DataFrame([
+        _row("ulysses", 4 * K, model="tiny", tokens_per_s_per_gpu=100.0),
+        _row("ulysses", 4 * K, model="tiny-wide", tokens_per_s_per_gpu=40.0),
+        _row("ulysses", 4 * K, model="tiny", stack="none", tokens_per_s_per_gpu=250.0),
+        _row("upipe", 4 * K, model="tiny-wide", tokens_per_s_per_gpu=20.0),
+        _row("upipe", 4 * K, model="tiny", doc_len=2 * K, tokens_per_s_per_gpu=134.0),
+        _row("torch-cp", 4 * K, model="tiny", stack="native", tokens_per_s_per_gpu=50.0),
+    ]).reindex(columns=nb.ROW_COLUMNS)
+    ratio = nb.vs_ulysses(rows, "tokens_per_s_per_gpu", nb.CELL_KEYS)
+    assert ratio.tolist()[:4] == [1.0, 1.0, 1.0, 0.5]
+    assert math.isnan(ratio[4])  # packed: no Ulysses with its document length
+    assert math.isnan(ratio[5])  # torch-cp's own stack, and Ulysses ran on two: no one match
+    packed_ulysses = rows.iloc[[0]].assign(doc_len=2 * K, tokens_per_s_per_gpu=67.0)
+    with_it = pd.concat([rows, packed_ulysses], ignore_index=True)
+    assert nb.vs_ulysses(with_it, "tokens_per_s_per_gpu", nb.CELL_KEYS)[4] == 2.0
+
+
+def test_ratio_reference_of_a_paper_table_is_the_papers_ulysses():
+    """A Table 4 sweep divides by USP 8x2 (the paper's Ulysses there), named so; a sweep at
+    the CPU scale by upipe's Ulysses."""
+    paper = pd.DataFrame([
+        _row(m, 128 * K, model="qwen3-32b", nproc=16, ring_degree=r, kernel="fa3")
+        for m, r in (("ulysses", 1), ("usp", 2), ("upipe", 2))])
+    mask, name = nb.ratio_reference(paper)
+    assert mask.tolist() == [False, True, False] and name.startswith("usp 8x2")
+    mask, name = nb.ratio_reference(paper.assign(model="tiny"))
+    assert mask.tolist() == [True, False, False] and name == "Ulysses"
+
+
+def test_max_context_vs_ulysses_prints_a_dash_without_ulysses(tables):
+    _, maxctx = tables
+    found = nb.max_context_vs_ulysses(maxctx).set_index("variant")
+    assert found.loc["upipe U=8", "text"] == "8K (1.33x)"
+    alone = nb.max_context_vs_ulysses(maxctx[maxctx["method"] != "ulysses"])
+    assert alone["text"].tolist() == ["8K (-)"]
+
+
+def test_vs_no_stack_keeps_only_variants_with_a_none_row():
+    """A selective-recomputation sweep varies the stack but has no ``none`` row: nothing to
+    anchor the ratio, so none of its rows (no empty panel row)."""
+    rows = pd.DataFrame([
+        _row("ulysses", 4 * K, stack=st, peak_device_bytes=p * M) | {"sweep": "ladder"}
+        for st, p in (("none", 80), ("alst", 20))] + [
+        _row("ulysses", 4 * K, stack="alst-attn", peak_device_bytes=10 * M) | {"sweep": "sel"}
+    ]).assign(ladder=True, variant="ulysses")
+    got = nb.vs_no_stack(rows)
+    assert got["sweep"].tolist() == ["ladder", "ladder"]
+    assert got["vs_none"].tolist() == [1.0, 0.25]
+
+
 def test_by_length_prints_the_median_or_the_status(tables):
     rows, _ = tables
     grid = rows[(rows["scale"] == "cpu") & (rows["iters"] > 0)]
@@ -385,9 +454,24 @@ def test_baseline_vs_sweeps(results: Path):
 def test_attention_layer_table_medians_per_variant_and_length(results: Path):
     bench, _ = nb.load_tables(nb.sweep_dirs(results, workload="attention"))
     table = nb.attention_layer_table(bench)
-    assert table.loc["ulysses", ("tokens_per_s_per_gpu", "16K")] == 15.0
-    assert table.loc["upipe U=4", ("attention_mib", "16K")] == 100.0
-    assert list(table.index) == ["ulysses", "upipe U=4"]
+    assert table.loc[("bench_toy", 4, "ulysses"), ("tokens_per_s_per_gpu", "16K")] == 15.0
+    assert table.loc[("bench_toy", 4, "upipe U=4"), ("attention_mib", "16K")] == 100.0
+    assert list(table.index) == [("bench_toy", 4, "ulysses"), ("bench_toy", 4, "upipe U=4")]
+
+
+def test_attention_layer_table_keeps_sweeps_of_other_ranks_apart_lengths_in_order(
+        results: Path):
+    """Two attention sweeps on 4 and 2 ranks are not one table: the sweep and its ranks index
+    the rows; lengths read 2K 4K 16K, not as strings sort (16K 2K 4K)."""
+    _sweep(results, "overlap_toy", "cpu",
+           [_row("ulysses", n, nproc=2, workload="attention", tokens_per_s_per_gpu=1.0,
+                 peak_attention_bytes=M) for n in (2 * K, 4 * K)],
+           base={"workload": "attention"})
+    bench, _ = nb.load_tables(nb.sweep_dirs(results, workload="attention"))
+    table = nb.attention_layer_table(bench)
+    assert list(table.index) == [("bench_toy", 4, "ulysses"), ("bench_toy", 4, "upipe U=4"),
+                                 ("overlap_toy", 2, "ulysses")]
+    assert list(table["tokens_per_s_per_gpu"].columns) == ["2K", "4K", "16K"]
 
 
 # -- figures and the module's imports ----------------------------------------------------------

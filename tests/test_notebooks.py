@@ -107,6 +107,27 @@ def test_table_notebooks_differ_only_in_title_and_parameters():
     assert all(artefacts) and artefacts[0][1] != artefacts[1][1]
 
 
+# the title cell's sentence on what the paper's table runs: "The paper's Table 3 ... stack."
+PAPER_SENTENCE = re.compile(r"The paper's Table \d (.*?)\.\s", re.S)
+
+
+@pytest.mark.parametrize("name, table", list(zip(TWINS, ("table3", "table4"), strict=True)))
+def test_title_says_what_the_papers_table_runs(name: str, table: str):
+    """The sentence on the paper's table names the paper's Ulysses (its ratios' reference,
+    ``reproduction.VERSUS``) by its method, and none of the sweep's rows beyond the paper
+    (``paper_grid.NOT_IN_PAPER``: DeepSpeed's Ulysses; Table 4 has no 16-GPU Ulysses nor UPipe)."""
+    from experiments.reporting.paper_grid import NOT_IN_PAPER
+    from experiments.reporting.reproduction import VERSUS
+
+    said = PAPER_SENTENCE.search(_read(ROOT / "notebooks" / name)["cells"][0]["source"])
+    assert said, f"{name}: no sentence 'The paper's Table N ...' in the title cell"
+    said = " ".join(said[1].split())
+    assert f"`{VERSUS[table][0][0]}" in said, f"{name}: the paper's Ulysses is not named"
+    assert "DeepSpeed's Ulysses" not in said and "`ds-ulysses`" not in said, NOT_IN_PAPER[
+        "ds-ulysses"]
+    assert not re.search(r"over (all )?16", said), f"{name}: Table 4 runs no 16x1 Ulysses/UPipe"
+
+
 def _defined(path: Path) -> set[str]:
     """The names of the functions that a notebook's code cells define (magics skipped)."""
     names = set()

@@ -169,3 +169,22 @@ def test_known_outcomes_are_well_formed():
     for c in PAPER_OUTCOMES:
         assert c["status"] in ("ok", "oom") and c["source"].startswith("UPipe project page")
         assert c["seq_len"] in SEQ_LEN_TOKENS.values()
+
+
+def test_ratio_lines_that_coincide_stay_apart(tmp_path, monkeypatch):
+    """Table 3's upipe 8x1 and usp-ulysses 8x1 ratios lie on one another: each line has its own
+    marker and line style, so neither hides the other."""
+    from matplotlib.figure import Figure
+
+    from experiments.reporting.reproduction_plots import plot_ratio_by_length
+
+    tp = pd.DataFrame([{"table": "table3", "method": m, "mesh": "8x1", "seq_len": n,
+                        "ratio": 1.0} for m in ("usp-ulysses", "upipe") for n in (M["128K"],
+                                                                                   M["256K"])])
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    assert plot_ratio_by_length(tp, tmp_path / "ratio_by_length.png")
+    (ax,) = drawn[0].axes
+    lines = [ln for ln in ax.get_lines() if ln.get_label() in ("usp-ulysses 8x1", "upipe 8x1")]
+    styles = {(ln.get_marker(), str(ln.get_linestyle())) for ln in lines}
+    assert len(lines) == 2 and len(styles) == 2

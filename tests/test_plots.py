@@ -297,3 +297,83 @@ def test_throughput_axis_says_where_its_times_come_from(tmp_path, monkeypatch, m
     assert ax.get_ylabel() == {"measured": "tokens/s per GPU (whiskers: p20-p80 step)",
                                "emulated": "tokens/s per GPU (time model)"}[mode]
     assert ("(emulated)" in ax.get_title()) == (mode == "emulated")
+
+
+def _paper_row(method, ring, seq_len, tps, **kw):
+    """An emulated row of the paper's Table 4 configuration (Qwen3-32B on 16 GPUs, FA3)."""
+    return {"method": method, "ring_degree": ring, "model": "qwen3-32b", "nproc": 16,
+            "seq_len": seq_len, "stack": "alst", "kernel": "fa3", "status": "ok",
+            "mode": "emulated", "iters": 8, "tokens_per_s_per_gpu": tps,
+            "device": "emulated cuda"} | kw
+
+
+def test_paper_marks_are_beside_bars_of_the_same_denominator(tmp_path, monkeypatch):
+    """Table 4's paper marks are UPipe 8x2 over USP 8x2 (the paper's Ulysses there): the bars
+    divide by the same USP 8x2, not by upipe's Ulysses on 16x1, and the axis names it."""
+    from matplotlib.collections import LineCollection
+    from matplotlib.figure import Figure
+
+    n = 131072
+    _write(tmp_path, [_paper_row("ulysses", 1, n, 600.0), _paper_row("usp", 2, n, 500.0),
+                      _paper_row("upipe", 2, n, 480.0)])
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    draw_plots(tmp_path, ["throughput_vs_ulysses"])
+    (ax,) = drawn[0].axes
+    assert "usp 8x2" in ax.get_ylabel() and "usp 8x2" in ax.get_title()
+    heights = {b.get_x(): b.get_height() for c in ax.containers for b in c}
+    assert sorted(round(h, 6) for h in heights.values()) == [0.96, 1.2]  # upipe, ulysses
+    marks = [seg[0][1] for c in ax.collections if isinstance(c, LineCollection)
+             for seg in c.get_segments()]
+    paper = paper_row("qwen3-32b", 16, "upipe", "8x2")["tokens_per_s_per_gpu"][n]
+    usp = paper_row("qwen3-32b", 16, "usp", "8x2")["tokens_per_s_per_gpu"][n]
+    assert marks == [pytest.approx(paper / usp)]
+
+
+def test_no_paper_mark_over_another_denominator(tmp_path, monkeypatch):
+    """Without the paper's Ulysses among the rows the bars divide by upipe's Ulysses: the
+    paper's ratios (over its own Ulysses) are not drawn beside them."""
+    from matplotlib.collections import LineCollection
+    from matplotlib.figure import Figure
+
+    _write(tmp_path, [_paper_row("ulysses", 1, 131072, 600.0),
+                      _paper_row("upipe", 2, 131072, 480.0)])
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    draw_plots(tmp_path, ["throughput_vs_ulysses"])
+    (ax,) = drawn[0].axes
+    assert ax.get_ylabel() == "tokens/s per GPU relative to Ulysses"
+    assert not [c for c in ax.collections if isinstance(c, LineCollection)]
+
+
+def test_packed_rows_are_over_a_ulysses_of_their_document_length_only():
+    df = pd.DataFrame([_row("ulysses", None, 4096), _row("upipe", None, 4096, mem_factor=2.0),
+                       _row("upipe", None, 4096, mem_factor=0.5)])
+    df["doc_len"] = [np.nan, np.nan, 2048.0]
+    keys = ["seq_len", "model", "nproc", "stack", "doc_len"]
+    ratio = vs_ulysses(df, "tokens_per_s_per_gpu", keys)
+    assert ratio[1] == pytest.approx(0.5) and np.isnan(ratio[2])
+    packed = pd.concat([df, df.iloc[[0]].assign(doc_len=2048.0, tokens_per_s_per_gpu=3000.0)],
+                       ignore_index=True)
+    assert vs_ulysses(packed, "tokens_per_s_per_gpu", keys)[2] == pytest.approx(2.0)
+
+
+def test_memory_plot_leaves_out_probes_of_another_budget(tmp_path, monkeypatch):
+    """A CPU grid runs without a budget, its max-context probes under one: the plot keeps the
+    grid's rows, so an 8K cell is not drawn both as fitting and as over a budget line."""
+    from matplotlib.figure import Figure
+
+    grid = [_row("ulysses", None, s) | {"budget_mib": None, "device_memory_bytes": None,
+                                        "iters": 2} for s in (4096, 8192)]
+    probe = _row("ulysses", None, 8192, status="oom") | {"budget_mib": 48,
+                                                         "device_memory_bytes": 48 * MiB,
+                                                         "iters": 0}
+    pd.DataFrame([*grid, probe]).reindex(columns=[*ROW_COLUMNS, "iters"]).to_csv(
+        tmp_path / ROWS, index=False)
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    draw_plots(tmp_path, ["memory_vs_seq"])
+    (ax,) = drawn[0].axes
+    assert not [c for c in ax.collections if len(c.get_offsets())]  # no OOM mark
+    assert not [ln for ln in ax.get_lines() if "budget" in ln.get_label()]
+    assert "left out: 1 max-context probes under 48 MiB" in ax.get_title()

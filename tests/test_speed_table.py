@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from experiments.reporting import speed_table
 
@@ -37,14 +38,27 @@ def test_ratios_mark_what_does_not_fit_and_leave_out_probes_and_other_methods():
     ])
     got = speed_table.ratios(rows)
     by = {(r.column, r.seq_len): (round(r.ratio, 6), r.fits) for r in got.itertuples()}
-    assert by == {("Qwen3-32B, 16 GPUs: upipe", 1024): (0.99, True),
+    assert by == {("Qwen3-32B, 16 GPUs: upipe / ulysses", 1024): (0.99, True),
                   # Ulysses is over the device at 2K: marked, not dropped
-                  ("Qwen3-32B, 16 GPUs: upipe", 2048): (1.1, False),
-                  ("Qwen3-32B, 16 GPUs: upipe 8x2 overlap", 1024): (1.05, True)}
+                  ("Qwen3-32B, 16 GPUs: upipe / ulysses", 2048): (1.1, False),
+                  # on 8 x 2, over the USP hybrid of that mesh (the paper's Table 4 reference)
+                  ("Qwen3-32B, 16 GPUs: upipe 8x2 overlap / usp 8x2", 1024): (2.1, True)}
     lines = speed_table.table([got])
-    assert lines[0] == ("| length | Qwen3-32B, 16 GPUs: upipe "
-                        "| Qwen3-32B, 16 GPUs: upipe 8x2 overlap |")
-    assert lines[2:] == ["| 1K | 0.9900 | 1.0500 |", "| 2K | 1.1000 † | — |"]
+    assert lines[0] == ("| length | Qwen3-32B, 16 GPUs: upipe / ulysses "
+                        "| Qwen3-32B, 16 GPUs: upipe 8x2 overlap / usp 8x2 |")
+    assert lines[2:] == ["| 1K | 0.9900 | 2.1000 |", "| 2K | 1.1000 † | — |"]
+
+
+def test_a_hybrid_mesh_is_over_the_usp_of_its_mesh_as_the_paper_divides():
+    """UPipe 8x2 over USP 8x2 (the paper's Table 4 reference), not over a 16 x 1 Ulysses the
+    paper does not have; no USP row at a length: no ratio there."""
+    rows = pd.DataFrame([
+        _row("ulysses", 1024, 500.0), _row("usp", 1024, 400.0, ring=2),
+        _row("upipe", 1024, 388.0, ring=2), _row("ulysses", 2048, 300.0),
+        _row("upipe", 2048, 200.0, ring=2)])
+    got = speed_table.ratios(rows)
+    assert got["column"].tolist() == ["Qwen3-32B, 16 GPUs: upipe 8x2 / usp 8x2"]
+    assert got["ratio"].tolist() == [pytest.approx(0.97)] and got["fits"].tolist() == [True]
 
 
 def test_without_rows_the_section_says_so(tmp_path):

@@ -28,7 +28,7 @@ import pandas as pd
 from experiments import store
 from experiments.config.sizes import MiB
 from experiments.config.status import Status
-from experiments.reporting import paper_grid, plots
+from experiments.reporting import paper_grid, plots, results_index
 from experiments.reporting.plots import memory_unit  # noqa: F401  (the notebooks' too)
 from experiments.reporting.tables import (
     MAXCTX,
@@ -122,14 +122,17 @@ def _command(env: dict) -> str | None:
 
 def provenance(sweep_dir: Path) -> dict:
     """A sweep's declaration (``sweep.json``) and the process that ran it (``env.json``) in one
-    record: scale, description, command, git revision, date, torch, machine, emulated hardware."""
+    record: scale, description, command, git revisions, date, torch, machine, emulated
+    hardware. ``git_rev`` is the rows' revisions with their counts (a sweep resumed at several
+    revisions has several; ``results_index.git_revisions``, as ``results/README.md`` prints
+    them), env.json's (the last invocation's, marked †) only where the rows carry none."""
     decl, env = read_json(sweep_dir / "sweep.json"), read_json(sweep_dir / "env.json")
     hw = decl.get("hardware")
     return {
         "scale": decl.get("scale"),
         "description": decl.get("description"),
         "command": _command(env),
-        "git_rev": env.get("git_rev"),
+        "git_rev": results_index.table_revisions(sweep_dir / ROWS, env),
         "date_utc": env.get("date_utc"),
         "torch": env.get("torch_version"),
         "ran on": env.get("gpu_name") or env.get("cpu_model"),
@@ -153,8 +156,9 @@ def _counts(values: pd.Series) -> str:
 
 def inventory(results: Path) -> pd.DataFrame:
     """Every table in ``results`` (each folder's ``rows.csv`` and ``max_context.csv``): the
-    scale its sweep declares, its row count, modes and statuses, and the git revision, date and
-    command of its folder's ``env.json`` (``baselines/``: ``max_context.json``)."""
+    scale its sweep declares, its row count, modes and statuses, the git revisions of its rows
+    (with their counts; ``provenance``), and the date and command of its folder's ``env.json``
+    (``baselines/``: ``max_context.json``)."""
     results = Path(results)
     records = []
     for path in sorted([*results.glob(f"*/{ROWS}"), *results.glob(f"*/{MAXCTX}")]):
@@ -168,7 +172,7 @@ def inventory(results: Path) -> pd.DataFrame:
             "mode": ", ".join(sorted(df["mode"].dropna().unique())) if "mode" in df else "",
             # chunked_backward_gpu/ is a benchmark's table: no status column
             "status": _counts(df["status"]) if "status" in df else "",
-            "git_rev": env.get("git_rev"), "date_utc": env.get("date_utc"),
+            "git_rev": results_index.table_revisions(path, env), "date_utc": env.get("date_utc"),
             "command": _command(env)})
     return pd.DataFrame.from_records(records).set_index("table")
 
@@ -276,13 +280,40 @@ def not_ok_by_error(rows: pd.DataFrame) -> pd.DataFrame:
 # -- tables ----------------------------------------------------------------------------------
 
 
-def vs_ulysses(df: pd.DataFrame, value: str, keys: list[str]) -> pd.Series:
-    """``value`` of each row over the median of Ulysses' ``ok`` rows at the same ``keys`` (the
-    paper's reference); NaN where Ulysses did not run ok there."""
-    ulysses = df[(df["method"] == "ulysses") & df["heads_per_stage"].isna()
-                 & (df["status"] == Status.OK)]
-    ref = ulysses.groupby(keys, observed=True)[value].median().rename("_ulysses")
-    return df[value] / df.join(ref, on=keys)["_ulysses"]
+# what makes two rows the same cell but for the variant: a ratio's reference runs the same
+CELL_KEYS = ["seq_len", "model", "nproc", "stack", "doc_len"]
+
+
+def vs_ulysses(df: pd.DataFrame, value: str, keys: Iterable[str],
+               reference: pd.Series | None = None) -> pd.Series:
+    """``value`` of each row over the median of the reference's ``ok`` rows at the same
+    ``keys`` (``reference``: a mask of ``df``'s rows, default upipe's Ulysses; a paper table's
+    own from ``ratio_reference``); NaN where the reference did not run ok there. Keys as
+    ``plots.vs_ulysses`` reads them: a NaN ``doc_len`` matches only NaN (a packed row is over a
+    packed reference of its document length only), and a method on a stack of its own
+    (torch-cp) is over the reference's one stack."""
+    ref = plots.is_ulysses(df) if reference is None else reference
+    ratio = plots.vs_ulysses(df, value, list(keys), ref & (df["status"] == Status.OK))
+    return pd.Series(ratio, index=df.index)
+
+
+def ratio_reference(df: pd.DataFrame) -> tuple[pd.Series, str]:
+    """The rows a throughput ratio divides by (a mask of ``df``'s rows) and their name: the
+    paper table's own Ulysses where ``df`` is a sweep of Table 3 (``usp-ulysses 8x1``) or
+    Table 4 (``usp 8x2``) holding it, as the paper divides and the plots draw; else upipe's
+    Ulysses (``plots.ratio_reference``)."""
+    mask, key = plots.ratio_reference(df)
+    return mask, plots.reference_name(key)
+
+
+def max_context_vs_ulysses(maxctx: pd.DataFrame) -> pd.DataFrame:
+    """The ``ok`` searches with ``vs_ulysses`` (over Ulysses' max context of the same artefact
+    and scale) and ``text``: '3M (1.25x)', or '3M (-)' where Ulysses has no search there."""
+    found = maxctx[maxctx["status"] == Status.OK]
+    found = found.assign(vs_ulysses=vs_ulysses(found, "max_seq_len", ["artefact", "scale"]))
+    return found.assign(text=[f"{tokens(n)} ({r:.2f}x)" if pd.notna(r) else f"{tokens(n)} (-)"
+                              for n, r in zip(found["max_seq_len"], found["vs_ulysses"],
+                                              strict=True)])
 
 
 def by_length(df: pd.DataFrame, value: str, fmt: Callable[[float], str]) -> pd.DataFrame:
@@ -414,6 +445,20 @@ def ladder(df: pd.DataFrame) -> pd.DataFrame:
             .set_index(["variant", "stack"]))
 
 
+def vs_no_stack(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the sweeps whose axes vary the stack (``ladder``) with ``vs_none``: the device
+    peak over the median of the same sweep's variant without a stack (``none``) at the same
+    length, model and ranks. Only the variants with such a ``none`` row: a sweep of other
+    stacks only (selective recomputation) has nothing to anchor the ratio, and no panel."""
+    keys = ["sweep", "variant", "seq_len", "model", "nproc"]
+    ladder = rows[rows["ladder"] & rows["peak_device_bytes"].notna()]
+    none = (ladder[ladder["stack"] == "none"].groupby(keys, observed=True)["peak_device_bytes"]
+            .median().rename("_none"))
+    ladder = ladder.join(none, on=keys)
+    ladder = ladder.assign(vs_none=ladder["peak_device_bytes"] / ladder["_none"])
+    return ladder[ladder["vs_none"].notna()].drop(columns="_none")
+
+
 def per_u(df: pd.DataFrame) -> pd.DataFrame:
     """A row per variant of one sweep's ``ok`` rows (medians): ``U/C`` (heads per stage over
     the Ulysses degree C = nproc / ring degree), ``stages`` (H / U), peak memory, attention
@@ -461,14 +506,17 @@ def baseline_vs_sweeps(baseline: pd.DataFrame, maxctx: pd.DataFrame) -> pd.DataF
 
 
 def attention_layer_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """Rows of the attention-layer workload (``bench_attention``) as variant x length: the
-    median tokens/s per GPU and attention MiB (``peak_attention_bytes``) of the ``ok`` rows."""
+    """Rows of the attention-layer workload (``bench_attention``, ``upipe_overlap-cpu``) as
+    (sweep, nproc, variant) x length, lengths in numeric order: the median tokens/s per GPU and
+    attention MiB (``peak_attention_bytes``) of the ``ok`` rows. The sweep and its rank count
+    stay in the index: sweeps of different ranks are not one comparison."""
     ok = rows[rows["status"] == Status.OK]
-    return (ok.assign(length=ok["seq_len"].map(tokens),
-                      attention_mib=ok["peak_attention_bytes"] / MiB)
-            .pivot_table(index="variant", columns="length", observed=True, aggfunc="median",
-                         values=["tokens_per_s_per_gpu", "attention_mib"])
-            .round(1))
+    table = (ok.assign(nproc=ok["nproc"].astype(int),
+                       attention_mib=ok["peak_attention_bytes"] / MiB)
+             .pivot_table(index=["sweep", "nproc", "variant"], columns="seq_len", observed=True,
+                          aggfunc="median", values=["tokens_per_s_per_gpu", "attention_mib"])
+             .round(1))
+    return table.rename(columns=tokens, level="seq_len")
 
 
 # -- figures ---------------------------------------------------------------------------------

@@ -209,22 +209,32 @@ def _focus_length(df: pd.DataFrame, cols: list[str]) -> int:
     return counts[counts == counts.max()].index.max()
 
 
-def vs_ulysses(df: pd.DataFrame, value: str, keys: list[str]) -> np.ndarray:
-    """`value` of each row over Ulysses' (median) at the same `keys`; NaN where Ulysses has none.
+def is_ulysses(df: pd.DataFrame) -> pd.Series:
+    """The rows of upipe's own Ulysses (no heads per stage): the default ratio reference."""
+    return (df["method"] == "ulysses") & df["heads_per_stage"].isna()
 
-    A method measured on a stack of its own (torch-cp on ``native``, as the paper runs it) is
-    compared with Ulysses at the other keys when Ulysses ran on one stack there."""
-    ref = df[(df["method"] == "ulysses") & df["heads_per_stage"].isna()]
+
+def vs_ulysses(df: pd.DataFrame, value: str, keys: list[str],
+               reference: pd.Series | None = None) -> np.ndarray:
+    """`value` of each row over the reference rows' (median) at the same `keys`; NaN where the
+    reference has none. ``reference``: a mask of `df`'s rows (default: ``is_ulysses``).
+
+    A key may be NaN (``doc_len`` of an unpacked row) and NaN matches only NaN, so a packed row
+    is only ever over a reference with its document length. A method measured on a stack of
+    its own (torch-cp on ``native``, as the paper runs it) is compared with the reference at
+    the other keys when the reference ran on one stack there."""
+    ref = df[is_ulysses(df) if reference is None else reference]
 
     def ratio(on: list[str], ref: pd.DataFrame) -> pd.Series:
-        med = ref.groupby(on)[value].median().rename("_ref").reset_index()
+        # dropna=False: a NaN key (no documents) is a setting of its own, not a missing one
+        med = ref.groupby(on, dropna=False)[value].median().rename("_ref").reset_index()
         merged = df[on + [value]].merge(med, on=on, how="left")  # a left merge keeps row order
         return merged[value] / merged["_ref"]
 
     out = ratio(keys, ref)
     if "stack" in keys:
         loose = [k for k in keys if k != "stack"]
-        one_stack = ref.groupby(loose)["stack"].transform("nunique") == 1
+        one_stack = ref.groupby(loose, dropna=False)["stack"].transform("nunique") == 1
         out = out.fillna(ratio(loose, ref[one_stack]))
     return out.to_numpy()
 
@@ -286,25 +296,51 @@ def _paper(df: pd.DataFrame) -> dict[str, dict]:
     return {label: row for label, row in out.items() if row}
 
 
+def _paper_run(r: pd.Series) -> tuple[str, int, str, str, str] | None:
+    """(model, GPUs, method, mesh, stack) of a row that runs as the paper's runs do: the
+    paper's kernel (or none named) and stack for the method (``paper_stack``), blocking stages
+    of the Ulysses degree's heads (UPipe's default U), no packed documents; else None."""
+    kernel, u = r.get("kernel"), r.get("heads_per_stage")
+    if (overlapped(r.get("overlap")) or _given(r.get("doc_len"))
+            or (_given(kernel) and kernel != PAPER_KERNEL) or not _given(r["nproc"])
+            or str(r["stack"]) != paper_stack(str(r["method"]))):
+        return None
+    ring = int(r["ring_degree"]) if _given(r["ring_degree"]) else 1
+    if _given(u) and int(u) != int(r["nproc"]) // ring:
+        return None
+    return (str(r["model"]), int(r["nproc"]), str(r["method"]),
+            mesh(str(r["method"]), int(r["nproc"]), ring), str(r["stack"]))
+
+
 def _paper_runs(df: pd.DataFrame) -> dict[str, tuple[str, int, str, str, str]]:
     """label -> (model, GPUs, method, mesh, stack) of each variant that runs as the paper's
-    runs do: the paper's kernel (or none named) and stack for the method (``paper_stack``),
-    blocking stages of the Ulysses degree's heads (UPipe's default U), no packed documents."""
-    out = {}
-    for label, g in df.groupby("label", sort=False):
-        r = g.iloc[0]
-        kernel = _column(g, "kernel").iloc[0]
-        if (overlapped(_column(g, "overlap").iloc[0]) or _given(_column(g, "doc_len").iloc[0])
-                or (_given(kernel) and kernel != PAPER_KERNEL) or not _given(r["nproc"])
-                or str(r["stack"]) != paper_stack(str(r["method"]))):
-            continue
-        ring = int(r["ring_degree"]) if _given(r["ring_degree"]) else 1
-        u = _column(g, "heads_per_stage").iloc[0]
-        if _given(u) and int(u) != int(r["nproc"]) // ring:
-            continue
-        out[label] = (str(r["model"]), int(r["nproc"]), str(r["method"]),
-                      mesh(str(r["method"]), int(r["nproc"]), ring), str(r["stack"]))
-    return out
+    runs do (``_paper_run`` of its first row)."""
+    runs = {label: _paper_run(g.iloc[0]) for label, g in df.groupby("label", sort=False)}
+    return {label: run for label, run in runs.items() if run}
+
+
+def ratio_reference(df: pd.DataFrame) -> tuple[pd.Series, tuple[str, str] | None]:
+    """The rows a ratio "to Ulysses" divides by: a mask of `df`'s rows, and (method, mesh) when
+    it is the paper's own reference (``reproduction.VERSUS``: yunchang's Ulysses,
+    ``usp-ulysses 8x1``, in Table 3; the USP hybrid 8x2 in Table 4), else None.
+
+    The paper's reference where the rows run a paper table's model on its GPUs and hold that
+    reference's rows: a paper mark (the paper's value over its reference) is then beside a bar
+    with the same denominator. Elsewhere (CPU scale, sweeps without the reference) upipe's own
+    Ulysses (``is_ulysses``)."""
+    runs = pd.Series([_paper_run(r) for _, r in df.iterrows()], index=df.index, dtype=object)
+    tables = {row["table"] for run in runs.dropna() if (row := paper_row(*run[:4]))}
+    if len(tables) == 1:
+        key = VERSUS[tables.pop()][0]
+        mask = runs.map(lambda run: bool(run) and tuple(run[2:4]) == key).astype(bool)
+        if mask.any():
+            return mask, key
+    return is_ulysses(df), None
+
+
+def reference_name(key: tuple[str, str] | None) -> str:
+    """'usp 8x2 (the paper's Ulysses)' for ``ratio_reference``'s key; 'Ulysses' without one."""
+    return "Ulysses" if key is None else f"{' '.join(key)} (the paper's Ulysses)"
 
 
 def _paper_name(paper: dict[str, dict]) -> str:
@@ -392,10 +428,13 @@ def plot_max_context(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bo
 def plot_memory_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bool:
     """Peak device memory against length, a line per variant (ok rows); OOM cells as crosses at
     the peak they reached, or as triangles at the lower bound that put a search's probe over the
-    device (``peak_device_is_lower_bound``); the device-memory or budget line. Reads rows.csv:
-    method, heads_per_stage, model, nproc, stack, seq_len, status, peak_device_bytes,
-    peak_device_is_lower_bound (when present), device_memory_bytes, device."""
+    device (``peak_device_is_lower_bound``); the device-memory or budget line. Rows of the
+    sweep's cells' budget only (``_one_budget``: a probe under another is left out, said in the
+    title). Reads rows.csv:
+    method, heads_per_stage, model, nproc, stack, seq_len, status, iters, budget_mib,
+    peak_device_bytes, peak_device_is_lower_bound (when present), device_memory_bytes, device."""
     df = rows[rows["status"].isin(Status.RESULTS) & rows["peak_device_bytes"].notna()]
+    df, left_out = _one_budget(df)
     if not (df["status"] == Status.OK).any():
         return False
     df, labels = _labelled(df)
@@ -428,7 +467,27 @@ def plot_memory_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
         _memory_line(ax, df, scale, unit)
         _finish_lines(ax, df, _titled(f"peak device memory per rank ({unit})", df),
                       "Peak memory")
+        if left_out:
+            ax.set_title(f"{ax.get_title()}\n{left_out}", fontsize=9)
     return True
+
+
+def _one_budget(df: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The rows run under the budget(s) of the sweep's timed cells (``iters`` > 0), and a note
+    on the rest ('' when none is left out).
+
+    A CPU grid runs without a budget and its max-context probes under ``budget_mib``: pooled,
+    one cell could be drawn as fitting and as over the budget line. The probes are the max
+    context plot's. An emulated sweep's cells and probes share the device budget: all stay."""
+    budget = _column(df, "budget_mib").fillna(-1)  # -1: no budget, a setting of its own
+    timed = _column(df, "iters") != 0
+    if not timed.any() or budget.nunique() < 2:
+        return df, ""
+    keep = budget.isin(set(budget[timed]))
+    dropped = sorted(budget[~keep].unique())
+    note = (f"left out: {int((~keep).sum())} max-context probes under "
+            + ", ".join(f"{_plain('', b)} MiB" for b in dropped) + " per rank (see max_context)")
+    return df[keep], note
 
 
 def _throughput(rows: pd.DataFrame) -> pd.DataFrame:
@@ -477,18 +536,29 @@ def plot_throughput_vs_seq(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path)
     return True
 
 
+RATIO_KEYS = ["seq_len", *SETTINGS, "doc_len"]  # a ratio's reference runs the same cell
+
+
 def plot_throughput_vs_ulysses(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bool:
-    """Tokens/s per GPU of each variant over Ulysses' at the same (seq_len, model, nproc,
-    stack), bars grouped by length, a line at 1.0. Reads rows.csv: method, heads_per_stage,
-    model, nproc, stack, seq_len, status, tokens_per_s_per_gpu, time_*_s, device."""
+    """Tokens/s per GPU of each variant over the reference's (``ratio_reference``: the paper's
+    own Ulysses in a paper table's sweep, else upipe's Ulysses; named on the axis) at the same
+    ``RATIO_KEYS``, bars grouped by length, a line at 1.0. Packed rows without a reference of
+    their document length are left out, named under the axis. Reads rows.csv: method,
+    heads_per_stage, model, nproc, stack, doc_len, seq_len, status, tokens_per_s_per_gpu,
+    time_*_s, device."""
     df = _throughput(rows)
-    df = df.assign(ratio=vs_ulysses(df, "tps", ["seq_len", *SETTINGS]))
-    df = df[df["ratio"].notna() & ~((df["method"] == "ulysses") & df["heads_per_stage"].isna())]
+    df = df.assign(doc_len=_column(df, "doc_len"))
+    reference, key = ratio_reference(df)
+    df = df.assign(ratio=vs_ulysses(df, "tps", RATIO_KEYS, reference))[~reference]
+    left = df[df["ratio"].isna() & df["doc_len"].notna()]
+    unpaired = _labelled(left)[1] if len(left) else []
+    df = df[df["ratio"].notna()]
     if df.empty:
         return False
     df, labels = _labelled(df)
     lengths = sorted(df["seq_len"].unique())
     df = df.assign(length=df["seq_len"].map(format_tokens))
+    name = reference_name(key)
     width = min(16.0, max(7.5, 0.4 * len(lengths) * len(labels) + 3))
     with figure(path, width=width) as (fig, (ax,)):
         sns.barplot(df, x="length", y="ratio", hue="label", hue_order=labels,
@@ -497,26 +567,32 @@ def plot_throughput_vs_ulysses(rows: pd.DataFrame, maxctx: pd.DataFrame, path: P
         for bars in ax.containers:  # upright side by side, opaque over the 1.0 and paper lines
             ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2, rotation=90,
                          bbox={"fc": "white", "ec": "none", "pad": 0.3})
-        _paper_ratios(ax, df, labels, lengths)
-        ax.axhline(1.0, ls="--", lw=1.3, color="0.25", label="Ulysses = 1.0")
-        ax.set(xlabel="sequence length (global tokens)", ylim=(0, 1.3 * max(df["ratio"].max(), 1)),
-               ylabel="tokens/s per GPU relative to Ulysses",
-               title=f"{_titled('Throughput vs Ulysses', df)} · {_context(df)}")
+        _paper_ratios(ax, df, labels, lengths, key)
+        ax.axhline(1.0, ls="--", lw=1.3, color="0.25", label=f"{name} = 1.0")
+        xlabel = "sequence length (global tokens)" + (
+            f"\nleft out: {', '.join(unpaired)} (packed; no reference with its document length)"
+            if unpaired else "")
+        ax.set(xlabel=xlabel, ylim=(0, 1.3 * max(df["ratio"].max(), 1)),
+               ylabel=f"tokens/s per GPU relative to {name}",
+               title=f"{_titled(f'Throughput vs {name}', df)} · {_context(df)}")
         _legend(ax, df)
     return True
 
 
-def _paper_ratios(ax, df: pd.DataFrame, labels: list[str], lengths: list[int]) -> None:
+def _paper_ratios(ax, df: pd.DataFrame, labels: list[str], lengths: list[int],
+                  reference: tuple[str, str] | None) -> None:
     """Across each bar of a variant the paper runs (``_paper``), a black line at the paper's
-    tokens/s over the paper's Ulysses' (its row in ``reproduction.VERSUS``) at that length."""
+    tokens/s over the paper's Ulysses' (its row in ``reproduction.VERSUS``) at that length;
+    only where the bars' ``reference`` (``ratio_reference``) is that same Ulysses: a mark is
+    never beside a bar with another denominator."""
     paper, runs, first = _paper(df), _paper_runs(df), True
     for bars, label in zip(ax.containers, labels, strict=True):
         if label not in paper:
             continue
         model, gpus, method, on = runs[label][:4]
         ulysses = VERSUS[paper[label]["table"]][0]
-        if (method, on) == ulysses:
-            continue  # the reference itself: 1.0
+        if (method, on) == ulysses or ulysses != reference:
+            continue  # the reference itself (1.0), or bars over another one
         ref = paper_row(model, gpus, *ulysses)["tokens_per_s_per_gpu"]
         ours = paper[label]["tokens_per_s_per_gpu"]
         for bar in bars:

@@ -26,6 +26,11 @@ def _label(method: str, mesh_: str) -> str:
     return f"{method} {mesh_}"
 
 
+# a marker and a line style per line of a panel: lines that coincide (upipe 8x1 on the paper's
+# Ulysses, usp-ulysses 8x1, in Table 3) stay apart where colour alone would hide one
+LINE_STYLES = (("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", (0, (5, 1, 1, 1))))
+
+
 def plot_vs_paper(tp: pd.DataFrame, path: Path) -> bool:
     """Emulated against published tokens/s per GPU, one point per cell where both fit, a panel
     per table, log-log with the y = x line (the reference: emulated = published)."""
@@ -62,8 +67,9 @@ def _minor(v: float, _) -> str:
 
 
 def plot_ratio_by_length(tp: pd.DataFrame, path: Path) -> bool:
-    """Emulated over published tokens/s per GPU against the length, a line per method, a panel
-    per table, with the reference line at 1.0."""
+    """Emulated over published tokens/s per GPU against the length, a line per method (its own
+    colour, hollow marker and line style: ``LINE_STYLES``), a panel per table, with the
+    reference line at 1.0."""
     both = tp.dropna(subset=["ratio"])
     if both.empty:
         return False
@@ -73,9 +79,10 @@ def plot_ratio_by_length(tp: pd.DataFrame, path: Path) -> bool:
     with figure(path, ncols=len(tables), width=6.0 * len(tables), height=4.6) as (_, axes):
         for ax, table in zip(axes, tables, strict=True):
             g = both[both["table"] == table]
-            for (method, m), d in g.groupby(["method", "mesh"], sort=False):
-                ax.plot(d["seq_len"], d["ratio"], marker="o", ms=4, color=colors[method],
-                        label=_label(method, m))
+            for i, ((method, m), d) in enumerate(g.groupby(["method", "mesh"], sort=False)):
+                marker, ls = LINE_STYLES[i % len(LINE_STYLES)]
+                ax.plot(d["seq_len"], d["ratio"], marker=marker, ls=ls, ms=5, mfc="none",
+                        color=colors[method], label=_label(method, m))
             ax.axhline(1.0, ls="--", lw=1.2, color="0.3", label="emulated = published")
             ticks = sorted(g["seq_len"].unique())
             ax.set_xscale("log", base=2)

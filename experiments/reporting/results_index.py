@@ -127,12 +127,28 @@ def _dates(rows: Rows, env: dict) -> str:
     return f"{span} ({len(runs)} run{'s' * (len(runs) != 1)})" if runs else span
 
 
+def _short_rev(rev: str) -> str:
+    """A git revision as the index prints it: 8 hex digits and its ``+dirty``."""
+    return rev.removesuffix("+dirty")[:8] + "+dirty" * rev.endswith("+dirty")
+
+
+def git_revisions(rows: Rows, env: dict) -> str:
+    """The git revisions that wrote ``rows`` (``_short_rev``), most frequent first with their
+    counts when several ('610a52f3 (71), b32103be (65)'); else env.json's, marked ``ENV``."""
+    return _from(rows, env, "git_rev", _short_rev)
+
+
+def table_revisions(table: Path, env: dict) -> str:
+    """``git_revisions`` of the CSV file ``table`` (a sweep's rows.csv, a max_context.csv)."""
+    return git_revisions(_csv(table), env)
+
+
 def _provenance(rows: Rows, env: dict, device: str = "") -> list[str]:
     """The device, date, git revision (8 hex digits and its ``+dirty``) and versions cells."""
     device = device or _distinct(r.get("device") or r.get("gpu_name") or "" for r in rows) or (
         env.get("gpu_name") or "cpu")
     return [f"{device} · host: {_from(rows, env, 'cpu_model')}", _dates(rows, env),
-            _from(rows, env, "git_rev", lambda rev: rev[:8] + "+dirty" * rev.endswith("+dirty")),
+            git_revisions(rows, env),
             f"torch {_from(rows, env, 'torch_version')}; "
             f"deepspeed {_from(rows, env, 'deepspeed_version')}"]
 

@@ -353,7 +353,7 @@ def attention_forward(
     if blocks is None or _whole(blocks, q, k):
         return forward(q, k, v, causal, scale)
     if _varlen_ok(kernel, blocks, q, k):
-        return _flash_attn_varlen_forward(q, k, v, blocks, causal, scale)
+        return _flash_varlen_functions()[0](q, k, v, blocks, causal, scale)
     return _blockwise_forward(q, k, v, blocks, causal, scale, kernel)
 
 
@@ -385,7 +385,7 @@ def attention_backward(
     if blocks is None or _whole(blocks, q, k):
         return backward(dout, q, k, v, out, lse, causal, scale)
     if _varlen_ok(kernel, blocks, q, k):
-        return _flash_attn_varlen_backward(dout, q, k, v, out, lse, blocks, causal, scale)
+        return _flash_varlen_functions()[1](dout, q, k, v, out, lse, blocks, causal, scale)
     return _blockwise_backward(dout, q, k, v, out, lse, blocks, causal, scale, kernel)
 
 
@@ -637,12 +637,30 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
+# ``kernel_dispatch`` overrides key of a replacement for the varlen path's pair
+# (``_flash_attn_varlen_forward(q, k, v, blocks, causal, scale)``,
+# ``_flash_attn_varlen_backward(dout, q, k, v, out, lse, blocks, causal, scale)``): the
+# emulator's model of what it allocates. A dispatch replacing "flash-attn" without one runs
+# packed documents block by block.
+FLASH_VARLEN = "flash-attn varlen"
+
+
+def _flash_varlen_functions() -> tuple[Callable, Callable]:
+    """The varlen (forward, backward) pair: ``kernel_dispatch``'s replacement, else flash-attn's
+    through the functions below."""
+    impl = _DISPATCH.get()[1].get(FLASH_VARLEN)
+    return impl if impl is not None else (_flash_attn_varlen_forward,
+                                          _flash_attn_varlen_backward)
+
+
 def _varlen_ok(kernel: str, blocks: DocBlocks, q: torch.Tensor, k: torch.Tensor) -> bool:
     """flash-attn's varlen kernel runs ``blocks`` in one call when they are aligned (each
-    document's queries over its own keys, the ranges tiling both sequences) and the real
-    library is in use (the emulator's replacement is modelled block by block)."""
+    document's queries over its own keys, the ranges tiling both sequences) and the library,
+    or a replacement of its varlen path (``FLASH_VARLEN``: the emulator's model), is in
+    use; a replacement of flash-attn without that one runs them block by block."""
     device_type, overrides, _, _ = _DISPATCH.get()
-    if kernel != "flash-attn" or "flash-attn" in overrides or q.shape[1] != k.shape[1]:
+    replaced = "flash-attn" in overrides and FLASH_VARLEN not in overrides
+    if kernel != "flash-attn" or replaced or q.shape[1] != k.shape[1]:
         return False
     if (device_type or q.device.type) != "cuda":
         return False

@@ -41,7 +41,7 @@ from experiments.emulation.fit import (
     fitted,
     sequence_chunk,
 )
-from experiments.emulation.kernel_models import MODELLED_KERNELS, auto_on
+from experiments.emulation.kernel_models import MODELLED_KERNELS, auto_on, kernel_limit_reason
 from experiments.harness.flops import step_flops
 from experiments.harness.launch import describe, kernel_ran, method_kernel_refusal, unrun
 from experiments.harness.train import packed_cu_seqlens
@@ -79,7 +79,39 @@ def emulation_unavailable(cell: Cell, hw: Hardware) -> str | None:
         reason = kernel_unavailable_reason(cell.kernel, hw.device)
         if reason is not None and hw.device == "cpu":
             reason += "; emulate a cuda device (--emulate-device cuda) for its memory model"
+    if reason is None and hw.device == "cuda":
+        # the kernel the step runs ("auto" resolved, a method's own library's) refuses the
+        # cell's dtype or head dim on the emulated GPU: its rule, not plausible numbers
+        cfg = cell.validate()
+        reason = kernel_limit_reason(kernel_column(cell, cfg, hw)["kernel_ran"], cell.dtype,
+                                     cfg.head_dim)
+    reason = reason or profile_refusal(cell, hw)
     return None if reason is None else f"cannot be emulated: {reason}"
+
+
+def profile_refusal(cell: Cell, hw: Hardware) -> str | None:
+    """Why ``hw``'s hardware profile cannot time ``cell``'s step, or None: it has no matmul
+    rates in the cell's dtype, or no attention rates for the kernel the step runs (the row's
+    ``kernel_ran``) in that dtype (``fa3`` on ``a100-80gb``: FlashAttention-3 is Hopper's).
+    The time model would raise ``ProfileError`` after the whole emulation; this is asked
+    first (by ``emulation_unavailable``, so every emulated row, and by argument checks: the
+    plan's and ``emulate``'s, which can refuse before emulating anything). The cell must
+    validate."""
+    profile = profile_for(hw)
+    if profile is None:
+        return None
+    rates = profile.values
+    if cell.dtype not in rates["matmul"]:
+        return (f"profile {profile.name!r} has no matmul rates in {cell.dtype!r} (has "
+                f"{sorted(rates['matmul'])})")
+    kernel = kernel_column(cell, cell.validate(), hw)["kernel_ran"]
+    # math is plain PyTorch ops, priced as matmuls and memory traffic (no attention rates)
+    if kernel != "math" and cell.dtype not in rates["attention"].get(kernel, {}):
+        have = {k: sorted(v) for k, v in rates["attention"].items()}
+        return (f"profile {profile.name!r} has no attention rates for kernel {kernel!r} in "
+                f"{cell.dtype!r} (has {have}): the GPU it describes does not run it there, or "
+                "it was not calibrated")
+    return None
 
 
 def kernel_column(cell: Cell, cfg: ModelConfig, hw: Hardware) -> dict:

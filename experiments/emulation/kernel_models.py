@@ -10,14 +10,36 @@ The emulator runs fake tensors on the CPU. Inside ``cuda_kernels()`` the attenti
   *inside* and frees before returning is added here as a workspace, alive during the call:
 
   - bf16/fp16, PyTorch's FlashAttention-2 (``aten/src/ATen/native/transformers/cuda/flash_attn/
-    flash_api.cpp``, ``mha_bwd``, the same code as flash-attn's ``csrc/flash_attn/
-    flash_api.cpp``): ``softmax_d`` (B, H, S_q rounded up to 128) fp32 and the non-deterministic
-    ``dq_accum`` (B, S_q rounded to 128, H, D rounded to 32) fp32. Forward: no workspace at long
-    sequences (split-KV, with its fp32 accumulators, is chosen only when batch x heads x 128-row
-    blocks fill less than 80% of the SMs; ``num_splits_heuristic``).
+    flash_api.cpp``, ``mha_bwd``; a copy of flash-attn's ``csrc/flash_attn/flash_api.cpp``,
+    whose sizes are those of flash-attn 2.8; ``_fa2_headdim``): ``softmax_d`` (B, H, S_q rounded
+    up to 128) fp32 and the non-deterministic ``dq_accum`` (B, S_q rounded to 128, H, D
+    rounded) fp32, D rounded up to a multiple of 32 up to 128, of 64 above. Forward: no
+    workspace when batch x heads x ceil(S_q / 64) fills at least 80% of twice the SMs
+    (``num_splits_heuristic``, called with ``num_splits`` 0 by ``mha_fwd``): 212 or more on an
+    H100 SXM (132 SMs), e.g. B = 1 and 8 heads from S_q = 1,665 on. Below that it takes
+    split-KV with fp32 accumulators (``out_accum`` (splits, B, H, S_q, D rounded),
+    ``softmax_lse_accum`` (splits, B, H, S_q)), which is not modelled: short per-call lengths
+    (small documents, a ring's small chunks, few heads) read low by those.
   - fp32, the memory-efficient (CUTLASS) kernel (``aten/src/ATen/native/transformers/cuda/
-    attention_backward.cu``, ``_efficient_attention_backward``): ``delta`` (B, H, S_q) fp32. Its
-    gradient accumulators are only needed when the output type is narrower than fp32.
+    attention_backward.cu``, ``_efficient_attention_backward``): fp32 kernels do not compute
+    delta themselves (``kKernelComputesDelta`` is for half types), so PyTorch computes it from
+    an fp32 (B, S_q, H, D) product of grad_out and out and its (B, S_q, H) sum, alive with the
+    gradients until ``delta`` (B, H, S_q) fp32 exists (``_efficient_workspace``). Not modelled:
+    the kernel's ``workspace`` for dQ (``kNeedsAccumGradQ`` is true with split keys,
+    ``mem_eff_attention/kernel_backward.h``, ``workspace_elements_gq``: about B x H x S_q x D
+    fp32 plus 16 bytes per tile), whose tiles depend on the kernel ``cutlassB`` picks per GPU
+    and PyTorch version. The forward's RNG seed and offset are CPU tensors on a GPU (dropout
+    0) but the op's meta function makes them device tensors: 2 x 512 bytes counted, freed
+    when the forward returns.
+  - both, not modelled yet: the backward ops transpose grad_out (and the flash op out) to (B,
+    S, H, D) and make them contiguous (``_flash_attention_backward``'s ``grad_out.contiguous()``
+    and ``out.contiguous()``, ``_efficient_attention_backward``'s ``grad_out_.contiguous()``,
+    ``attention_backward.cu`` at 00afd8f2): a copy of each argument that is not a transpose
+    of a BSHD tensor. upipe's path passes transposes (no copy); torch's context-parallel ring
+    (``torch-cp``) passes BHSD-contiguous ones, so its emulated peaks are low by those copies
+    (re-emulated with them: +64 MiB at 128K and +512 MiB at 1M for Llama3-8B, +256 MiB at 512K
+    for Qwen3-32B; the same statuses and maxima). Modelling them needs the committed torch-cp
+    rows emulated again.
 
 * ``cudnn`` runs ``upipe.kernels``' own CUDA code too: PyTorch's cuDNN attention ops, whose meta
   functions give the outputs (``out`` in q's memory layout, the (B, H, S_q, 1) fp32 log-sum-exp;
@@ -33,12 +55,17 @@ The emulator runs fake tensors on the CPU. Inside ``cuda_kernels()`` the attenti
   are (no expanded copies).
 
 * ``flash-attn`` (Dao-AILab flash-attn 2, absent on CPU machines) is replaced by a model of
-  ``upipe.kernels``' wrapper plus flash-attn's ``mha_fwd``/``mha_bwd``: forward ``out`` like q,
-  ``softmax_lse`` (B, H, S_q) fp32 and the 2-element int64 RNG state; backward: the wrapper's
-  dq/dk/dv (``empty_like``), ``softmax_d`` and ``dq_accum`` as above, and for GQA
+  ``upipe.kernels``' wrapper plus flash-attn's ``mha_fwd``/``mha_bwd`` (flash-attn 2.8; 2.7.4
+  and older rounded head dims 129-160 to 160 in ``dq_accum``, not 192): forward ``out`` like
+  q, ``softmax_lse`` (B, H, S_q) fp32 and the 2-element int64 RNG state; backward: the
+  wrapper's dq/dk/dv (``empty_like``), ``softmax_d`` and ``dq_accum`` as above, and for GQA
   ``dk_expanded``/``dv_expanded`` (B, S_k, H, D) in the input dtype, summed into dk/dv at the
   end. flash-attn's Python wrapper makes inputs contiguous when their last stride is not 1
-  (``maybe_contiguous``); so does the model.
+  (``maybe_contiguous``); so does the model. Packed documents in aligned blocks take the
+  varlen path in one call, as on a GPU (``upipe.kernels._varlen_ok``; ``FLASH_VARLEN``):
+  ``mha_varlen_bwd``'s ``softmax_d`` (H, B*S + 128 n) and ``dq_accum`` (B*S + 128 n, H, D
+  rounded) span every document with 128 rows of padding each (n documents over the batch),
+  and GQA's expanded dK/dV the packed sequence (``_flash_varlen_forward``/``_backward``).
 
 * ``fa3`` (FlashAttention-3, flash-attention's ``hopper/``, absent on CPU machines) is replaced
   by a model of ``upipe.kernels``' wrapper plus FA3's ``mha_fwd``/``mha_bwd`` on an H100
@@ -60,6 +87,10 @@ The emulator runs fake tensors on the CPU. Inside ``cuda_kernels()`` the attenti
   backward when their last stride is not 1; so does the model.
 
 * ``math`` is plain PyTorch: it runs as is.
+
+What a kernel's GPU code refuses (flash-attn, FA3 and PyTorch's flash op: head dims not a
+multiple of 8 or over 256; flash-attn and FA3: fp32) is refused before emulating
+(``kernel_limit_reason``, as cuDNN's limits are: ``upipe.kernels.cudnn_shape_reason``).
 
 The custom ops standing for flash-attn and fa3 (``upipe_emul::flash_fwd``/``flash_bwd``,
 ``upipe_emul::fa3_fwd``/``fa3_bwd``) take the call's ``causal`` flag as an argument, so an observer
@@ -87,20 +118,33 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from upipe.kernels import auto_kernel, kernel_dispatch
+from upipe.kernels import FLASH_VARLEN, _varlen_meta, auto_kernel, kernel_dispatch
 
 
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
+def _fa2_headdim(d: int) -> int:
+    """FlashAttention-2's ``head_size_rounded``: ``round_multiple(head_size, head_size <= 128 ?
+    32 : 64)`` in PyTorch's copy (``aten/src/ATen/native/transformers/cuda/flash_attn/
+    flash_api.cpp``, ``mha_fwd``/``mha_bwd``/``mha_varlen_bwd``, pytorch/pytorch at 03b7c19d)
+    and in flash-attn since 2.8.0 (``csrc/flash_attn/flash_api.cpp`` lines 435, 834 and 1051
+    at v2.8.3, 060c9188; the rule of commit ce212720, "Don't specialize for hdim 160
+    anymore"). flash-attn 2.7.4 and older rounded ``head_size <= 192 ? round_multiple(
+    head_size, 32) : 256``: the same but for head dims 129-160 (160 there, 192 here) and
+    193-256 (256 in both)."""
+    return _round_up(d, 32 if d <= 128 else 64)
+
+
 def _flash_workspace(q: torch.Tensor) -> list[torch.Tensor]:
-    """FlashAttention-2 backward scratch for q (B, S, H, D): softmax_d and dq_accum."""
+    """FlashAttention-2 backward scratch for q (B, S, H, D): softmax_d (B, H, S rounded to
+    128) and dq_accum (B, S rounded to 128, H, D rounded) fp32 (``mha_bwd``, flash_api.cpp
+    lines 883 and 888 at flash-attn v2.8.3; the same in PyTorch's copy)."""
     b, s, h, d = q.shape
     s_r = _round_up(s, 128)
-    d_r = _round_up(d, 32) if d <= 192 else 256
     return [torch.empty(b, h, s_r, dtype=torch.float32, device=q.device),
-            torch.empty(b, s_r, h, d_r, dtype=torch.float32, device=q.device)]
+            torch.empty(b, s_r, h, _fa2_headdim(d), dtype=torch.float32, device=q.device)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,9 +153,20 @@ def _flash_workspace(q: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _efficient_workspace(q: torch.Tensor) -> list[torch.Tensor]:
-    """Memory-efficient attention backward scratch for q (B, H, S, D): delta (B, H, S) fp32."""
-    b, h, s, _ = q.shape
-    return [torch.empty(b, h, s, dtype=torch.float32, device=q.device)]
+    """Memory-efficient (CUTLASS) attention backward scratch for fp32 q (B, H, S, D), the only
+    dtype upipe runs it in. fp32 kernels have ``kKernelComputesDelta`` false (it is ``kIsHalf
+    && ...``, ``mem_eff_attention/kernel_backward.h``), so ``_efficient_attention_backward``
+    (``attention_backward.cu`` at 00afd8f2, in ``launchKernel``) computes ``delta = (grad_out.
+    to(kFloat) * out.to(kFloat)).sum(-1).transpose(-2, -1).contiguous()``: the (B, S, H, D)
+    product and its (B, S, H) sum are temporaries of that statement, alive beside the
+    gradients (allocated before it) until ``delta`` (B, H, S) exists; all fp32 (``.to(kFloat)``
+    of fp32 is no copy). All three are held while the op runs: the product and sum only
+    until the kernel launches, when nothing else of the call is allocated, so the call's peak
+    is the same."""
+    b, h, s, d = q.shape
+    f32 = dict(dtype=torch.float32, device=q.device)
+    return [torch.empty(b, s, h, d, **f32), torch.empty(b, s, h, **f32),  # product, sum
+            torch.empty(b, h, s, **f32)]  # delta
 
 
 def _cudnn_workspace(q: torch.Tensor) -> list[torch.Tensor]:
@@ -122,13 +177,16 @@ def _cudnn_workspace(q: torch.Tensor) -> list[torch.Tensor]:
             torch.empty(b, h, s, dtype=torch.float32, device=q.device)]
 
 
-# aten op -> scratch for its query argument (BHSD, the op's layout)
+# aten op -> scratch for its arguments (BHSD, the op's layout): (grad_out, query, key, value,
+# out, ...) for flash and cudnn, (grad_out, query, key, value, attn_bias, out, ...) for efficient
 _OP_WORKSPACE = {
     torch.ops.aten._scaled_dot_product_flash_attention_backward.default:
-        lambda q: _flash_workspace(q.transpose(1, 2)),
+        lambda a: _flash_workspace(a[1].transpose(1, 2)),
     torch.ops.aten._scaled_dot_product_efficient_attention_backward.default:
-        _efficient_workspace,
-    torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_workspace,
+        lambda a: _efficient_workspace(a[1]),
+    # cuDNN takes dO and O with their strides (MHA.cpp); upipe's _cudnn_backward aligns them
+    torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default:
+        lambda a: _cudnn_workspace(a[1]),
 }
 
 
@@ -139,7 +197,7 @@ class _OpWorkspace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         make = _OP_WORKSPACE.get(func)
-        scratch = make(args[1]) if make is not None else None  # args: (grad_out, query, ...)
+        scratch = make(args) if make is not None else None
         out = func(*args, **(kwargs or {}))
         del scratch
         return out
@@ -262,7 +320,8 @@ def _flash_attn_forward(q, k, v, causal, scale):
 
 
 def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
-    dout, q, k, v = (_maybe_contiguous(t) for t in (dout, q, k, v))
+    # flash_attn_interface.py line 259 at v2.8.3: dout, q, k, v, out
+    dout, q, k, v, out = (_maybe_contiguous(t) for t in (dout, q, k, v, out))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # the wrapper's
     scratch = _flash_workspace(q)[1:]  # dq_accum; softmax_d is the op's output
     if k.shape[2] != q.shape[2]:  # GQA: per-query-head dK/dV, summed into dk/dv at the end
@@ -271,6 +330,61 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
     _softmax_d = _flash_bwd_op(dout, q, k, v, causal)
     del scratch, _softmax_d
     return dq, dk, dv
+
+
+# flash-attn's varlen path (packed documents in one call: ``upipe.kernels``'
+# ``_flash_attn_varlen_forward``/``_backward``, which a GPU with flash-attn takes whenever
+# ``_varlen_ok``), replaced as a pair with the same signatures. Each allocates what upipe's
+# wrapper and flash-attn's ``_flash_attn_varlen_forward``/``_backward`` (flash_attn_interface.py
+# lines 143 and 330 at v2.8.3, 060c9188) with ``mha_varlen_fwd``/``mha_varlen_bwd``
+# (csrc/flash_attn/flash_api.cpp) allocate. The work is each document's dense modelled op on
+# its slices (FLOPs and time as the block-by-block path's), run first: its outputs are
+# dropped before the call allocates its own, which are at least as large, so they never
+# raise the call's peak.
+
+
+def _flash_varlen_forward(q, k, v, blocks, causal, scale):
+    """q (B, S, H, D), k/v (B, S, H_kv, D) -> out (B, S, H, D), lse (B, H, S) (a view of the
+    kernel's (H, B*S)). Allocates cu_seqlens (B*n+1,) int32 (``upipe.kernels._varlen_meta``),
+    out (B*S, H, D) like q, softmax_lse (H, B*S) fp32 (unpadded) and rng_state (2,) int64
+    (``mha_varlen_fwd``, flash_api.cpp lines 643, 652 and 723 at v2.8.3; split-KV only for a
+    paged KV cache, line 703)."""
+    for qa, qb, ka, kb in blocks:  # the work (see above)
+        _ = _flash_fwd_op(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], causal)
+        del _
+    b, s, h, d = q.shape
+    _cu = _varlen_meta(blocks, b, s, q.device)[0]
+    # the wrapper's reshape to packed tokens, made contiguous as the interface does (line 164)
+    q, k, v = (_maybe_contiguous(t.reshape(b * s, t.shape[2], d)) for t in (q, k, v))
+    out = torch.empty_like(q)
+    lse = q.new_empty((h, b * s), dtype=torch.float32)
+    _rng_state = q.new_empty((2,), dtype=torch.int64)
+    return out.view(b, s, h, d), lse.view(h, b, s).transpose(0, 1)
+
+
+def _flash_varlen_backward(dout, q, k, v, out, lse, blocks, causal, scale):
+    """(dq, dk, dv) like (q, k, v). Allocates upipe's cu_seqlens, its (H, B*S) LSE (a copy
+    when B > 1) and dq/dk/dv over packed tokens; flash-attn's interface makes dout, q, k, v,
+    out contiguous (line 356); ``mha_varlen_bwd`` (flash_api.cpp lines 1100, 1113 and 1122 at
+    v2.8.3) allocates softmax_d (H, B*S + 128 x n) and dq_accum (B*S + 128 x n, H, D rounded)
+    fp32 for n = B x len(blocks) sequences, and for GQA dk/dv expanded to the query heads
+    (B*S, H, D) in the input dtype, summed into dk/dv at the end."""
+    for qa, qb, ka, kb in blocks:  # the work (see above)
+        _ = _flash_bwd_op(dout[:, qa:qb], q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], causal)
+        del _
+    b, s, h, d = q.shape
+    _cu = _varlen_meta(blocks, b, s, q.device)[0]
+    flat = lambda x: x.reshape(b * s, x.shape[2], -1)  # noqa: E731
+    _lse = lse.transpose(0, 1).reshape(h, b * s)
+    dq, dk, dv = torch.empty_like(flat(q)), torch.empty_like(flat(k)), torch.empty_like(flat(v))
+    _inputs = [_maybe_contiguous(flat(t)) for t in (dout, q, k, v, out)]
+    padded = b * s + 128 * b * len(blocks)
+    scratch = [q.new_empty((h, padded), dtype=torch.float32),  # softmax_d
+               q.new_empty((padded, h, _fa2_headdim(d)), dtype=torch.float32)]  # dq_accum
+    if k.shape[2] != h:  # MQA / GQA
+        scratch += [k.new_empty((b * s, h, d)), v.new_empty((b * s, h, d))]
+    del scratch, _inputs
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
 
 def _fa3_forward(q, k, v, causal, scale):
@@ -293,6 +407,39 @@ def _fa3_backward(dout, q, k, v, out, lse, causal, scale):
 
 
 # ---------------------------------------------------------------------------------------------
+# what the modelled kernels refuse (cuDNN's limits: upipe.kernels.cudnn_dtype_reason and
+# cudnn_shape_reason). upipe calls the libraries' private functions and PyTorch's private ops,
+# so nothing pads a head dim or casts a dtype first: a GPU raises, and the emulator must not
+# print numbers for the cell instead.
+
+# the largest head dim and the multiple it must be of, fp16/bf16 (both also refuse fp32):
+# flash-attn 2 ``mha_fwd``/``mha_bwd`` (csrc/flash_attn/flash_api.cpp lines 373, 393-394 and
+# 804, 829-830 at v2.8.3), PyTorch's copy of it behind ``_scaled_dot_product_flash_attention``
+# (``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``, ``mha_fwd``: "head_size
+# must be a multiple of 8, this is ensured by padding!", which only the public SDPA does),
+# FA3 ``mha_fwd`` (hopper/flash_api.cpp lines 670, 730-731 and 805-806 at 0e79d711: fp8 too,
+# no fp32; max_headdim 256 in the default build)
+FLASH_MAX_HEAD_DIM, FLASH_HEAD_DIM_MULTIPLE = 256, 8
+
+
+def kernel_limit_reason(kernel: str, dtype: str, head_dim: int) -> str | None:
+    """Why the CUDA ``kernel`` (a resolved name) refuses a ``dtype`` (a cell's name: ``bf16``,
+    ``fp32``, ...) or ``head_dim`` call, or None. ``sdpa`` runs PyTorch's flash op in
+    fp16/bf16 (its limits) and the memory-efficient one in fp32 (any head dim: it has kernels
+    up to head dim 65536, ``mem_eff_attention/kernels/cutlassB.h``); ``cudnn`` is checked by
+    ``upipe.kernels``' own rules; ``math`` takes anything."""
+    half = dtype in ("bf16", "fp16")
+    if kernel in ("flash-attn", "fa3") and not half:
+        return (f"kernel {kernel!r} takes fp16/bf16 only (its mha_fwd has no {dtype} kernel); "
+                "use 'sdpa' (PyTorch's memory-efficient kernel in fp32) or 'auto'")
+    if kernel in ("flash-attn", "fa3") or (kernel == "sdpa" and half):
+        if head_dim % FLASH_HEAD_DIM_MULTIPLE or head_dim > FLASH_MAX_HEAD_DIM:
+            what = "PyTorch's flash kernel (sdpa in fp16/bf16)" if kernel == "sdpa" else (
+                f"kernel {kernel!r}")
+            return (f"{what} takes head dims that are multiples of {FLASH_HEAD_DIM_MULTIPLE} up "
+                    f"to {FLASH_MAX_HEAD_DIM}, got {head_dim} (upipe calls it unpadded)")
+    return None
+
 
 # kernels that need a CUDA library absent here, run as their models on an emulated CUDA device
 MODELLED_KERNELS = ("flash-attn", "fa3")
@@ -319,6 +466,7 @@ def cuda_kernels(capability: tuple[int, int] | None = None,
     ``"auto"`` resolved for a GPU of compute ``capability`` and ``installed`` kernels
     (``auto_on``)."""
     overrides = {"flash-attn": (_flash_attn_forward, _flash_attn_backward),
+                 FLASH_VARLEN: (_flash_varlen_forward, _flash_varlen_backward),
                  "fa3": (_fa3_forward, _fa3_backward)}
     with kernel_dispatch("cuda", overrides, op_scope=_OpWorkspace,
                          auto=auto_on(capability, installed)):

@@ -92,7 +92,7 @@ from experiments.reporting.plots import draw_plots
 from experiments.reporting.reproduction import mesh as paper_mesh
 from experiments.reporting.tables import write_tables
 from experiments.runner.executor import Emulator, Launcher
-from experiments.runner.plan import plan
+from experiments.runner.plan import inter_node_warning, plan
 from experiments.runner.search import print_probe, run_search, summarize
 from experiments.runner.sweep_runner import SweepRunner
 from experiments.runner.time_validation import SWEEP as TIME_SWEEP
@@ -292,6 +292,10 @@ def cmd_plan(a) -> int:
             print(f"[plan] {r['method']} {_plan_line(r)['mesh']} U={r.get('heads_per_stage')}{ov}: "
                   + ", ".join(f"{x['stack']} {x['status']}" for x in rows), file=sys.stderr)
 
+    # what the times cannot be trusted for, said before the work and beside the answer
+    warnings = [w for w in (inter_node_warning(spec, hw),) if w]
+    for w in warnings if _progress(a) else ():
+        print(f"[plan] warning: {w}", file=sys.stderr)
     rows = plan(spec, hw, workers=a.workers, exact=bool(a.exact), on_rows=progress)
     lines = [_plan_line(r) for r in rows]
     if a.json:
@@ -299,7 +303,8 @@ def cmd_plan(a) -> int:
         # a config.json's overrides), so a saved plan says what it was asked
         _print_json(a, {"model": spec.label, "gpus": spec.gpus, "seq_len": spec.seq_len,
                         "question": dataclasses.asdict(spec),
-                        "hardware": dataclasses.asdict(hw), "plan": lines, "rows": rows})
+                        "hardware": dataclasses.asdict(hw), "warnings": warnings,
+                        "plan": lines, "rows": rows})
     else:
         table = pd.DataFrame(lines).rename(columns=PLAN_COLUMNS)
         table.index = range(1, len(table) + 1)
@@ -308,7 +313,8 @@ def cmd_plan(a) -> int:
             # a cpu device has no profile unless given: no time model, so no name to print
             where = rows[0].get("hardware_profile") or hw.profile or (
                 "h100-sxm" if hw.device == "cuda" else "an emulated cpu device, no time model")
-            print(f"{spec.label} on {spec.gpus} GPUs at {spec.seq_len} tokens, {where}:\n"
+            notes = "".join(f"warning: {w}\n" for w in warnings)
+            print(f"{notes}{spec.label} on {spec.gpus} GPUs at {spec.seq_len} tokens, {where}:\n"
                   f"{table.to_string()}", file=a.stdout)
     return 0 if any(r["status"] == Status.OK for r in rows) else 1
 

@@ -462,12 +462,14 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "profile's GPU, cudnn on Hopper in bf16/fp16, else sdpa; the paper ran "
                         "fa3)")
     p.add_argument("--methods", default=None, metavar="A,B",
-                   help="only these methods (default: every registered method)")
+                   help="only these methods, each named once (default: every registered "
+                        "method)")
     p.add_argument("--stacks", default=None, metavar="A,B",
-                   help=f"only these stacks, of {', '.join(STACKS)} (default: "
+                   help=f"only these stacks, each named once, of {', '.join(STACKS)} (default: "
                         f"{', '.join(DEFAULT_STACKS)})")
     p.add_argument("--ring-degrees", default=None, metavar="1,2",
-                   help="only these ring degrees of the hybrid methods' (ulysses x ring) meshes, "
+                   help="only these ring degrees, each named once, of the hybrid methods' (ulysses "
+                        "x ring) meshes, "
                         "each a divisor of the CP degree (default: every divisor; 1 is the plain "
                         "Ulysses mesh). Methods without a mesh are planned as ever")
     p.add_argument("--workers", type=positive_int, default=None,

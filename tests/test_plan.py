@@ -371,6 +371,15 @@ def test_plan_reads_a_hugging_face_config_and_prints_json(tmp_path, capsys):
     (["--seq-len", "0"], "--seq-len (0) must be >= 2 and divisible by the CP degree (2)"),
     (["--seq-len", "2049"], "--seq-len (2049)"),
     (["--gpus", "4", "--dp", "3"], "--dp must be >= 1 and divide --gpus (4)"),
+    # inf and nan were let through, to fail later as a traceback (OverflowError)
+    (["--gpu-mem", "inf"], "--gpu-mem must be a finite positive number, got inf"),
+    (["--host-mem", "nan"], "--host-mem must be a finite positive number, got nan"),
+    # planned twice, the same cells twice
+    (["--methods", "upipe,ulysses,upipe"], "--methods must name each once"),
+    # the default reserve over the device blames --gpu-mem, not the --reserve nobody gave
+    (["--gpu-mem", "5"], "--gpu-mem must be above the reserve kept off the device budget "
+                         "unless --reserve (not given) sets a smaller one, got 5.0 GiB against "
+                         "6.3 GiB (the default reserve)"),
 ])
 def test_bad_plan_input_is_a_clear_error(capsys, argv, match):
     base = {"--model": "tiny", "--gpus": "2", "--seq-len": "2K"}
@@ -379,6 +388,83 @@ def test_bad_plan_input_is_a_clear_error(capsys, argv, match):
     code = cli.main(["plan", *[x for kv in base.items() for x in kv]])
     assert code == 2
     assert match in capsys.readouterr().err
+
+
+def test_a_methods_measured_reserve_over_the_device_is_its_invalid_row_before_emulating(
+        monkeypatch):
+    """fpdt's measured 10 GiB reserve on an 8 GiB device (the default 6.3 fits): fpdt is one
+    invalid row naming --gpu-mem and the method, never emulated (its first emulation raised
+    and ended the whole plan), and the other methods are planned as ever."""
+    emulated = []
+    fake = _fake_emulation({"alst": "ok"})
+    monkeypatch.setattr(plan_mod, "emulate_cell",
+                        lambda cell, hw, **kw: emulated.append(cell.method) or fake(cell, hw))
+    spec = PlanSpec("tiny", 2, 2048, methods=("fpdt", "ulysses"), stacks=("alst",))
+    rows = plan(spec, Hardware(gpu_mem_gib=8.0), workers=1)
+    assert set(emulated) == {"ulysses"}
+    (fpdt,) = [r for r in rows if r["method"] == "fpdt"]
+    assert fpdt["status"] == Status.INVALID
+    assert fpdt["error"].startswith("fpdt's measured reserve, 10 GiB")
+    assert "is not below --gpu-mem (8 GiB)" in fpdt["error"] and "--reserve" in fpdt["error"]
+    # a reserve given applies to every method: fpdt is planned with it
+    emulated.clear()
+    plan(spec, Hardware(gpu_mem_gib=8.0, reserve_gib=2.0), workers=1)
+    assert set(emulated) == {"fpdt", "ulysses"}
+
+
+def test_upipe_off_the_long_levels_mesh_is_told_which_ring_degrees_leave_it_out():
+    """--stacks long --ring-degrees 2: UPipe's long variant is on ring degree 1 only; its row
+    said "planned for UPipe only" to UPipe."""
+    spec = PlanSpec("tiny", 4, 4096, methods=("upipe",), stacks=("long",), ring_degrees=(2,))
+    cells, (row,) = configurations(spec)
+    assert cells == [] and row["status"] == Status.SKIPPED
+    assert row["error"].startswith("long: planned on the plain Ulysses mesh (ring degree 1) "
+                                   "only, which --ring-degrees 2 leaves out")
+
+
+def test_more_ulysses_ranks_than_heads_is_a_row_not_a_crash():
+    """32 ranks, 16 heads: no U on the plain Ulysses mesh (it raised IndexError)."""
+    cells, invalid = configurations(PlanSpec("tiny", 32, 32 * 1024, methods=("upipe",),
+                                             ring_degrees=(1,)))
+    assert cells == [] and [r["status"] for r in invalid] == [Status.INVALID]
+
+
+def _one_node_profile(tmp_path) -> str:
+    """The CPU unit profile as ``upipe-bench calibrate`` writes it on one node without
+    --base: each inter-node collective a copy of the intra-node one, its source saying so."""
+    raw = json.loads(Path(CPU_PROFILE).read_text())
+    raw["collectives"]["inter"] = {
+        op: {"value": c["value"], "source": "not measured by upipe-bench calibrate (one node: "
+             f"no inter-node link): a copy of collectives.intra.{op}, {c['source']}"}
+        for op, c in raw["collectives"]["intra"].items()}
+    path = tmp_path / "one_node.json"
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
+def test_a_one_node_calibration_across_nodes_warns_its_inter_node_times_are_copies(
+        tmp_path, capsys, monkeypatch):
+    """4 GPUs, 2 per node, on a profile calibrated on one node: the table's header and the
+    JSON say the inter-node collectives are priced at intra-node speed; one node, or a
+    profile that measured them, says nothing (the plan itself stubbed)."""
+    row = {"status": Status.OK, "method": "ulysses", "nproc": 4, "ring_degree": 1,
+           "stack": "alst", "peak_device_bytes": 2**25, "peak_host_bytes": 0}
+    monkeypatch.setattr(cli, "plan", lambda spec, hw, **_: [row])
+    argv = ["plan", "--model", "tiny", "--gpus", "4", "--seq-len", "4K", "--no-progress",
+            "--hardware", _one_node_profile(tmp_path)]
+    assert cli.main([*argv, "--gpus-per-node", "2"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("warning: inter-node times not measured: the 4 GPUs span 2 nodes")
+    assert "are copies of its intra-node ones" in first
+    assert cli.main([*argv, "--gpus-per-node", "2", "--json"]) == 0
+    (warning,) = json.loads(capsys.readouterr().out)["warnings"]
+    assert warning == first.removeprefix("warning: ")
+    assert cli.main([*argv, "--json"]) == 0  # one node of 8
+    assert json.loads(capsys.readouterr().out)["warnings"] == []
+    measured = ["plan", "--model", "tiny", "--gpus", "4", "--seq-len", "4K", "--no-progress",
+                "--hardware", CPU_PROFILE, "--gpus-per-node", "2", "--json"]
+    assert cli.main(measured) == 0
+    assert json.loads(capsys.readouterr().out)["warnings"] == []
 
 
 def test_the_default_workers_are_the_cpus_this_process_may_use(monkeypatch):

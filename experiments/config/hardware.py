@@ -4,6 +4,7 @@ headroom."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from experiments.config.cell import Cell
@@ -52,11 +53,15 @@ class Hardware:
         """Raise ValueError naming the field and the rule; with ``world`` (the emulated ranks)
         also that the ranks fill whole nodes (or one node, partly)."""
         for name in ("gpu_mem_gib", "host_mem_gib", "gpus_per_node"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        # a method's own reserve is checked where it is resolved (reserve_for); here the
-        # default's, which every method without a measured reserve gets
-        self._check_reserve(self.reserve_for(""))
+            value = getattr(self, name)
+            # inf and nan pass "<= 0" and fail later, deep in a budget's int() (OverflowError)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite positive number, got {value}")
+        # a method's own measured reserve is checked where it is resolved (reserve_for; the
+        # plan checks every planned method's up front); here the given one, or else the
+        # default, which every method without a measured reserve gets
+        given = self.reserve_gib is not None
+        self._check_reserve(self.reserve_gib if given else self.measured_reserve(""), "")
         if self.profile is not None and not (isinstance(self.profile, str) and self.profile):
             raise ValueError(f"profile must be a profile name or a .json path, got "
                              f"{self.profile!r}")
@@ -69,21 +74,36 @@ class Hardware:
                              f"({world}) when the world spans several nodes")
 
     def reserve_for(self, method: str) -> float:
-        """The reserve in GiB for a cell of ``method``: ``reserve_gib`` if set, else none on an
-        emulated cpu device (a gloo run's tracker counts live tensors, with no caching
-        allocator to hold more), else the method's measured one, else the measured default."""
+        """The reserve in GiB for a cell of ``method``: ``reserve_gib`` if set, else
+        ``measured_reserve(method)``, checked against ``gpu_mem_gib``."""
         if self.reserve_gib is not None:
             return self.reserve_gib
-        if self.device == "cpu":
-            return 0.0
-        reserve = METHOD_RESERVE_GIB.get(method, DEFAULT_RESERVE_GIB)
-        self._check_reserve(reserve, f" (the measured reserve of {method!r})")
+        reserve = self.measured_reserve(method)
+        self._check_reserve(reserve, method)
         return reserve
 
-    def _check_reserve(self, reserve: float, what: str = "") -> None:
-        if not 0 <= reserve < self.gpu_mem_gib:
+    def measured_reserve(self, method: str) -> float:
+        """The reserve a cell of ``method`` gets when ``reserve_gib`` is not set: none on an
+        emulated cpu device (a gloo run's tracker counts live tensors, with no caching
+        allocator to hold more), else the method's measured one, else the measured default."""
+        if self.device == "cpu":
+            return 0.0
+        return METHOD_RESERVE_GIB.get(method, DEFAULT_RESERVE_GIB)
+
+    def _check_reserve(self, reserve: float, method: str) -> None:
+        """Raise unless ``reserve`` leaves the device some budget. The message blames the field
+        that was set: ``reserve_gib`` when given, else ``gpu_mem_gib`` against the measured
+        reserve of ``method`` ("": the default)."""
+        if 0 <= reserve < self.gpu_mem_gib:
+            return
+        if self.reserve_gib is not None:
             raise ValueError(f"reserve_gib must be >= 0 and below gpu_mem_gib "
-                             f"({self.gpu_mem_gib}), got {reserve}{what}")
+                             f"({self.gpu_mem_gib}), got {reserve}")
+        whose = f"the measured reserve of {method!r}" if method else "the default reserve"
+        raise ValueError(f"gpu_mem_gib must be above the reserve kept off the device budget "
+                         f"unless reserve_gib (not given) sets a smaller one, got "
+                         f"{self.gpu_mem_gib} GiB against {reserve} GiB ({whose}), see "
+                         f"{RESERVE_SOURCE}")
 
     def columns(self, method: str) -> dict:
         """The hardware as a row's ``hw_*`` columns, the reserve resolved for ``method``."""

@@ -30,18 +30,22 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import json
 import multiprocessing
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from experiments.config import STACKS, Cell, Hardware, Status, resolve_model
 from experiments.config.cell import check_independent_of_method
+from experiments.config.hardware import RESERVE_SOURCE
 from experiments.config.options import declared
 from experiments.emulation.emulate import device_lower_bound, emulate_cell, kernel_column
 from experiments.emulation.fit import sequence_chunk
 from experiments.harness.launch import unrun
 from experiments.harness.model import block_offloads, kept_blocks
+from experiments.timing.profile import profile_for
 from upipe.registry import available_methods, get_method
 
 # stack -> the lighter levels (less on the device) that must fit before it is worth emulating
@@ -139,6 +143,14 @@ class PlanSpec:
             raise ValueError(f"dp must be >= 1 and divide gpus ({self.gpus}), got {self.dp}")
         check_independent_of_method(seq_len=self.seq_len, nproc=self.cp, dtype=self.dtype,
                                     kernel=self.kernel, nproc_is="the CP degree")
+        for name in ("methods", "stacks", "ring_degrees"):
+            # a repeated method would be planned twice (the same configurations, twice the
+            # work); repeated levels or ring degrees change nothing, and are refused alike
+            values = list(getattr(self, name) or ())
+            repeated = [v for i, v in enumerate(values) if v in values[:i]]
+            if repeated:
+                raise ValueError(f"{name} must name each once, got {values} "
+                                 f"({', '.join(map(str, repeated))} repeated)")
         unknown = [m for m in self.methods or () if m not in available_methods()]
         if unknown:
             raise ValueError(f"methods must be among {available_methods()}, got {unknown}")
@@ -172,6 +184,8 @@ def _variants(spec: PlanSpec, method: str) -> list[Cell]:
         if "heads_per_stage" in own:
             uly = spec.cp // ring
             us = list(range(uly, cfg.n_heads + 1, uly))
+            if not us:  # more Ulysses ranks than heads: no U on this mesh (us[0] below)
+                continue
         options = [{"heads_per_stage": u} for u in us]
         if "overlap" in own and ring == 1 and spec.cp > 1:
             options.append({"heads_per_stage": us[0], "overlap": True})
@@ -207,10 +221,8 @@ def configurations(spec: PlanSpec) -> tuple[list[Cell], list[dict]]:
             continue
         if variants:  # valid, but on no level asked: a row that says so, not silence
             cell = Cell.from_dict(variants[0].to_dict() | {"stack": spec.stacks[0]})
-            invalid.append(unrun(cell, None, Status.SKIPPED, (
-                f"{' and '.join(spec.stacks)}: planned for UPipe only (its fused input norm, "
-                "on a plain Ulysses mesh); add another --stacks level for this method, or "
-                "emulate it there with 'upipe-bench emulate --stack'"), "emulated"))
+            invalid.append(unrun(cell, None, Status.SKIPPED, _not_on_long(spec, method),
+                                 "emulated"))
             continue
         cell = Cell(method=method, model=spec.model, overrides=spec.overrides, dp=spec.dp,
                     seq_len=spec.seq_len, nproc=spec.cp, dtype=spec.dtype, kernel=spec.kernel,
@@ -222,6 +234,22 @@ def configurations(spec: PlanSpec) -> tuple[list[Cell], list[dict]]:
             reason = str(e)
         invalid.append(unrun(cell, None, Status.INVALID, reason, "emulated"))
     return cells, invalid
+
+
+def _not_on_long(spec: PlanSpec, method: str) -> str:
+    """Why ``method``, valid on the cluster, has no configuration on the levels asked (only the
+    long ones): another method is not planned there; UPipe is, on the plain Ulysses mesh only,
+    so for it the reason is ``--ring-degrees`` leaving that mesh out."""
+    levels = " and ".join(spec.stacks)
+    if getattr(get_method(method), "fuses_input_norm", False) and spec.ring_degrees is not None \
+            and 1 not in spec.ring_degrees:
+        rings = ",".join(map(str, spec.ring_degrees))
+        return (f"{levels}: planned on the plain Ulysses mesh (ring degree 1) only, which "
+                f"--ring-degrees {rings} leaves out; add 1 to --ring-degrees, or another "
+                "--stacks level")
+    return (f"{levels}: planned for UPipe only (its fused input norm, on a plain Ulysses "
+            "mesh); add another --stacks level for this method, or emulate it there with "
+            "'upipe-bench emulate --stack'")
 
 
 def _over_device(row: dict) -> bool:
@@ -305,17 +333,38 @@ def _keep_row(cell: Cell, light: dict, hw: Hardware, exact: bool) -> dict:
     return emulate_cell(cell, hw, exact=exact, bound_first=True)
 
 
-def partial_candidates(configs: list[tuple[Cell, list[dict]]],
-                       hw: Hardware) -> list[tuple[float, Cell, str]]:
-    """(estimated tokens/s per GPU, cell, the estimate's wording) of every configuration (its
-    cell and rows, ``plan_configuration``'s) whose level of ``KEEP_ON_HOST`` is over the host
-    budget only while its level without keeping fits: kept in the last ``host_keep_blocks``
-    blocks; likewise a level of ``KEEP_ON_DEVICE`` over the device, in the last
-    ``device_keep_blocks``. The estimate interpolates the step time between the two levels' by
-    the share of blocks kept, as each kept block skips the same recompute (exact emulations of tiny,
-    tests/test_selective_recompute.py; Llama3-8B on 8 GPUs, the six cells of
-    results/selective_recompute_llama3_8b_h100x8-emulated from 1M to 5M: within 0.12% of their
-    exact emulations); it only chooses which to emulate."""
+@dataclass(frozen=True)
+class _Candidate:
+    """A configuration keeping the attention (whole blocks) in its last blocks only, with what
+    its estimate came from (``partial_candidates``)."""
+
+    tokens: float
+    """estimated tokens/s per GPU"""
+    cell: Cell
+    """on its level of ``KEEP_ON_HOST`` or ``KEEP_ON_DEVICE``, with ``keep_blocks``"""
+    estimate: str
+    """the estimate in words, for a row that is not emulated"""
+    light: dict
+    """its row on the level without keeping"""
+    full: dict
+    """its row keeping every block"""
+
+
+def _candidate(cell: Cell, light: dict, full: dict, k: int, after: str = "") -> _Candidate:
+    """``cell`` keeping ``k`` blocks, its step time interpolated between ``light``'s and
+    ``full``'s by the share of blocks kept (``partial_candidates``); ``after`` ends the
+    estimate's wording."""
+    n = cell.validate().n_layers
+    step = light["step_time_s"] - k / n * (light["step_time_s"] - full["step_time_s"])
+    tokens = cell.dp * cell.seq_len / cell.world / step
+    lighter = (KEEP_ON_HOST | KEEP_ON_DEVICE)[cell.stack]
+    return _Candidate(tokens, Cell.from_dict(cell.to_dict() | {"keep_blocks": k}),
+                      f"{tokens:.4g} tokens/s per GPU by interpolating the step time between "
+                      f"{lighter} and {cell.stack}{after}", light, full)
+
+
+def _candidates(configs: list[tuple[Cell, list[dict]]], hw: Hardware) -> list[_Candidate]:
+    """``partial_candidates``, each with the rows its estimate came from."""
     out = []
     for config, rows in configs:
         by_stack = {r["stack"]: r for r in rows}
@@ -328,15 +377,44 @@ def partial_candidates(configs: list[tuple[Cell, list[dict]]],
                 continue
             cell = Cell.from_dict(config.to_dict() | {"stack": stack})
             k = (host_keep_blocks if on_host else device_keep_blocks)(light, full, cell, hw)
-            if k is None:
-                continue
-            n = cell.validate().n_layers
-            step = light["step_time_s"] - k / n * (light["step_time_s"] - full["step_time_s"])
-            tokens = cell.dp * cell.seq_len / cell.world / step
-            out.append((tokens, Cell.from_dict(cell.to_dict() | {"keep_blocks": k}),
-                        f"{tokens:.4g} tokens/s per GPU by interpolating the step time between "
-                        f"{lighter} and {stack}"))
+            if k is not None:
+                out.append(_candidate(cell, light, full, k))
     return out
+
+
+def partial_candidates(configs: list[tuple[Cell, list[dict]]],
+                       hw: Hardware) -> list[tuple[float, Cell, str]]:
+    """(estimated tokens/s per GPU, cell, the estimate's wording) of every configuration (its
+    cell and rows, ``plan_configuration``'s) whose level of ``KEEP_ON_HOST`` is over the host
+    budget only while its level without keeping fits: kept in the last ``host_keep_blocks``
+    blocks; likewise a level of ``KEEP_ON_DEVICE`` over the device, in the last
+    ``device_keep_blocks``. The estimate interpolates the step time between the two levels' by
+    the share of blocks kept, as each kept block skips the same recompute (exact emulations of tiny,
+    tests/test_selective_recompute.py; Llama3-8B on 8 GPUs, the six cells of
+    results/selective_recompute_llama3_8b_h100x8-emulated from 1M to 5M: within 0.12% of their
+    exact emulations); it only chooses which to emulate."""
+    return [(c.tokens, c.cell, c.estimate) for c in _candidates(configs, hw)]
+
+
+def _fewer_blocks(cand: _Candidate, row: dict, hw: Hardware) -> _Candidate | None:
+    """The configuration of ``cand`` keeping fewer blocks, after its exact emulation (``row``)
+    came back over a budget; None below one block. Over the device, k is read again from the
+    secant through the exact peak (the chord's k was an estimate: ``device_keep_blocks``),
+    at most k - 1; over the host (whose rule is exact: not expected), k - 1."""
+    k = cand.cell.keep_blocks
+    fewer = k - 1
+    on_device = _over_device_emulated(row)
+    light_peak = cand.light.get("peak_device_bytes")
+    if on_device and row.get("peak_device_bytes") and light_peak is not None:
+        per_block = (row["peak_device_bytes"] - light_peak) / k
+        if per_block > 0:
+            room = hw.device_budget(cand.cell) - light_peak
+            fewer = min(fewer, int(room // per_block))
+    if fewer < 1:
+        return None
+    level = "device" if on_device else "host"
+    return _candidate(cand.cell, cand.light, cand.full, fewer,
+                      f" (k{k} was over the {level} budget when emulated)")
 
 
 def plan_configuration(alst: Cell, hw: Hardware, stacks: tuple[str, ...],
@@ -481,6 +559,11 @@ def _record_over(cell: Cell, rows: list[dict], over_at: dict[tuple, int]) -> Non
     if not u:
         return
     for row in rows:
+        # a level keeping whole blocks is over the device by design wherever keeping them all
+        # is: that row is what its candidates keeping some blocks are read from
+        # (``partial_candidates``), so a larger U still needs its own, not an inference
+        if row["stack"] in KEEP_ON_DEVICE:
+            continue
         if _over_device(row) and "plan_inferred_from" not in row:
             key = (_family(cell), row["stack"])
             over_at[key] = min(over_at.get(key, u), u)
@@ -527,15 +610,19 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int | None = None, exact: boo
     worker is free, except that a UPipe configuration waits until the smaller numbers of heads
     per stage of its mesh (and, overlapped, its blocking twin) have their rows
     (``_next_startable``): it is not emulated on a stack where one of them was over the device
-    (``_over_by_u``), whatever the number of workers. Then the configurations keeping the
+    (``_over_by_u``; not on a level of ``KEEP_ON_DEVICE``, over the device by design), whatever
+    the number of workers. A method whose measured reserve leaves no device budget is an
+    invalid row, not emulated (``_within_reserve``). Then the configurations keeping the
     attention (whole blocks) in as many blocks as the host (the device) holds, on the levels of
     ``KEEP_ON_HOST`` (``KEEP_ON_DEVICE``), fastest estimate first (``partial_candidates``): one
     is emulated exactly (17 s to 8 minutes each at paper scale: its mix of blocks is beyond
-    the fit) when it is the fastest estimate of its method and level and above every row that fits
-    so far (``_partial_rows``); the others are rows saying their estimate."""
+    the fit) when no candidate of its method and level has fitted yet and it is above every
+    row that fits so far (``_partial_rows``); the others are rows saying their estimate."""
     hw.validate(world=spec.gpus)
     workers = default_workers() if workers is None else workers
     cells, rows = configurations(spec)
+    cells, refused = _within_reserve(cells, hw)  # before any emulation, which would raise
+    rows += refused
     stacks = tuple(spec.stacks)
     pending = sorted(cells, key=_cost, reverse=True)
     over_at: dict[tuple, int] = {}
@@ -573,6 +660,64 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int | None = None, exact: boo
     return rank(rows)
 
 
+def _within_reserve(cells: list[Cell], hw: Hardware) -> tuple[list[Cell], list[dict]]:
+    """(``cells`` whose method's reserve leaves the device a budget, an invalid row for each
+    method whose measured reserve does not). ``hw.validate`` checked a given reserve and the
+    default; a method's own measured one (fpdt's 10 GiB against ``--gpu-mem 8``) rules out that
+    method only, so its row says so instead of the plan stopping at its first emulation."""
+    if hw.reserve_gib is not None:
+        return cells, []
+    kept, refused = [], {}
+    for cell in cells:
+        reserve = hw.measured_reserve(cell.method)
+        if reserve < hw.gpu_mem_gib:
+            kept.append(cell)
+        elif cell.method not in refused:
+            refused[cell.method] = unrun(cell, None, Status.INVALID, (
+                f"{cell.method}'s measured reserve, {reserve:g} GiB (the caching allocator's "
+                f"cache beyond its tensors, {RESERVE_SOURCE}), is not below --gpu-mem "
+                f"({hw.gpu_mem_gib:g} GiB): no device budget is left; give --reserve to set "
+                "another"), "emulated")
+    return kept, list(refused.values())
+
+
+# calibrate.py's source of an inter-node figure it could not measure on one node
+COPIED_FROM_INTRA = "a copy of collectives.intra"
+
+
+def inter_node_warning(spec: PlanSpec, hw: Hardware) -> str | None:
+    """A warning when the plan's ranks span nodes but its profile's inter-node collectives are
+    copies of its intra-node ones (``upipe-bench calibrate`` on one node without ``--base``;
+    each such constant's source says so), or None: the plan would price inter-node
+    communication at intra-node speed without saying it."""
+    if spec.gpus <= hw.gpus_per_node:
+        return None
+    profile = profile_for(hw)
+    if profile is None:
+        return None
+    # the loaded profile keeps the values only; the sources are in its file
+    inter = json.loads(Path(profile.path).read_text()).get("collectives", {}).get("inter", {})
+    copied = [op for op, tree in inter.items()
+              if any(COPIED_FROM_INTRA in source for source in _sources(tree))]
+    if not copied:
+        return None
+    nodes = -(-spec.gpus // hw.gpus_per_node)
+    return (f"inter-node times not measured: the {spec.gpus} GPUs span {nodes} nodes, but "
+            f"profile {profile.name!r} was calibrated on one node and its inter-node "
+            f"collectives ({', '.join(sorted(copied))}) are copies of its intra-node ones, so "
+            "they are priced at intra-node speed; calibrate with --base NAME to take them from "
+            "a shipped profile")
+
+
+def _sources(tree) -> list[str]:
+    """Every constant's source in a profile's raw JSON ``tree``."""
+    if isinstance(tree, dict) and "value" in tree:
+        return [str(tree.get("source", ""))]
+    if isinstance(tree, dict):
+        return [s for v in tree.values() for s in _sources(v)]
+    return []
+
+
 def _best_fitting(rows: list[dict]) -> dict | None:
     """The fastest row that fits (``status`` ok, with a time), or None."""
     timed = [r for r in rows if r["status"] == Status.OK and r.get("tokens_per_s_per_gpu")]
@@ -591,8 +736,11 @@ def _partial_rows(configs: list[tuple[Cell, list[dict]]], hw: Hardware, exact: b
     """The configurations keeping the attention, or whole blocks, in some blocks
     (``partial_candidates``), fastest estimate first, one at a time: a candidate is emulated
     (exactly: 17 s to 8 minutes at paper scale) when its estimate is above every row that fits
-    so far (``configs``' and the candidates' emulated before it) and it is the fastest estimate
-    of its method and level; otherwise it is a row saying its estimate and what it is below.
+    so far (``configs``' and the candidates' emulated before it) and no candidate of its method
+    and level has fitted yet (the leader); otherwise it is a row saying its estimate and what it
+    is below. One emulated over a budget leads nothing (its k was an estimate): the next
+    candidate of its method and level may be emulated, and the same configuration keeping
+    fewer blocks (``_fewer_blocks``) joins the candidates at its own estimate.
 
     The estimate is the step time interpolated by the share of blocks kept, within 0.12% of
     the exact emulations (``partial_candidates``); what it is not sure of is the memory (the
@@ -601,31 +749,33 @@ def _partial_rows(configs: list[tuple[Cell, list[dict]]], hw: Hardware, exact: b
     tell only whether it fits. One at a time, so which are emulated does not depend on
     ``submit``'s workers (the table is the same for any number); the plan of Llama3-8B on 8
     GPUs at 4M emulates one of its ten (docs/emulation.md#the-planner)."""
-    ranked = sorted(partial_candidates(configs, hw),
-                    key=lambda c: (-c[0], _identity(c[1].to_dict())))
+    pending = _candidates(configs, hw)
     best = _best_fitting([r for _, rows in configs for r in rows])
-    leaders: dict[tuple, Cell] = {}
+    leaders: dict[tuple, Cell] = {}  # (method, level) -> its candidate that fits
     emulate = functools.partial(emulate_cell, exact=exact)  # keyword-only; pickles for a pool
     out = []
-    for tokens, cell, estimate in ranked:
-        key = (cell.method, cell.stack)
+    while pending:
+        pending.sort(key=lambda c: (-c.tokens, _identity(c.cell.to_dict())))
+        cand = pending.pop(0)
+        cell, key = cand.cell, (cand.cell.method, cand.cell.stack)
         if key in leaders:
-            leader = leaders[key]
-            why = (f"below the configuration of {cell.method} emulated on this level "
-                   f"(U={leader.option('heads_per_stage')}, ring degree {leader.ring_degree})")
-        elif best is not None and tokens <= best["tokens_per_s_per_gpu"]:
+            why = f"below {_configuration_name(leaders[key].to_dict())}, which fits"
+        elif best is not None and cand.tokens <= best["tokens_per_s_per_gpu"]:
             why = (f"not above the fastest configuration that fits "
                    f"({_configuration_name(best)}: {best['tokens_per_s_per_gpu']:.4g} tokens/s "
                    "per GPU), so not the plan's answer by its estimate")
         else:
-            leaders[key] = cell
             row = submit(emulate, cell, hw).result()
             out.append(row)
             if on_rows is not None:
                 on_rows([row])
-            best = _best_fitting([r for r in (best, row) if r is not None])
+            if row["status"] == Status.OK:
+                leaders[key] = cell
+                best = _best_fitting([r for r in (best, row) if r is not None])
+            elif row["status"] == Status.OOM and (fewer := _fewer_blocks(cand, row, hw)):
+                pending.append(fewer)
             continue
-        row = unrun(cell, None, Status.SKIPPED, f"not emulated: estimated {estimate}, {why}",
+        row = unrun(cell, None, Status.SKIPPED, f"not emulated: estimated {cand.estimate}, {why}",
                     "emulated")
         out.append(row | kernel_column(cell, cell.validate(), hw))
     return out

@@ -64,9 +64,13 @@ def _losses_and_grads(cells: list[Cell]) -> list[tuple[list[float], list[torch.T
 # no_grad: on this test's cell its gradients with checkpointing (ac) differ from those without
 # (none) by 5.6e-7 of a tensor's largest after one step, and AdamW's normalised updates amplify
 # that to 3.6e-4 after two (alst against none: 4.9e-4, tiling's own round-off included); every
-# other method's ac and none gradients are bitwise equal. For FPDT, the selective levels must
-# land within twice that spread.
+# other method's ac and none gradients are bitwise equal. How much AdamW amplifies depends on
+# the CPU's kernels: on an Intel Xeon (2026-11-29) alst against none was 3.9e-5 and
+# alst-attn-host keeping 2 blocks against alst 1.6e-4, four times that. So for FPDT the
+# selective levels must land within the round-off any of them shows, below 1e-3 of a tensor's
+# largest value (a wrong gradient is off by its own size).
 NOT_BITWISE = {"ds-fpdt"}
+ROUND_OFF = 1e-3
 
 
 def _spread(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -105,10 +109,10 @@ def test_selective_levels_train_bitwise_as_full_checkpointing(dist_pool, method,
         assert full_losses[1] < full_losses[0]  # it trains
         if method in NOT_BITWISE:
             spread = _spread(full_grads, selective.pop()[1])  # against none: once, no recompute
-            assert 0 < spread < 1e-3
+            assert 0 < spread < ROUND_OFF
             for level, (losses, grads) in zip(levels, selective, strict=True):
                 torch.testing.assert_close(losses, full_losses, rtol=1e-6, atol=0)
-                assert _spread(full_grads, grads) <= 2 * spread, level
+                assert _spread(full_grads, grads) < ROUND_OFF, level
             continue
         for level, (losses, grads) in zip(levels, selective, strict=True):
             assert losses == full_losses, level

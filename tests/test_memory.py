@@ -777,6 +777,7 @@ def _fsdp_parameter_categories() -> set[str]:
     return {live[k][0].category for k in gathered if k in live}
 
 
+@pytest.mark.slow  # about 7 s on 2 cores: a tiny model's tracked step on 2 ranks
 def test_fsdp_gathered_parameters_are_model_states(dist_pool):
     """FSDP2 allocates the unsharded parameters with plain ops in its hooks: they were counted
     as "other", so a row's ``peak_model_bytes`` left out a block's full parameters."""

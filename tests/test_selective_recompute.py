@@ -64,8 +64,8 @@ def _losses_and_grads(cells: list[Cell]) -> list[tuple[list[float], list[torch.T
 # no_grad: on this test's cell its gradients with checkpointing (ac) differ from those without
 # (none) by 5.6e-7 of a tensor's largest after one step, and AdamW's normalised updates amplify
 # that to 3.6e-4 after two (alst against none: 4.9e-4, tiling's own round-off included); every
-# other method's ac and none gradients are bitwise equal. How much AdamW amplifies depends on
-# the CPU's kernels: on an Intel Xeon (2026-11-29) alst against none was 3.9e-5 and
+# other method's ac and none gradients are bitwise equal. How much AdamW amplifies varies by
+# machine: on an AMD EPYC machine of 2026-11-29 alst against none was 3.9e-5, and
 # alst-attn-host keeping 2 blocks against alst 1.6e-4, four times that. So for FPDT the
 # selective levels must land within the round-off any of them shows, below 1e-3 of a tensor's
 # largest value (a wrong gradient is off by its own size).

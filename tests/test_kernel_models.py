@@ -73,14 +73,18 @@ def test_packed_flash_attn_cell_peaks_at_the_varlen_backward():
     assert row["peak_phase"].endswith("attention:bwd")
 
 
-def _op_peak(op: str, dtype, b, s, h, d) -> int:
+def _op_peak(op: str, dtype, b, s, h, d, bhsd: bool = False) -> int:
     """Peak bytes a fused backward op allocates (its gradients and modelled scratch), its
-    BHSD arguments transposes of BSHD tensors (upipe's layout)."""
+    BHSD arguments transposes of BSHD tensors (upipe's layout) or, with ``bhsd``, contiguous
+    BHSD tensors (torch's context-parallel ring's)."""
     from upipe.kernels import fused_op_scope
 
     with FakeTensorMode():
-        x = [torch.empty(b, s, h, d, dtype=dtype) for _ in range(5)]
-        dout, q, k, v, out = (t.transpose(1, 2) for t in x)
+        if bhsd:
+            dout, q, k, v, out = (torch.empty(b, h, s, d, dtype=dtype) for _ in range(5))
+        else:
+            x = [torch.empty(b, s, h, d, dtype=dtype) for _ in range(5)]
+            dout, q, k, v, out = (t.transpose(1, 2) for t in x)
         lse, rng = torch.empty(b, h, s, dtype=FP32), torch.empty((), dtype=torch.int64)
         with cuda_kernels(), MemoryTracker() as mt, fused_op_scope():
             if op == "flash":
@@ -101,6 +105,20 @@ def test_fp32_efficient_backward_holds_the_delta_product():
     grads = 3 * b * s * h * d * 4  # dq, dk, dv
     product, row_sum, delta = b * s * h * d * 4, b * s * h * 4, b * h * s * 4
     assert _op_peak("efficient", FP32, b, s, h, d) == grads + product + row_sum + delta
+
+
+@pytest.mark.parametrize("op,dtype,copied", [("flash", BF16, 2), ("efficient", FP32, 1)])
+def test_bhsd_arguments_are_copied_to_bshd_while_the_backward_runs(op, dtype, copied):
+    """The backward ops transpose grad_out (flash: and out) to (B, S, H, D) and make them
+    contiguous (attention_backward.cu): torch's ring passes contiguous BHSD tensors, so each
+    call holds a copy of each, beside its scratch; upipe's transposes of BSHD are not copied.
+    The model held none before."""
+    b, s, h, d = 1, 1024, 8, 128
+    size = b * s * h * d * dtype.itemsize
+    upipe_layout = _op_peak(op, dtype, b, s, h, d)
+    assert _op_peak(op, dtype, b, s, h, d, bhsd=True) == upipe_layout + copied * size
+    # one head: the transpose of a (B, 1, S, D) tensor is contiguous, so nothing is copied
+    assert _op_peak(op, dtype, b, s, 1, d, bhsd=True) == _op_peak(op, dtype, b, s, 1, d)
 
 
 @pytest.mark.parametrize("d,d_rounded", [(64, 64), (80, 96), (128, 128), (136, 192),

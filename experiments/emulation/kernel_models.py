@@ -31,15 +31,13 @@ The emulator runs fake tensors on the CPU. Inside ``cuda_kernels()`` the attenti
     and PyTorch version. The forward's RNG seed and offset are CPU tensors on a GPU (dropout
     0) but the op's meta function makes them device tensors: 2 x 512 bytes counted, freed
     when the forward returns.
-  - both, not modelled yet: the backward ops transpose grad_out (and the flash op out) to (B,
-    S, H, D) and make them contiguous (``_flash_attention_backward``'s ``grad_out.contiguous()``
-    and ``out.contiguous()``, ``_efficient_attention_backward``'s ``grad_out_.contiguous()``,
+  - both: the backward ops transpose grad_out (and the flash op out) to (B, S, H, D) and make
+    them contiguous (``_flash_attention_backward``'s ``grad_out.contiguous()`` and
+    ``out.contiguous()``, ``_efficient_attention_backward``'s ``grad_out_.contiguous()``,
     ``attention_backward.cu`` at 00afd8f2): a copy of each argument that is not a transpose
-    of a BSHD tensor. upipe's path passes transposes (no copy); torch's context-parallel ring
-    (``torch-cp``) passes BHSD-contiguous ones, so its emulated peaks are low by those copies
-    (re-emulated with them: +64 MiB at 128K and +512 MiB at 1M for Llama3-8B, +256 MiB at 512K
-    for Qwen3-32B; the same statuses and maxima). Modelling them needs the committed torch-cp
-    rows emulated again.
+    of a BSHD tensor, alive while the op runs (``_bshd_copies``). upipe's path passes
+    transposes (no copy); torch's context-parallel ring (``torch-cp``) passes BHSD-contiguous
+    ones and their sequence halves, so each of its backward calls holds them.
 
 * ``cudnn`` runs ``upipe.kernels``' own CUDA code too: PyTorch's cuDNN attention ops, whose meta
   functions give the outputs (``out`` in q's memory layout, the (B, H, S_q, 1) fp32 log-sum-exp;
@@ -177,13 +175,20 @@ def _cudnn_workspace(q: torch.Tensor) -> list[torch.Tensor]:
             torch.empty(b, h, s, dtype=torch.float32, device=q.device)]
 
 
+def _bshd_copies(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """The copies the CUDA backward ops make of their (B, H, S, D) arguments ``ts``: each is
+    transposed to (B, S, H, D) and made contiguous (module docstring), which copies it unless
+    it is already a transpose of a contiguous BSHD tensor (upipe's layout)."""
+    return [t.transpose(1, 2).contiguous() for t in ts if not t.transpose(1, 2).is_contiguous()]
+
+
 # aten op -> scratch for its arguments (BHSD, the op's layout): (grad_out, query, key, value,
 # out, ...) for flash and cudnn, (grad_out, query, key, value, attn_bias, out, ...) for efficient
 _OP_WORKSPACE = {
     torch.ops.aten._scaled_dot_product_flash_attention_backward.default:
-        lambda a: _flash_workspace(a[1].transpose(1, 2)),
+        lambda a: _bshd_copies(a[0], a[4]) + _flash_workspace(a[1].transpose(1, 2)),
     torch.ops.aten._scaled_dot_product_efficient_attention_backward.default:
-        lambda a: _efficient_workspace(a[1]),
+        lambda a: _bshd_copies(a[0]) + _efficient_workspace(a[1]),
     # cuDNN takes dO and O with their strides (MHA.cpp); upipe's _cudnn_backward aligns them
     torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default:
         lambda a: _cudnn_workspace(a[1]),

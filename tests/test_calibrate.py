@@ -119,11 +119,42 @@ def test_refused_before_anything_runs(kwargs, match):
 def test_fit_recovers_latency_and_bandwidth():
     latency, bandwidth = 20e-6, 5e9
     points = [(b, latency + b / bandwidth) for b in (1e3, 1e5, 1e7, 1e9)]
-    got = fit_latency_bandwidth(points)
-    assert got == pytest.approx((latency, bandwidth), rel=1e-9)
+    *got, resolved = fit_latency_bandwidth(points)
+    assert got == pytest.approx((latency, bandwidth), rel=1e-9) and resolved
     # times that shrink with size (noise) cannot give a negative latency
-    lat, bw = fit_latency_bandwidth([(1e3, 1e-3), (1e6, 1e-3), (4e6, 1.5e-3)])
+    lat, bw, _ = fit_latency_bandwidth([(1e3, 1e-3), (1e6, 1e-3), (4e6, 1.5e-3)])
     assert lat >= 0 and bw > 0
+
+
+def test_times_flat_in_size_keep_their_latency():
+    """gloo on a loaded CPU: every size latency-bound (a quick calibration's all-to-all, 4 KB
+    0.906 ms, 64 KB 1.01 ms, 1 MB 0.855 ms). The fit had set the latency to 0 and priced a
+    4 KB call at 3.5 us; now the latency is the latency-only least squares (sum u / sum u^2,
+    u = 1 / t) and the bandwidth the least the points allow (the largest bytes / time)."""
+    points = [(4096, 0.906e-3), (65536, 1.01e-3), (2**20, 0.855e-3)]
+    lat, bw, resolved = fit_latency_bandwidth(points)
+    u = [1 / t for _, t in points]
+    assert not resolved
+    assert lat == pytest.approx(sum(u) / sum(x * x for x in u), rel=1e-12)
+    assert 0.85e-3 < lat < 1.01e-3
+    assert bw == pytest.approx(2**20 / 0.855e-3, rel=1e-12)
+    # the latency-bound 4 KB call is priced within 10% (it had been 257x low), and no point's
+    # transfer is priced longer than the whole measured call
+    assert lat + 4096 / bw == pytest.approx(0.906e-3, rel=0.1)
+    assert all(b / bw <= t for b, t in points)
+
+
+def test_host_op_count_is_that_of_every_timed_call():
+    """host_op_s is a timed call's time over the ops counted once: every call must dispatch
+    what was counted. Gradients left set made later calls sum them (9 more add_ ops: 51 timed
+    against 42 counted, host_op_s 21% high)."""
+    import torch
+
+    step, n_ops = cal._eager_step(torch.device("cpu"))
+    for _ in range(3):
+        with cal._OpCount() as count:
+            step()
+        assert count.n == n_ops
 
 
 def test_bus_factors_follow_nccl_tests():

@@ -10,6 +10,7 @@ beyond the ends. CPU-only, no torch.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -191,6 +192,28 @@ def test_bare_number_is_refused(tmp_path):
         load_profile(_write(tmp_path, prof, "flag.json"))
 
 
+@pytest.mark.parametrize("where,value,match", [
+    (("collectives", "intra", "all_to_all", "latency_s"), math.nan,
+     r"collectives\.intra\.all_to_all\.latency_s: must be a finite number >= 0"),
+    (("collectives", "intra", "all_to_all", "latency_s"), True,
+     r"collectives\.intra\.all_to_all\.latency_s: .* got True"),
+    (("collectives", "intra", "p2p", "bus_bandwidth"), math.inf,
+     r"collectives\.intra\.p2p\.bus_bandwidth: must be a positive, finite number"),
+    (("memory_bandwidth",), math.inf, "memory_bandwidth: must be a positive, finite number"),
+    (("matmul", "bf16"), [[1024, math.nan]], r"matmul\.bf16: .*positive, finite"),
+])
+def test_non_finite_values_are_refused(tmp_path, where, value, match):
+    """NaN compares false with everything, so a check written as "refuse x <= 0" let it
+    through: an emulation on such a profile printed status ok and a NaN step time."""
+    prof = _minimal()
+    node = prof
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = {"value": value, "source": "a test"}
+    with pytest.raises(ProfileError, match=match):
+        load_profile(_write(tmp_path, prof))
+
+
 def test_unknown_profile_lists_the_shipped_ones():
     with pytest.raises(ProfileError) as err:
         load_profile("b200-imaginary")
@@ -259,6 +282,19 @@ def test_shipped_h100_values_match_their_sources():
         rate = load_profile(name).attention_rate("sdpa", "bf16", "fwd_causal", 128, 16384, 16)
         assert rate == pytest.approx(measured, rel=1e-3)  # written with 4 significant digits
     assert p.collective("all_to_all", "inter")[0] == 48e9
+
+
+@pytest.mark.parametrize("name", ["h100-sxm", "h200"])
+def test_shipped_pageable_rates_are_the_offloads_measured_copies(name):
+    """The offload's pack copies into a host tensor allocated for it (fresh pages every step
+    when pageable: results/gpu_costs_h200/kernels/host_copy.csv's first-touch d2h), its unpack
+    from pages already touched (warm h2d); 1 GiB rows, 4 significant digits. They had been
+    half the pinned rates (2.6-2.8e10), 14x fast for the pack."""
+    csv = pd.read_csv(RESULTS / "gpu_costs_h200" / "kernels" / "host_copy.csv")
+    row = csv[(csv["bytes"] == 2**30) & ~csv["pinned"]].iloc[0]
+    p = load_profile(name)
+    assert p.host_copy("d2h", False) == pytest.approx(2**30 / row["d2h_first_s"], rel=1e-3)
+    assert p.host_copy("h2d", False) == pytest.approx(2**30 / row["h2d_s"], rel=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,7 +480,7 @@ def test_host_op_s_defaults_to_zero_and_must_be_positive(tmp_path):
     assert load_profile(_write(tmp_path, prof, "host.json")).host_op_s == 7.5e-6
     for i, bad in enumerate((0, -1e-6, "fast", True)):
         prof["host_op_s"] = _c(bad)
-        with pytest.raises(ProfileError, match="host_op_s: must be a positive number"):
+        with pytest.raises(ProfileError, match="host_op_s: must be a positive, finite number"):
             load_profile(_write(tmp_path, prof, f"bad{i}.json"))
     prof["host_op_s"] = 7.5e-6
     with pytest.raises(ProfileError, match="host_op_s: .* without a source"):

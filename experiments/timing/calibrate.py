@@ -60,6 +60,7 @@ from upipe.kernels import (
     attention_forward,
     kernel_unavailable_reason,
 )
+from upipe.stack.offload import copy_to_host
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TIMEOUT_S = 1800.0  # a whole calibration's wall-clock limit; its ranks are killed past it
@@ -87,8 +88,8 @@ class Grid:
     repeats: int
     """timed repeats per point at most; their median is the point's time"""
     budget_s: float
-    """fewer repeats for long calls: about this long per point (one repeat at least; a
-    warm-up call longer than half of it is the point's only sample)"""
+    """fewer repeats for long calls: about this long per point (one repeat at least: after the
+    untimed first call, a timed call longer than half of it is the point's only sample)"""
     min_s: float
     """a timed repeat loops a short op at least this long (timer and synchronisation cost)"""
     stream_bytes: int
@@ -228,12 +229,18 @@ def _measure_compute(grid: Grid, device: torch.device, dtypes, kernels, barrier)
         for copy in HOST_COPIES:
             out["host_copy", copy] = out["memory_bandwidth",] / 2
     for memory in ("pinned", "pageable") if device.type == "cuda" else ():
-        # written once first: a fresh pageable buffer's first copy faults its pages in (1 GiB
-        # device to host on an H200: 1.8 GB/s first, 18 warm, results/gpu_costs_h200/kernels/
-        # host_copy.csv), a cost the offload's reused host buffers do not pay every step
-        host = torch.zeros(x.shape, pin_memory=memory == "pinned")
-        timed(("host_copy", f"h2d_{memory}"), partial(x.copy_, host), grid.stream_bytes)
-        timed(("host_copy", f"d2h_{memory}"), partial(host.copy_, x), grid.stream_bytes)
+        # what the offload's saved-tensor hooks do (upipe.stack.offload): device to host into a
+        # host tensor allocated for it (pack), host to device from that tensor (unpack). A new
+        # pageable tensor of this size is fresh pages every time (PyTorch's CPU allocator does
+        # not cache, and glibc maps blocks over 32 MiB anew), so its copy faults them in every
+        # step: 1.8 GB/s device to host on an H200, against 18 into pages already touched
+        # (results/gpu_costs_h200/kernels/host_copy.csv, 1 GiB). Pinned tensors come from
+        # PyTorch's caching host allocator, so the same allocation is warm.
+        pin = memory == "pinned"
+        host = torch.zeros(x.shape, pin_memory=pin)
+        timed(("host_copy", f"h2d_{memory}"), partial(x.copy_, host, non_blocking=pin),
+              grid.stream_bytes)
+        timed(("host_copy", f"d2h_{memory}"), partial(copy_to_host, x, pin), grid.stream_bytes)
     return out
 
 
@@ -261,6 +268,11 @@ def _eager_step(device: torch.device) -> tuple[Callable, int]:
     ws = [torch.randn(8, 8, device=device, requires_grad=True) for _ in range(8)]
 
     def step():
+        # as a training step's zero_grad(set_to_none=True): every call dispatches the ops
+        # counted below (left set, the gradients of later calls were summed by 9 more add_ ops
+        # that the count, taken on the first call, did not see: host_op_s 51/42 too high)
+        for t in (x, *ws):
+            t.grad = None
         y = x
         for w in ws:
             y = torch.tanh(y @ w)
@@ -445,8 +457,9 @@ def _compute_fields(rates: dict, src: _Sources, grid: Grid, device: str, dtypes)
             for c in HOST_COPIES}
     else:
         copy = {c: _c(rates["host_copy", c], src.measured(
-            f"{c}: a {size} copy between a {c.split('_')[1]} host tensor and the GPU, bytes / "
-            "time")) for c in HOST_COPIES}
+            f"{c}: a {size} copy between a {c.split('_')[1]} host tensor and the GPU as the "
+            "offload's hooks make it (device to host into a host tensor allocated for it, host "
+            "to device from it), bytes / time")) for c in HOST_COPIES}
     narrow = {}
     for name in dtypes:
         sides = {side: [[w, rates["narrow", side, name, w]] for w in grid.narrow_widths]
@@ -498,14 +511,17 @@ def _collective_fields(comm: dict | None, world: int, backend: str, src: _Source
            f"{world} ranks' times")
     intra = {}
     for op, pts in comm.items():
-        latency, bandwidth = fit_latency_bandwidth([(b * bus_factor(op, world), t)
-                                                    for b, t in pts])
+        latency, bandwidth, resolved = fit_latency_bandwidth(
+            [(b * bus_factor(op, world), t) for b, t in pts])
         points = ", ".join(f"{format_size(b)}B: {t:.3g} s" for b, t in pts)
+        unresolved = "" if resolved else (
+            "; the times did not grow with size: latency fitted alone, bus bandwidth the least "
+            "the points allow (a lower bound: calibrate with larger sizes to measure it)")
         intra[op] = _c({"bus_bandwidth": bandwidth, "latency_s": latency}, src.measured(
             f"{op}: {CALLS[op]}, on {world} {backend} ranks, fp32 payloads per rank ({points}); "
             "time = latency + bus bytes / bus bandwidth fitted by least squares on the relative "
             f"error, bus bytes = {bus_factor(op, world):.3g} x payload (nccl-tests "
-            "PERFORMANCE.md)",
+            f"PERFORMANCE.md){unresolved}",
             how))
     if base is not None:
         name, raw = base

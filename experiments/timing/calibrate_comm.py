@@ -34,21 +34,28 @@ def bus_factor(op: str, world: int) -> float:
     return 1.0 if op == "p2p" else (world - 1) / world
 
 
-def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of time = latency + bytes / bandwidth through
+def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float, bool]:
+    """(latency s, bandwidth bytes/s, resolved) of time = latency + bytes / bandwidth through
     (bytes, seconds) points, by least squares on the relative error: every size weighs the same
     (plain least squares lets the largest sizes decide, and the latency can come out negative).
-    A negative latency is clamped to 0 and the slope refitted through the origin."""
+
+    A negative latency is clamped to 0 and the slope refitted through the origin. Times that do
+    not grow with size (``resolved`` False: every size is latency-bound, or noise hides the
+    transfer) are fitted by the latency alone, and the bandwidth is the least the points allow
+    (each point's bytes over its time, the largest of them): a transfer the sizes could not
+    resolve is priced no faster than measured, never as free."""
     u = [1 / t for _, t in points]  # residual_i = a * u_i + c * v_i - 1, c = 1 / bandwidth
     v = [b / t for b, t in points]
     suu, svv = sum(x * x for x in u), sum(y * y for y in v)
     suv = sum(x * y for x, y in zip(u, v, strict=True))
     det = suu * svv - suv * suv
-    a = (svv * sum(u) - suv * sum(v)) / det if det > 0 else -1.0
+    a = (svv * sum(u) - suv * sum(v)) / det if det > 0 else 0.0
     c = (suu * sum(v) - suv * sum(u)) / det if det > 0 else 0.0
-    if a < 0 or c <= 0:
+    if c <= 0:  # the latency-only least squares: a * u_i ~ 1
+        return sum(u) / suu, max(v), False
+    if a < 0:
         a, c = 0.0, sum(v) / svv
-    return a, 1 / c
+    return a, 1 / c, True
 
 
 def _call(op: str, numel: int, device, rank: int, world: int) -> Callable:

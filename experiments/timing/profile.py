@@ -19,7 +19,9 @@ Schema (``value`` of each constant)::
     peak_flops.<dtype>                 dense matmul peak, FLOP/s: the MFU denominator
     matmul.<dtype>                     [[x, FLOP/s], ...], x = (m n k)^(1/3) of the product:
                                        the side of the square product of the same work
-                                       (tables are measured on N x N x N products)
+                                       (the shipped tables are measured on N x N x N
+                                       products; calibrate's on (M x x) @ (x x x) ones, M =
+                                       max(matmul_m, x), keyed by the cube root of their work)
     matmul_narrow.<dtype> (optional)   {"out": [[w, FLOP/s], ...], "inner": [[w, FLOP/s], ...]}:
                                        the rate a long product reaches when its output's narrow
                                        side (min(m, n): a stage's few heads) or its inner
@@ -117,8 +119,10 @@ def _table(points, field: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
         pts = sorted((float(x), float(y)) for x, y in points)
     except (TypeError, ValueError):
         raise ProfileError(f"{field}: must be a list of [x, value] pairs") from None
-    if not pts or any(x <= 0 or y <= 0 for x, y in pts):
-        raise ProfileError(f"{field}: must be a non-empty list of positive [x, value] pairs")
+    # NaN compares false with everything, so "not > 0" (and finiteness) is what refuses it
+    if not pts or not all(0 < x < math.inf and 0 < y < math.inf for x, y in pts):
+        raise ProfileError(f"{field}: must be a non-empty list of positive, finite [x, value] "
+                           "pairs")
     return tuple(x for x, _ in pts), tuple(y for _, y in pts)
 
 
@@ -134,8 +138,9 @@ def _interp(table: tuple[tuple[float, ...], tuple[float, ...]], x: float) -> flo
 
 
 def _positive(value, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ProfileError(f"{field}: must be a positive number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 < value < math.inf):
+        raise ProfileError(f"{field}: must be a positive, finite number, got {value!r}")
     return float(value)
 
 
@@ -303,8 +308,11 @@ class Profile:
                 if not isinstance(c, dict):
                     raise ProfileError(f"{field}: missing (bus_bandwidth and latency_s)")
                 _positive(c.get("bus_bandwidth"), f"{field}.bus_bandwidth")
-                if not isinstance(c.get("latency_s"), (int, float)) or c["latency_s"] < 0:
-                    raise ProfileError(f"{field}.latency_s: must be a number >= 0")
+                lat = c.get("latency_s")
+                if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not (
+                        0 <= lat < math.inf):
+                    raise ProfileError(f"{field}.latency_s: must be a finite number >= 0, got "
+                                       f"{lat!r}")
         for name in HOST_COPIES:
             _positive(v["host_copy"].get(name), f"host_copy.{name}")
         _parsed_tables(self)  # the tables' own rules

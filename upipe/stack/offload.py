@@ -30,6 +30,15 @@ def pin_host_memory(seq_len: int) -> bool:
     return seq_len <= PIN_MAX_TOKENS
 
 
+def copy_to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """t (any shape) copied into a host tensor allocated for it: pinned (PyTorch's caching host
+    allocator, non-blocking) or pageable (fresh pages each time for large tensors: the copy
+    faults them in, the cost ``upipe-bench calibrate`` times as ``d2h_pageable``)."""
+    packed = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+    packed.copy_(t, non_blocking=pin)
+    return packed
+
+
 def offload_saved_inputs(
     host_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     pin_memory: bool = True,
@@ -40,11 +49,8 @@ def offload_saved_inputs(
     """
 
     def pack(t: torch.Tensor):
-        pin = pin_memory and t.is_cuda
         with host_context():
-            packed = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-            packed.copy_(t, non_blocking=pin)
-        return t.device, packed
+            return t.device, copy_to_host(t, pin_memory and t.is_cuda)
 
     def unpack(saved) -> torch.Tensor:
         device, packed = saved

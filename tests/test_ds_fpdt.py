@@ -125,15 +125,19 @@ def test_emulated_fpdt_runs_fa3_and_its_host_copies_run_beside_the_compute():
     step prices is fa3's) and issues every host copy of its offloading path on its side streams
     (``ds_fpdt_portable.on_side_stream``): priced as side copies. What is left on the compute
     stream is the stack's --checkpoint-in-cpu block inputs: one (L, dim) bf16 copy per layer
-    each way, to the byte."""
+    each way, to the byte. FPDT's own copies are of pinned buffers at every length (its
+    SequenceChunk pins them), the block inputs' pinned by the harness's rule only."""
     cell = Cell(method="ds-fpdt", model="tiny", nproc=4, seq_len=4096, options={"chunk_size": 1024},
                 stack="megatron-ds", dtype="bf16", kernel="fa3")
     cfg = cell.validate()
-    work = Counter()
+    work, pinned = Counter(), set()
     for _, counts in measure_fake(cell, cfg, Hardware()).work:
         for key, v in counts.items():
             if key[0] in ("copy", "attention"):
                 work[key[:3]] += v
+            if key[0] == "copy":
+                pinned.add((key[1], key[-1] == "pinned"))
+    assert pinned == {("side", True), ("sync", False)}
     block_inputs = cfg.n_layers * (cell.seq_len // cell.nproc) * cfg.dim * 2
     assert work["copy", "sync", "d2h"] == work["copy", "sync", "h2d"] == block_inputs
     assert work["copy", "side", "d2h"] > 0 and work["copy", "side", "h2d"] > 0

@@ -101,6 +101,32 @@ def test_memory_launch_collective_and_copy_prices(cuda):
     assert price(work, cuda, pinned=False).copy_sync == pytest.approx(4.0)
 
 
+def test_a_buffer_pinned_at_every_length_is_priced_pinned(cuda):
+    """DeepSpeed FPDT's chunk buffers are pinned whatever the length (its SequenceChunk pins
+    each); the harness's rule pages the offload above 4M tokens. Both had been priced by the
+    rule: FPDT's copies at 5M at the pageable rate."""
+    work = Counter({("copy", "sync", "d2h", "pinned"): 1e11, ("copy", "sync", "h2d"): 5e10})
+    assert price(work, cuda, pinned=False).copy_sync == pytest.approx(2.0 + 2.0)
+    assert price(work, cuda, pinned=True).copy_sync == pytest.approx(2.0 + 1.0)
+
+
+def test_a_host_tensor_made_from_a_device_one_is_a_d2h_copy():
+    """``.to("cpu")``/``.cpu()`` (``_to_copy`` into a host tensor) copies device to host; it had
+    been counted host to device, as a device tensor made from a host one is."""
+    with FakeTensorMode():
+        tracker = MemoryTracker()
+        work = StepWork(tracker, gpus_per_node=8)
+        tracker.observers.append(work)
+        with tracker, tracker.phase("forward"):
+            x = torch.randn(1024, 1024)  # a device tensor, 4 MiB
+            with tracker.host():
+                h = x.to("cpu", copy=True)
+            d = h.clone()  # a device tensor made from the host one
+            del d
+    copies = {k: v for k, v in work.windows["forward", None].items() if k[0] == "copy"}
+    assert copies == {("copy", "sync", "d2h"): 4 * 2**20, ("copy", "sync", "h2d"): 4 * 2**20}
+
+
 def test_an_unknown_work_key_is_refused(cuda):
     with pytest.raises(ValueError, match="unknown work key"):
         price(Counter({("teleport",): 1}), cuda, True)
@@ -269,6 +295,28 @@ def test_a_ring_step_waits_for_its_slowest_hop():
         m = measure_fake(cell, cell.validate(), Hardware(device="cpu", gpus_per_node=2))
     scopes = {k[3] for _, w in m.work for k in w if k[:2] == ("comm", "p2p")}
     assert scopes == {"inter"}
+
+
+def test_the_rings_dk_dv_exchange_is_blocking_and_its_k_v_rotation_hidden():
+    """upipe/ring.py's backward waits for the previous rank's dK/dV accumulators before each
+    step's kernel (so the sent ones are freed before it): that exchange runs beside no kernel
+    and is blocking; the K/V rotation runs beside the step's kernel (p2p). The dK/dV bytes had
+    been priced as hidden. Zigzag over P = 4 ranks, tiny (4 layers, 2 K/V heads of 16, fp32):
+    the backward sends its fp32 dK/dV (local tokens x 2 heads x 16 x 4 B, two tensors) P
+    times (after the last step they reach their owner) and its recomputed forward and backward
+    rotate K/V P - 1 times each."""
+    cell = Cell("zigzag-ring", "tiny", seq_len=2048, nproc=4, stack="ac")
+    cfg = cell.validate()
+    m = measure_fake(cell, cfg, Hardware(device="cpu"))
+    bwd = Counter()
+    for (stage, block), w in m.work:
+        if stage == "backward" and block == 1:
+            bwd.update({k[1]: v for k, v in w.items() if k[:3] in (
+                ("comm", "p2p", "p2p"), ("comm", "blocking", "p2p"))})
+    local, p = 2048 // 4, 4
+    kv_block = local * cfg.n_kv_heads * cfg.head_dim * 4  # fp32 K or V of one rank
+    assert bwd["blocking"] == p * 2 * kv_block  # dK and dV, fp32 accumulators
+    assert bwd["p2p"] == 2 * (p - 1) * 2 * kv_block  # K and V, recomputed forward + backward
 
 
 # ---------------------------------------------------------------------------------------------
@@ -604,3 +652,4 @@ def test_the_fake_steps_kernels_are_a_real_steps(method, nproc, extra):
         with count:
             state.step()
     assert count.n == sum(w.get(("kernels",), 0) for _, w in fake.work) > 0
+

@@ -30,14 +30,19 @@ window's ``Counter``:
     ("cover", n, *key)                            the work (a key above, kernels only) run on
                                                   the compute stream while that collective
                                                   was in flight
-    ("copy", mechanism, direction)                host<->device bytes (direction h2d / d2h)
+    ("copy", mechanism, direction[, "pinned"])    host<->device bytes (direction h2d / d2h);
+                                                  "pinned": a buffer pinned whatever the
+                                                  cell's length (DeepSpeed FPDT's), else the
+                                                  harness's rule (``pin_host_memory``)
 
 The mechanism says how the code runs it, which decides its overlap (``time_model``):
 
 - collectives: ``fsdp`` (FSDP2's all-gathers and reduce-scatters), ``p2p`` (send / recv: the
-  ring rotation, ``upipe/ring.py``), ``async`` (torch's CP ring, ``baselines/torch_cp.py``:
-  functional collectives waited for a step or more later, each with the kernels it runs
-  beside, its ``cover``), ``overlap`` (all-to-alls issued with ``async_op=True`` by
+  ring's K/V rotation, ``upipe/ring.py``; its backward's dK/dV exchange is ``blocking``, as it
+  is waited for before the next step's kernel), ``async`` (torch's CP ring,
+  ``baselines/torch_cp.py``: functional collectives waited for a step or more later, each with
+  the kernels it runs beside, its ``cover``), ``overlap`` (all-to-alls issued with
+  ``async_op=True`` by
   ``upipe.comm._all_to_all_async``: UPipe's overlapped stages, waited on after the next
   stage's attention kernel), ``blocking`` (everything else: the Ulysses all-to-alls and UPipe's
   without overlap, ``upipe/comm.py``, issued and waited on the compute stream);
@@ -297,8 +302,10 @@ class StepWork(TorchDispatchMode):
         else:
             if func.namespace == "_c10d_functional" and _called_from(_TORCH_RING_FILE):
                 mechanism = "async"
-            elif op == "p2p":
-                mechanism = "p2p"
+            elif op == "p2p":  # the ring's K/V rotation runs beside the step's kernel; its
+                # backward's dK/dV exchange is waited for before the next kernel: beside none
+                mechanism = ("blocking" if _called_from("upipe/ring.py", ("_pass_on_gradients",))
+                             else "p2p")
             elif _called_from("upipe/comm.py", ("_all_to_all_async",)):
                 mechanism = "overlap"
             else:
@@ -374,8 +381,14 @@ class StepWork(TorchDispatchMode):
         if func is _aten.copy_.default:  # into its first argument
             direction = "d2h" if self.tracker.kind(args[0]) == HOST else "h2d"
             nbytes = _nbytes([args[0]])
-        else:  # a device tensor made from a host one (clone, _to_copy)
-            direction, nbytes = "h2d", _nbytes(outs)
+        else:  # a tensor made on the other side (clone, _to_copy): .to("cpu") is d2h
+            direction = "d2h" if outs and self.tracker.kind(outs[0]) == HOST else "h2d"
+            nbytes = _nbytes(outs)
         side = _called_from("upipe/host.py", ("write", "prefetch")) or on_side_stream()
-        w["copy", "side" if side else "sync", direction] += nbytes
+        # DeepSpeed's FPDT pins its chunks' host buffers at every length (deepspeed/sequence/
+        # fpdt_layer.py, SequenceChunk: pin_memory() of each, and of the dQ accumulators); the
+        # portable stand-in cannot pin without CUDA, so the call site says it
+        pinned = ("pinned",) if _called_from("deepspeed/sequence/fpdt_layer.py", (
+            "__init__", "load_to_gpu", "overwrite_to_cpu")) else ()  # SequenceChunk's
+        w[("copy", "side" if side else "sync", direction, *pinned)] += nbytes
 

@@ -22,14 +22,17 @@ streams (CUDA); without them (a CPU) everything runs one after the other:
   ``copy_`` / ``.to`` on the current stream);
 - ring P2P (``upipe/ring.py``: the next block's K/V are sent with ``batch_isend_irecv`` before
   the current block's attention, waited on after it) runs beside the window's attention kernels:
-  only what exceeds them is exposed;
+  only what exceeds them is exposed (a ring of P steps has P - 1 transfers beside P kernels, so
+  this pools one kernel more than the transfers run beside: optimistic only for a window whose
+  transfers exceed its kernels). The backward's dK/dV exchange is waited for before the next
+  step's kernel and so is blocking;
 - torch's CP ring (``baselines/torch_cp.py``, functional collectives, ``async``): each exchange
   runs beside the kernels issued between it and its wait (its ``cover``, ``op_costs``), on its
   own: the all-gather rotation's one gather of every rank's K/V beside the first step's
   attention only, a per-step exchange beside its step's. Each collective's excess over its
   cover is exposed, not the window's sum over the window's attention as for the ring P2P above
-  (whose steps are alike, so the two agree there): a large gather beside a short kernel is
-  not hidden by later steps' kernels;
+  (whose steps are alike, so the two differ only by the one kernel noted there): a large
+  gather beside a short kernel is not hidden by later steps' kernels;
 - UPipe's overlapped all-to-alls (``upipe/untied.py``, ``overlap=True``: the next stage's inputs
   are issued before the current stage's attention kernel, the previous stage's outputs waited
   on after it) also run beside the window's attention kernels, which they share with the ring's
@@ -138,8 +141,9 @@ def price(work: Counter, profile: Profile, pinned: bool) -> WindowTime:
             w = price(Counter({key[2:]: amount}), profile, pinned)
             cover[key[1]] += w.compute + w.overhead
         elif kind == "copy":
-            _, mechanism, direction = key
-            t[f"copy_{mechanism}"] += amount / profile.host_copy(direction, pinned)
+            _, mechanism, direction, *always_pinned = key
+            rate = profile.host_copy(direction, pinned or bool(always_pinned))
+            t[f"copy_{mechanism}"] += amount / rate
         else:
             raise ValueError(f"unknown work key {key!r}")
     t["ring_async"] = sum(ring_async.values())

@@ -106,7 +106,8 @@ def _matched(per_sample: list[dict[tuple, float]], seq_lens, seq_len: int,
     target: each size of the first sample is paired with the size of every later sample whose
     dimensions are either the same or the same fraction of S (by one rule for all samples).
     When some size finds no partner (or one is left over), the family's total is kept at the
-    last sample's largest size and the family is listed in ``approximate``."""
+    size that carries the most of the last sample's amount and the family is listed in
+    ``approximate``."""
     first, rest = per_sample[0], [dict(d) for d in per_sample[1:]]
     out = []
     for t0, v0 in first.items():

@@ -418,7 +418,7 @@ def test_per_u_in_units_of_the_ulysses_degree():
         _row("ulysses", 4 * K, peak_device_bytes=100, tokens_per_s_per_gpu=10.0),
         _row("upipe", 4 * K, heads_per_stage=4, peak_device_bytes=60, tokens_per_s_per_gpu=8.0),
         _row("upipe", 4 * K, heads_per_stage=8, peak_device_bytes=80, tokens_per_s_per_gpu=9.0)])
-    rows = rows.assign(variant=[nb.plots.variant_label(m, u) for m, u in
+    rows = rows.assign(variant=[nb.plot_labels.variant_label(m, u) for m, u in
                                 zip(rows["method"], rows["heads_per_stage"], strict=True)],
                        model_n_heads=16, peak_attention_bytes=1, attention_peak_bytes=2)
     table = nb.per_u(rows)

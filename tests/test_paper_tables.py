@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from experiments.reporting import paper_tables as pt
-from experiments.reporting.plots import ladder_rung
+from experiments.reporting.ablation_plots import ladder_rung
 from upipe.registry import available_methods
 
 CELL_KEYS = {"table", "model", "gpus", "method", "mesh", "paper_method", "seq_len",

@@ -20,17 +20,9 @@ from experiments.reporting.paper_tables import (
     paper_peaks,
     paper_row,
 )
-from experiments.reporting.plots import (
-    PLOTS,
-    _labelled,
-    _paper,
-    _read,
-    _throughput,
-    draw_plots,
-    format_tokens,
-    variant_label,
-    vs_ulysses,
-)
+from experiments.reporting.plot_common import _paper, _throughput, vs_ulysses
+from experiments.reporting.plot_labels import _labelled, format_tokens, variant_label
+from experiments.reporting.plots import PLOTS, _read, draw_plots
 from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
 
 MiB = 2**20
@@ -253,7 +245,7 @@ def test_throughput_and_ratio_vs_ulysses():
 
 
 def test_memory_wall_rungs_are_the_papers():
-    from experiments.reporting.plots import ladder_rung
+    from experiments.reporting.ablation_plots import ladder_rung
     from experiments.sweeps.memory_ladder import WALL_RUNGS
 
     rungs = [ladder_rung(r["method"], r["stack"], r.get("nproc", 8)) for r in WALL_RUNGS]

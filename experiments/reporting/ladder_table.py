@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.config import format_size
-from experiments.reporting.plots import format_tokens
+from experiments.reporting.plot_labels import format_tokens
 from experiments.reporting.sections import GeneratedSection
 from experiments.reporting.speed_table import MODEL_NAMES
 

@@ -28,8 +28,8 @@ import pandas as pd
 from experiments import store
 from experiments.config.sizes import MiB
 from experiments.config.status import Status
-from experiments.reporting import paper_grid, plots, results_index
-from experiments.reporting.plots import memory_unit  # noqa: F401  (the notebooks' too)
+from experiments.reporting import paper_grid, plot_common, plot_labels, plots, results_index
+from experiments.reporting.plot_labels import memory_unit  # noqa: F401  (the notebooks' too)
 from experiments.reporting.tables import (
     MAXCTX,
     MAXCTX_COLUMNS,
@@ -74,7 +74,7 @@ def read_json(path: Path) -> dict:
 def tokens(n: float | None) -> str:
     """131072 -> '128K', 2**20 -> '1M' (binary units, as the sweeps declare lengths); '' when
     missing."""
-    return "" if n is None or pd.isna(n) else plots.format_tokens(n)
+    return "" if n is None or pd.isna(n) else plot_labels.format_tokens(n)
 
 
 # -- sweeps and their provenance -------------------------------------------------------------
@@ -235,7 +235,7 @@ def load(dirs: Mapping[str, Path] | Iterable[Path], table: str = ROWS,
         df["variant"] = [relative_variant(*v) for v in zip(*options, strict=True)]
     else:
         options = (df[c] for c in VARIANT_COLUMNS)
-        df["variant"] = [plots.variant_label(*v) for v in zip(*options, strict=True)]
+        df["variant"] = [plot_labels.variant_label(*v) for v in zip(*options, strict=True)]
     return df
 
 
@@ -289,11 +289,11 @@ def vs_ulysses(df: pd.DataFrame, value: str, keys: Iterable[str],
     """``value`` of each row over the median of the reference's ``ok`` rows at the same
     ``keys`` (``reference``: a mask of ``df``'s rows, default upipe's Ulysses; a paper table's
     own from ``ratio_reference``); NaN where the reference did not run ok there. Keys as
-    ``plots.vs_ulysses`` reads them: a NaN ``doc_len`` matches only NaN (a packed row is over a
-    packed reference of its document length only), and a method on a stack of its own
+    ``plot_common.vs_ulysses`` reads them: a NaN ``doc_len`` matches only NaN (a packed row is
+    over a packed reference of its document length only), and a method on a stack of its own
     (torch-cp) is over the reference's one stack."""
-    ref = plots.is_ulysses(df) if reference is None else reference
-    ratio = plots.vs_ulysses(df, value, list(keys), ref & (df["status"] == Status.OK))
+    ref = plot_common.is_ulysses(df) if reference is None else reference
+    ratio = plot_common.vs_ulysses(df, value, list(keys), ref & (df["status"] == Status.OK))
     return pd.Series(ratio, index=df.index)
 
 
@@ -301,9 +301,9 @@ def ratio_reference(df: pd.DataFrame) -> tuple[pd.Series, str]:
     """The rows a throughput ratio divides by (a mask of ``df``'s rows) and their name: the
     paper table's own Ulysses where ``df`` is a sweep of Table 3 (``usp-ulysses 8x1``) or
     Table 4 (``usp 8x2``) holding it, as the paper divides and the plots draw; else upipe's
-    Ulysses (``plots.ratio_reference``)."""
-    mask, key = plots.ratio_reference(df)
-    return mask, plots.reference_name(key)
+    Ulysses (``plot_common.ratio_reference``)."""
+    mask, key = plot_common.ratio_reference(df)
+    return mask, plot_common.reference_name(key)
 
 
 def max_context_vs_ulysses(maxctx: pd.DataFrame) -> pd.DataFrame:

@@ -204,8 +204,8 @@ PAPER_OUTCOMES: list[dict] = _outcomes()
 # The memory wall at 3M tokens (3 x 2^20), Llama3-8B on 8x H100: GiB per GPU by part, rung by
 # rung. A rung is matched to the emulated rows by (method, stack, nproc) (the memory_wall
 # sweep, experiments/sweeps/memory_ladder.py); ``label`` is its name in our plots
-# (plots.ladder_rung; the figure says "+ AC" for "+ checkpointing"). An OOM rung gives the GiB
-# the figure writes beside OOM (``oom_gib``): for FSDP only, its attention activations
+# (ablation_plots.ladder_rung; the figure says "+ AC" for "+ checkpointing"). An OOM rung gives
+# the GiB the figure writes beside OOM (``oom_gib``): for FSDP only, its attention activations
 # (``oom_part``); for + offload, in the place of "other" after 15.0 / 33.0; for + Ulysses and
 # + AC the figure does not name the part.
 _WALL = f"{PAGE}, memory-wall figure (Llama3-8B, 8x H100, 3M tokens)"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.reporting.paper_tables import PAPER_MAX_CONTEXT, SEQ_LEN_TOKENS, TABLES
-from experiments.reporting.plots import format_tokens
+from experiments.reporting.plot_labels import format_tokens
 from experiments.reporting.reproduction import SWEEPS, mesh, overlapped, throughput
 from experiments.reporting.sections import GeneratedSection
 

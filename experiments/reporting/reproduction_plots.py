@@ -13,7 +13,8 @@ import seaborn as sns
 from matplotlib.ticker import FuncFormatter, NullLocator
 
 from experiments.reporting.paper_tables import TABLES
-from experiments.reporting.plots import figure, format_tokens
+from experiments.reporting.plot_common import figure
+from experiments.reporting.plot_labels import format_tokens
 
 
 def _palette(tp: pd.DataFrame) -> dict[str, tuple]:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments.reporting.plots import format_tokens, stack_level
+from experiments.reporting.ablation_plots import stack_level
+from experiments.reporting.plot_labels import format_tokens
 from experiments.reporting.sections import GeneratedSection
 
 BEGIN, END = "<!-- selective-table:begin -->", "<!-- selective-table:end -->"
@@ -50,7 +51,7 @@ def _kept(r: dict) -> int | None:
 
 
 def level(r: dict) -> str:
-    """A row's column (``plots.stack_level``): its stack, or ``<stack>, last k``."""
+    """A row's column (``ablation_plots.stack_level``): its stack, or ``<stack>, last k``."""
     return stack_level(r["stack"], r.get("keep_blocks"))
 
 

@@ -3,9 +3,9 @@
 One row per length, one column per UPipe variant (mesh, overlapped stages) of each emulated
 paper table (Table 3: Llama3-8B on 8 GPUs; Table 4: Qwen3-32B on 16), each cell the variant's
 emulated tokens/s per GPU over the Ulysses of its own mesh at the same length, stack and kernel
-(``plots.vs_ulysses``): on P x 1, upipe's ``ulysses``; on a hybrid mesh (8 x 2), the USP hybrid
-of that ring degree, the paper's Table 4 reference, so that the column reads beside the paper's
-ratio (``results/paper_grid/upipe_ratios.csv``). Each column names its denominator. A ratio
+(``plot_common.vs_ulysses``): on P x 1, upipe's ``ulysses``; on a hybrid mesh (8 x 2), the USP
+hybrid of that ring degree, the paper's Table 4 reference, so that the column reads beside the
+paper's ratio (``results/paper_grid/upipe_ratios.csv``). Each column names its denominator. A ratio
 whose UPipe or reference cell does not fit the device is marked: the emulated step still has a
 time, but no run would. Rendered from ``rows.csv``, never typed; written between two markers in
 docs/results.md, which ``./run_all.sh`` rewrites after the results index.
@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from experiments.reporting.plots import format_tokens, variant_label, vs_ulysses
+from experiments.reporting.plot_common import vs_ulysses
+from experiments.reporting.plot_labels import format_tokens, variant_label
 from experiments.reporting.sections import GeneratedSection
 
 BEGIN, END = "<!-- upipe-speed-table:begin -->", "<!-- upipe-speed-table:end -->"

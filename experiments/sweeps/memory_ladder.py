@@ -12,8 +12,8 @@ from experiments.sweeps.table3_llama3_8b_h100x8 import TITAN
 STACKS = ["none", "ac", "offload", "alst"]
 METHODS = [{"method": "ulysses"}, {"method": "upipe"}]
 
-# The paper's rungs, bottom to top (its figure; experiments/reporting/plots.py ladder_rung),
-# with the paper's Ulysses: yunchang's USP at ring degree 1 (usp-ulysses)
+# The paper's rungs, bottom to top (its figure; experiments/reporting/ablation_plots.py
+# ladder_rung), with the paper's Ulysses: yunchang's USP at ring degree 1 (usp-ulysses)
 WALL_RUNGS = [
     {"method": "usp-ulysses", "stack": "none", "nproc": 1, "dp": 8},  # FSDP only
     {"method": "usp-ulysses", "stack": "none"},

@@ -37,7 +37,8 @@ from experiments.config import (
     parse_size,
 )
 from experiments.config.options import default, every_option
-from experiments.runner.plan import DEFAULT_STACKS, PlanSpec, default_workers
+from experiments.runner.plan import default_workers
+from experiments.runner.plan_spec import DEFAULT_STACKS, PlanSpec
 from experiments.timing.profile import (
     ProfileError,
     load_profile,

@@ -27,7 +27,7 @@ from experiments.emulation.emulate import emulate_cell
 from experiments.harness.launch import describe, run_cell
 from experiments.harness.model import shifted_labels
 from experiments.harness.train import build, replica_tokens
-from experiments.runner.plan import PlanSpec, configurations
+from experiments.runner.plan_spec import PlanSpec, configurations
 
 # -- config --------------------------------------------------------------------------------------
 

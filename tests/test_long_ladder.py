@@ -15,7 +15,7 @@ import pytest
 from experiments.config import STACKS
 from experiments.reporting import ladder_table, results_index
 from experiments.runner import long_ladder
-from experiments.runner.plan import LONG, LONG_CHUNK
+from experiments.runner.plan_spec import LONG, LONG_CHUNK
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,14 +17,10 @@ from experiments.config import Cell, Hardware, Status
 from experiments.emulation.emulate import device_lower_bound, emulate_cell
 from experiments.emulation.fit import N_SAMPLE, depth_lower_bound
 from experiments.runner import plan as plan_mod
-from experiments.runner.plan import (
-    LADDER,
-    PlanSpec,
-    configurations,
-    default_workers,
-    plan,
-    rank,
-)
+from experiments.runner import plan_keep, plan_ladder
+from experiments.runner.plan import default_workers, plan
+from experiments.runner.plan_rank import rank
+from experiments.runner.plan_spec import LADDER, LONG_CHUNK, PlanSpec, configurations
 from experiments.store import row_problem
 
 CPU_PROFILE = str(Path(__file__).parent / "data" / "profile_unit_cpu.json")
@@ -48,7 +44,7 @@ def test_configurations_cover_every_mesh_and_heads_per_stage():
     long = [(c.method, c.ring_degree, c.option("heads_per_stage"), c.option("chunk_size"))
             for c in cells
             if c.stack == "long"]
-    assert long == [("upipe", 1, 4, plan_mod.LONG_CHUNK)]
+    assert long == [("upipe", 1, 4, LONG_CHUNK)]
     assert invalid == []
 
 
@@ -68,15 +64,15 @@ def test_ring_degrees_narrow_the_hybrids_meshes_only():
 
 
 def test_the_long_variant_is_planned_on_its_level_only_and_when_asked(monkeypatch):
-    monkeypatch.setattr(plan_mod, "emulate_cell",
+    monkeypatch.setattr(plan_ladder, "emulate_cell",
                         _fake_emulation({"long": "ok", "long-attn-host": "host"}))
     spec = PlanSpec("tiny", 4, 4096, methods=("upipe",))
     (cell,) = [c for c in configurations(spec)[0] if c.stack == "long"]
     # by default beside its level keeping the attention in host memory (selective levels)
-    rows = plan_mod.plan_configuration(cell, Hardware(), spec.stacks)
+    rows = plan_ladder.plan_configuration(cell, Hardware(), spec.stacks)
     assert [(r["stack"], r["status"]) for r in rows] == [("long", Status.OK),
                                                           ("long-attn-host", Status.OOM)]
-    rows = plan_mod.plan_configuration(cell, Hardware(), ("alst", "long"))
+    rows = plan_ladder.plan_configuration(cell, Hardware(), ("alst", "long"))
     assert [(r["stack"], r["status"]) for r in rows] == [("long", Status.OK)]
     without = PlanSpec("tiny", 4, 4096, methods=("upipe",), stacks=("alst",))
     assert all(c.stack == "alst" for c in configurations(without)[0])
@@ -138,9 +134,9 @@ def _fake_emulation(outcome: dict):
 ])
 def test_the_stack_ladder_emulates_a_heavier_level_only_if_the_lighter_ones_fit(
         monkeypatch, outcome, emulated):
-    monkeypatch.setattr(plan_mod, "emulate_cell", _fake_emulation(outcome))
+    monkeypatch.setattr(plan_ladder, "emulate_cell", _fake_emulation(outcome))
     cell = configurations(PlanSpec("tiny", 2, 4096, methods=("ulysses",)))[0][0]
-    rows = plan_mod.plan_configuration(cell, Hardware(), tuple(LADDER))
+    rows = plan_ladder.plan_configuration(cell, Hardware(), tuple(LADDER))
     assert [r["stack"] for r in rows] == list(LADDER)
     assert {r["stack"] for r in rows if "plan_inferred_from" not in r} == emulated
     for r in rows:
@@ -180,7 +176,8 @@ def test_a_heads_per_stage_over_the_device_spares_the_larger_ones(monkeypatch):
             return row | {"status": Status.OOM, "error": "device peak 9 GiB > budget 8 GiB"}
         return row | {"status": Status.OK, "error": "", "tokens_per_s_per_gpu": 1.0}
 
-    monkeypatch.setattr(plan_mod, "emulate_cell", emulate)
+    for module in (plan_ladder, plan_keep):
+        monkeypatch.setattr(module, "emulate_cell", emulate)
     spec = PlanSpec("tiny", 4, 4096, methods=("upipe",), stacks=("alst", "offload"))
     rows = plan(spec, Hardware(), workers=1)
     r1 = {(r["heads_per_stage"], r["stack"]): r for r in rows if r["ring_degree"] == 1}
@@ -214,7 +211,8 @@ def test_the_plan_is_the_same_for_any_number_of_workers(monkeypatch):
                           "peak_device_bytes": 9 * 2**30}
         return row | {"status": Status.OK, "error": "", "tokens_per_s_per_gpu": 1.0}
 
-    monkeypatch.setattr(plan_mod, "emulate_cell", emulate)
+    for module in (plan_ladder, plan_keep):
+        monkeypatch.setattr(module, "emulate_cell", emulate)
     # threads in place of worker processes, so the stub above is what they call
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor",
                         lambda n, mp_context=None: ThreadPoolExecutor(n))
@@ -397,8 +395,9 @@ def test_a_methods_measured_reserve_over_the_device_is_its_invalid_row_before_em
     and ended the whole plan), and the other methods are planned as ever."""
     emulated = []
     fake = _fake_emulation({"alst": "ok"})
-    monkeypatch.setattr(plan_mod, "emulate_cell",
-                        lambda cell, hw, **kw: emulated.append(cell.method) or fake(cell, hw))
+    for module in (plan_ladder, plan_keep):
+        monkeypatch.setattr(module, "emulate_cell",
+                            lambda cell, hw, **kw: emulated.append(cell.method) or fake(cell, hw))
     spec = PlanSpec("tiny", 2, 2048, methods=("fpdt", "ulysses"), stacks=("alst",))
     rows = plan(spec, Hardware(gpu_mem_gib=8.0), workers=1)
     assert set(emulated) == {"ulysses"}

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from experiments.config import GiB, Hardware, Status
 from experiments.harness.launch import describe
-from experiments.runner import plan as plan_mod
-from experiments.runner.plan import PlanSpec, plan
+from experiments.runner import plan_keep, plan_ladder
+from experiments.runner.plan import plan
+from experiments.runner.plan_spec import PlanSpec
 
 HW = Hardware()  # an H100: 73.35 GiB of budget after the default reserve
 BLOCKS_GIB = 40.0  # what keeping every block whole adds to the device peak
@@ -62,7 +63,8 @@ def test_every_configuration_whose_alst_fits_gets_a_keep_blocks_candidate(monkey
     is emulated and fits."""
     fake = _emulator(lambda c: 40.0 + c.option("heads_per_stage"),
                      lambda c: 100.0 - c.option("heads_per_stage"))
-    monkeypatch.setattr(plan_mod, "emulate_cell", fake)
+    for module in (plan_ladder, plan_keep):
+        monkeypatch.setattr(module, "emulate_cell", fake)
     spec = PlanSpec("tiny", 4, 4096, methods=("upipe",), stacks=("alst", "alst-block"),
                     ring_degrees=(1,))
     rows = plan(spec, HW, workers=1)
@@ -95,7 +97,8 @@ def test_a_candidate_over_the_device_does_not_bar_its_method_and_level(monkeypat
     emulated and leads."""
     fake = _emulator(_default_u_only(1.0), lambda c: 100.0 + (c.ring_degree - 1),
                      _over_on_ring_1)
-    monkeypatch.setattr(plan_mod, "emulate_cell", fake)
+    for module in (plan_ladder, plan_keep):
+        monkeypatch.setattr(module, "emulate_cell", fake)
     spec = PlanSpec("tiny", 4, 4096, methods=("upipe",), stacks=("alst", "alst-block"),
                     ring_degrees=(1, 2))
     rows = plan(spec, HW, workers=1)
@@ -113,7 +116,8 @@ def test_a_candidate_over_the_device_is_tried_again_with_fewer_blocks(monkeypatc
     """One mesh: its k = 2 over the device by 5 GiB, the exact peak's secant gives k = 1,
     which is emulated and fits."""
     fake = _emulator(_default_u_only(1.0), lambda c: 100.0, _over_on_ring_1)
-    monkeypatch.setattr(plan_mod, "emulate_cell", fake)
+    for module in (plan_ladder, plan_keep):
+        monkeypatch.setattr(module, "emulate_cell", fake)
     spec = PlanSpec("tiny", 4, 4096, methods=("upipe",), stacks=("alst", "alst-block"),
                     ring_degrees=(1,))
     rows = plan(spec, HW, workers=1)
@@ -127,7 +131,8 @@ def test_no_candidate_below_one_block(monkeypatch):
     """Over the device even by the exact secant's one block: no further candidate, and the
     plan ends (no loop)."""
     fake = _emulator(_default_u_only(1.0), lambda c: 100.0, lambda c: 35.0)
-    monkeypatch.setattr(plan_mod, "emulate_cell", fake)
+    for module in (plan_ladder, plan_keep):
+        monkeypatch.setattr(module, "emulate_cell", fake)
     spec = PlanSpec("tiny", 4, 4096, methods=("upipe",), stacks=("alst", "alst-block"),
                     ring_degrees=(1,))
     rows = plan(spec, HW, workers=1)

@@ -16,13 +16,14 @@ from experiments.emulation.emulate import emulate_cell
 from experiments.emulation.fit import fit_refusal, fitted
 from experiments.harness.train import build
 from experiments.runner import plan as planner
-from experiments.runner.plan import (
-    PlanSpec,
+from experiments.runner import plan_keep
+from experiments.runner.plan import plan
+from experiments.runner.plan_keep import (
     device_keep_blocks,
     host_keep_blocks,
     partial_candidates,
-    plan,
 )
+from experiments.runner.plan_spec import PlanSpec
 from upipe.registry import available_methods
 
 SELECTIVE = ("alst-attn", "alst-attn-host")
@@ -329,9 +330,9 @@ def test_the_plan_emulates_the_fastest_estimate_of_each_method_and_level(monkeyp
     assert [c[1].option("heads_per_stage") for c in cands] == [4, 8]
     assert cands[0][0] == pytest.approx(4096 / 4 / (10.0 - 4 / 6 * 3.0))
     emulated = []
-    monkeypatch.setattr(planner, "emulate_cell", lambda cell, hw, exact=False: emulated.append(
+    monkeypatch.setattr(plan_keep, "emulate_cell", lambda cell, hw, exact=False: emulated.append(
         cell) or {"stack": cell.stack, "keep_blocks": cell.keep_blocks, "status": "ok"})
-    rows = planner._partial_rows(configs, hw, False, planner._done, None)
+    rows = plan_keep._partial_rows(configs, hw, False, planner._done, None)
     assert [c.option("heads_per_stage") for c in emulated] == [4]
     assert rows[0]["status"] == "ok" and rows[1]["status"] == "skipped"
     assert rows[1]["keep_blocks"] == 4 and "not emulated: estimated 118.2 tokens/s" in (
@@ -365,8 +366,8 @@ def test_a_partial_estimated_below_what_fits_is_not_emulated(monkeypatch):
                 "method": cell.method, "ring_degree": 1, "step_time_s": 8.0,
                 "tokens_per_s_per_gpu": 4096 / 4 / 8.0}
 
-    monkeypatch.setattr(planner, "emulate_cell", fake_emulate)
-    rows = planner._partial_rows(configs, hw, False, planner._done, None)
+    monkeypatch.setattr(plan_keep, "emulate_cell", fake_emulate)
+    rows = plan_keep._partial_rows(configs, hw, False, planner._done, None)
     assert emulated == ["upipe"]
     assert [(r["method"], r["status"]) for r in rows] == [("upipe", "ok"), ("ulysses", "skipped")]
     assert "not above the fastest configuration that fits (upipe on alst-attn-host k4" in (
@@ -378,7 +379,7 @@ def test_a_partial_estimated_below_what_fits_is_not_emulated(monkeypatch):
     configs.append((faster, [{"stack": "alst", "status": "ok", "method": "ring",
                               "ring_degree": 1, "tokens_per_s_per_gpu": 4096 / 4 / 7.5}]))
     emulated.clear()
-    rows = planner._partial_rows(configs, hw, False, planner._done, None)
+    rows = plan_keep._partial_rows(configs, hw, False, planner._done, None)
     assert emulated == [] and [r["status"] for r in rows] == ["skipped", "skipped"]
     assert all("(ring on alst, ring degree 1: 136.5 tokens/s per GPU)" in r["error"]
                for r in rows)

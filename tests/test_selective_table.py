@@ -11,12 +11,8 @@ import pytest
 from experiments.config import STACKS, Cell
 from experiments.harness.model import block_offloads
 from experiments.reporting import selective_table
-from experiments.runner.plan import (
-    KEEP_ON_DEVICE,
-    KEEP_ON_HOST,
-    device_keep_blocks,
-    host_keep_blocks,
-)
+from experiments.runner.plan_keep import device_keep_blocks, host_keep_blocks
+from experiments.runner.plan_spec import KEEP_ON_DEVICE, KEEP_ON_HOST
 from experiments.sweeps import SWEEPS
 
 ROOT = Path(__file__).resolve().parents[1]

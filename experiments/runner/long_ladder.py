@@ -4,7 +4,7 @@ FlashAttention-3 as the paper ran it).
 
 Each rung adds one mechanism of the ``long`` stack level (experiments/config/stack.py) or
 UPipe's chunked attention backward to the rung before; the last rung is what the library ships
-(the ``long`` level with 64K-token chunks, ``runner.plan.LONG``). Per rung, a record: the
+(the ``long`` level with 64K-token chunks, ``runner.plan_spec.LONG``). Per rung, a record: the
 emulated step at the ladder's length (peak per rank, its phase and split, the host peak) and a
 certified max-context search (its longest fitting length, and what the next length is over).
 The intermediate rungs are stack levels registered in this process only: they are steps of an
@@ -45,7 +45,7 @@ from experiments.config.search import SearchSpec
 from experiments.emulation.emulate import PAPER_NODE, emulate_cell
 from experiments.provenance import provenance
 from experiments.runner.executor import Emulator
-from experiments.runner.plan import LONG_CHUNK
+from experiments.runner.plan_spec import LONG_CHUNK
 from experiments.runner.search import run_search
 from experiments.store import write_json
 

@@ -6,7 +6,7 @@ paper's stack for the method (docs/design.md#the-comparison) -- Llama3-8B on 8 r
 on 8 ranks the hybrids run 4 x 2; both FPDTs on Llama3-8B only, ``_LEFT_OUT``) -- searched to a
 64K-token granularity; beyond the paper,
 UPipe on the ``long`` stack level with its chunked backward in both settings (the configuration
-that reaches 8M tokens on one node: ``runner.plan.LONG``); plus one real CPU
+that reaches 8M tokens on one node: ``runner.plan_spec.LONG``); plus one real CPU
 run: UPipe on the tiny preset, 2 gloo ranks, under a 51 MiB tracked budget (512-token
 granularity, from 2K tokens: it fits 2K at 49.99 MiB, not 2.5K at 52.05 MiB). A method that cannot
 run or be emulated here is a row with its status and no length. The emulated searches predict
@@ -45,7 +45,7 @@ from experiments.config import (
 from experiments.provenance import provenance
 from experiments.reporting import results_index
 from experiments.runner.executor import Emulator, Launcher
-from experiments.runner.plan import LONG, LONG_CHUNK
+from experiments.runner.plan_spec import LONG, LONG_CHUNK
 from experiments.runner.search import run_search
 from upipe.registry import available_methods, get_method
 

@@ -25,8 +25,8 @@ def kept_in(method: str, stack: str, seq_len: str, keep_blocks: int,
     """A cell keeping the attention (on ``alst-block``: whole blocks) in its last
     ``keep_blocks`` blocks only: where keeping it in every block is over the host budget only,
     the number the planner picks from the two levels' host peaks
-    (``runner.plan.host_keep_blocks``); where keeping every block whole is over the device,
-    the number it reads from their device peaks' chord (``runner.plan.device_keep_blocks``).
+    (``runner.plan_keep.host_keep_blocks``); where keeping every block whole is over the device,
+    the number it reads from their device peaks' chord (``runner.plan_keep.device_keep_blocks``).
     tests/test_selective_table.py checks each against the committed rows. Emulated exactly:
     the fit cannot mix blocks."""
     return {"method": method, "stack": stack, "seq_len": seq_len, "keep_blocks": keep_blocks,

@@ -5,7 +5,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from upipe.integrations import hf
 
-dist.init_process_group("gloo")  # "nccl" on GPUs
+dist.init_process_group("gloo")  # CPU ranks; GPUs: "nccl", set_device, model and data .cuda()
 torch.manual_seed(0)  # the same weights and data on every rank
 config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)

@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from upipe.integrations import hf
 
-dist.init_process_group("gloo")  # "nccl" on GPUs
+dist.init_process_group("gloo")  # CPU ranks; GPUs: "nccl", set_device, model and data .cuda()
 torch.manual_seed(0)  # the same weights and data on every rank
 config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256,
                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
@@ -42,5 +42,5 @@ for step in range(3):
     if dist.get_rank() == 0:
         print(f"step {step}: loss {loss.item():.4f}")
 del model, out, opt  # they hold the process group; FSDP2's state and the module it shards
-gc.collect()  # reference each other, so free them before ending the group (joins gloo's threads)
+gc.collect()  # reference each other (torch 2.13's FSDP2 device mesh still keeps gloo's threads)
 dist.destroy_process_group()

@@ -4,7 +4,7 @@ import torch.distributed as dist
 
 from upipe import LlamaAttention, UPipeAttention
 
-dist.init_process_group("gloo")  # "nccl" on GPUs
+dist.init_process_group("gloo")  # CPU ranks; GPUs: "nccl", set_device, model and data .cuda()
 torch.manual_seed(0)  # the same weights and data on every rank
 ref = LlamaAttention(dim=256, n_heads=8, n_kv_heads=2)  # single-device Llama attention
 attn = UPipeAttention(dim=256, n_heads=8, n_kv_heads=2, group=dist.group.WORLD, heads_per_stage=4)

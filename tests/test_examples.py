@@ -87,6 +87,14 @@ def test_the_docs_show_the_example_verbatim(script):
     assert shown, f"neither README.md nor docs/*.md shows examples/{script.name} verbatim"
 
 
+def test_every_example_is_run_by_a_test():
+    """A new example shown in the docs but run by no test would pass the suite crashing."""
+    source = Path(__file__).read_text()
+    for script in EXAMPLES:
+        assert f'_torchrun(ROOT / "examples" / "{script.name}"' in source, (
+            f"examples/{script.name} is run by no test in {Path(__file__).name}")
+
+
 @pytest.mark.slow
 def test_own_module_example_runs_on_2_ranks(tmp_path):
     out = _torchrun(ROOT / "examples" / "own_module.py", tmp_path)
@@ -105,7 +113,8 @@ def test_hf_example_trains_on_2_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_hf_packed_fsdp_example_trains_on_2_ranks(tmp_path):
-    """FSDP2 + UPipe + the memory stack on packed documents, the README's own-loop example.
+    """FSDP2 + UPipe + the memory stack on packed documents, docs/using-upipe.md's own-loop
+    example.
 
     Without the teardown check: FSDP2's DeviceMesh (torch 2.13) keeps the default group's gloo
     threads alive past ``destroy_process_group`` even in a ten-line program that only shards two

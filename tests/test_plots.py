@@ -20,8 +20,8 @@ from experiments.reporting.paper_tables import (
     paper_peaks,
     paper_row,
 )
-from experiments.reporting.plot_common import _paper, _throughput, vs_ulysses
-from experiments.reporting.plot_labels import _labelled, format_tokens, variant_label
+from experiments.reporting.plot_common import paper_rows_by_label, throughput_rows, vs_ulysses
+from experiments.reporting.plot_labels import format_tokens, label_variants, variant_label
 from experiments.reporting.plots import PLOTS, _read, draw_plots
 from experiments.reporting.tables import MAXCTX, MAXCTX_COLUMNS, ROW_COLUMNS, ROWS
 
@@ -169,13 +169,13 @@ def test_new_variants_get_their_own_labels(tmp_path):
         ("upipe", 0.8, {"ring_degree": 1}), ("fpdt", 0.9, {"chunk_size": 1024}),
         ("torch-cp", 1.3, {"stack": "native"})) for s in (2048, 4096)]
     _write(tmp_path, rows)
-    df, labels = _labelled(_read(tmp_path / ROWS, ROW_COLUMNS))
+    df, labels = label_variants(_read(tmp_path / ROWS, ROW_COLUMNS))
     # short labels for an axis; the detail names the stack where it differs from the rest's
     assert labels == ["ulysses", "fpdt", "torch-cp", "upipe", "upipe 2x2", "usp 2x2"]
     assert list(df.drop_duplicates("label")["detail"]) == [
         "ulysses", "fpdt (upipe's, ALST stack) c=1K", "torch-cp, stack native", "upipe",
         "upipe 2x2", "usp 2x2"]
-    tp = _throughput(_read(tmp_path / ROWS, ROW_COLUMNS))
+    tp = throughput_rows(_read(tmp_path / ROWS, ROW_COLUMNS))
     ratio = vs_ulysses(tp, "tps", ["seq_len", "model", "nproc", "stack"])
     assert not np.isnan(ratio).any()  # torch-cp (native) against Ulysses (alst)
     assert set(draw_plots(tmp_path, ["memory_vs_seq", "throughput_vs_ulysses"])) == {
@@ -189,7 +189,7 @@ def test_short_labels_keep_variants_apart(tmp_path):
     rows += [_row("upipe", None, 2048, stack=st) for st in ("alst", "offload")]
     rows += [_row("upipe", None, 2048) | {"overlap": True}]
     _write(tmp_path, rows)
-    df, labels = _labelled(_read(tmp_path / ROWS, ROW_COLUMNS))
+    df, labels = label_variants(_read(tmp_path / ROWS, ROW_COLUMNS))
     assert labels == ["ulysses", "fpdt c=1K", "fpdt c=4K", "upipe, stack offload",
                       "upipe, stack alst", "upipe overlap"]
 
@@ -210,11 +210,11 @@ def test_paper_values_of_the_papers_variants():
                                           "overlap": True},
            _row("upipe", None, 2**17) | {"model": "qwen3-32b", "nproc": 16, "ring_degree": 2,
                                           "kernel": "fa2"}]
-    df, _ = _labelled(pd.DataFrame(big).reindex(columns=ROW_COLUMNS))
-    assert {k: v["name"] for k, v in _paper(df).items()} == {"usp 8x2": "Table 4",
-                                                             "zigzag-ring": "Table 4"}
-    df, _ = _labelled(pd.DataFrame(_rows()).reindex(columns=ROW_COLUMNS))
-    assert _paper(df) == {}  # tiny on 4 CPU ranks
+    df, _ = label_variants(pd.DataFrame(big).reindex(columns=ROW_COLUMNS))
+    assert {k: v["name"] for k, v in paper_rows_by_label(df).items()} == {"usp 8x2": "Table 4",
+                                                                          "zigzag-ring": "Table 4"}
+    df, _ = label_variants(pd.DataFrame(_rows()).reindex(columns=ROW_COLUMNS))
+    assert paper_rows_by_label(df) == {}  # tiny on 4 CPU ranks
 
 
 def test_paper_peaks_from_its_figures():
@@ -235,7 +235,7 @@ def test_throughput_and_ratio_vs_ulysses():
     """tokens/s per GPU = seq_len / nproc / time; p20 time bounds it from above."""
     df = pd.DataFrame([_row("ulysses", None, 4096), _row("upipe", 4, 4096, mem_factor=2.0),
                        _row("upipe", 4, 8192), _row("ulysses", None, 2048, status="oom")])
-    tp = _throughput(df)
+    tp = throughput_rows(df)
     assert len(tp) == 3  # the oom row has no throughput
     assert np.allclose(tp["tps"], tp["seq_len"] / tp["nproc"] / tp["time_median_s"])
     assert (tp["lo"] < tp["tps"]).all() and (tp["hi"] > tp["tps"]).all()

@@ -332,7 +332,7 @@ def test_the_plan_emulates_the_fastest_estimate_of_each_method_and_level(monkeyp
     emulated = []
     monkeypatch.setattr(plan_keep, "emulate_cell", lambda cell, hw, exact=False: emulated.append(
         cell) or {"stack": cell.stack, "keep_blocks": cell.keep_blocks, "status": "ok"})
-    rows = plan_keep._partial_rows(configs, hw, False, planner._done, None)
+    rows = plan_keep.partial_rows(configs, hw, False, planner._done, None)
     assert [c.option("heads_per_stage") for c in emulated] == [4]
     assert rows[0]["status"] == "ok" and rows[1]["status"] == "skipped"
     assert rows[1]["keep_blocks"] == 4 and "not emulated: estimated 118.2 tokens/s" in (
@@ -367,7 +367,7 @@ def test_a_partial_estimated_below_what_fits_is_not_emulated(monkeypatch):
                 "tokens_per_s_per_gpu": 4096 / 4 / 8.0}
 
     monkeypatch.setattr(plan_keep, "emulate_cell", fake_emulate)
-    rows = plan_keep._partial_rows(configs, hw, False, planner._done, None)
+    rows = plan_keep.partial_rows(configs, hw, False, planner._done, None)
     assert emulated == ["upipe"]
     assert [(r["method"], r["status"]) for r in rows] == [("upipe", "ok"), ("ulysses", "skipped")]
     assert "not above the fastest configuration that fits (upipe on alst-attn-host k4" in (
@@ -379,7 +379,7 @@ def test_a_partial_estimated_below_what_fits_is_not_emulated(monkeypatch):
     configs.append((faster, [{"stack": "alst", "status": "ok", "method": "ring",
                               "ring_degree": 1, "tokens_per_s_per_gpu": 4096 / 4 / 7.5}]))
     emulated.clear()
-    rows = plan_keep._partial_rows(configs, hw, False, planner._done, None)
+    rows = plan_keep.partial_rows(configs, hw, False, planner._done, None)
     assert emulated == [] and [r["status"] for r in rows] == ["skipped", "skipped"]
     assert all("(ring on alst, ring degree 1: 136.5 tokens/s per GPU)" in r["error"]
                for r in rows)

@@ -16,23 +16,23 @@ import seaborn as sns
 from experiments.config.status import Status
 from experiments.reporting.paper_tables import PAPER_LADDER_3M
 from experiments.reporting.plot_common import (
-    _focus_length,
-    _memory_line,
-    _palette,
-    _throughput,
+    draw_memory_line,
     figure,
+    focus_length,
+    palette_for,
+    throughput_rows,
     vs_ulysses,
 )
 from experiments.reporting.plot_labels import (
     SETTINGS,
-    _context,
-    _emulated,
-    _labelled,
-    _number,
-    _stack_rank,
-    _titled,
+    format_number,
     format_tokens,
+    is_emulated,
+    label_variants,
+    mark_emulated,
     memory_unit,
+    shared_settings,
+    stack_rank,
 )
 
 KEPT_SUFFIX = ", last k"  # a level keeping the attention in its last k blocks only
@@ -63,7 +63,7 @@ def _ladder_panel(ax, df: pd.DataFrame, stacks: list[str], scale: int) -> None:
         if stack not in ok.index and len(status):  # the cell ran but measured nothing
             ax.annotate(status.iloc[0], (i, 0), ha="center", va="bottom", color="firebrick")
         elif bottom[i]:
-            ax.annotate(_number(bottom[i]), (i - 0.2, bottom[i]), ha="center", va="bottom",
+            ax.annotate(format_number(bottom[i]), (i - 0.2, bottom[i]), ha="center", va="bottom",
                         xytext=(0, 2), textcoords="offset points", fontsize=8)
         if stack in ok.index and "keep_blocks" in ok and pd.notna(ok.loc[stack, "keep_blocks"]):
             ax.annotate(f"k={int(ok.loc[stack, 'keep_blocks'])}", (i + 0.2, host[i]),
@@ -87,9 +87,9 @@ def plot_memory_ladder(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
     ok = rows[rows["status"] == Status.OK]
     if ok.empty:
         return False
-    df, labels = _labelled(rows[rows["seq_len"] == _focus_length(ok, ["stack"])],
-                           ("model", "nproc"))
-    stacks = sorted(df["stack"].dropna().unique(), key=lambda s: (_stack_rank(s), s))
+    df, labels = label_variants(rows[rows["seq_len"] == focus_length(ok, ["stack"])],
+                                ("model", "nproc"))
+    stacks = sorted(df["stack"].dropna().unique(), key=lambda s: (stack_rank(s), s))
     cols = ["peak_device_bytes", "peak_host_bytes"]
     scale, unit = memory_unit(df.loc[df["status"] == Status.OK, cols].stack())
     panel = max(3.2, 0.75 * len(stacks) + 0.2)  # inches: room for each level's two bars
@@ -97,15 +97,15 @@ def plot_memory_ladder(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> 
         for ax, label in zip(axes, labels, strict=True):
             _ladder_panel(ax, df[df["label"] == label], stacks, scale)
             ax.set(title=label, xlabel="memory stack")
-        axes[0].set_ylabel(_titled(f"peak per rank ({unit})", df))
+        axes[0].set_ylabel(mark_emulated(f"peak per rank ({unit})", df))
         top = max(ax.get_ylim()[1] for ax in axes)
         for ax in axes:
             ax.set_ylim(0, top * 1.05)
         handles, names = axes[0].get_legend_handles_labels()
         fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0), ncol=4,
                    fontsize=8)  # below the panels, clear of every bar
-        fig.suptitle(f"{_titled('Memory ladder', df)} · "
-                     f"{_context(df, ('model', 'nproc', 'seq_len', 'device'))}")
+        fig.suptitle(f"{mark_emulated('Memory ladder', df)} · "
+                     f"{shared_settings(df, ('model', 'nproc', 'seq_len', 'device'))}")
     return True
 
 
@@ -115,18 +115,18 @@ def plot_heads_per_stage(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -
     emulated by the time model: titled so). Reads rows.csv: method, heads_per_stage, model, nproc,
     stack, seq_len, status, peak_device_bytes, and the throughput columns."""
     df = rows[(rows["status"] == Status.OK) & rows["method"].isin(["ulysses", "upipe"])]
-    timed = _throughput(df)
+    timed = throughput_rows(df)
     df = timed if len(timed) else df[df["peak_device_bytes"].notna()]
     if df.empty:
         return False
     keys = [*SETTINGS, "seq_len"]
-    df = df[df["seq_len"] == _focus_length(df, ["method", "heads_per_stage"])]
-    df, labels = _labelled(df, keys)
+    df = df[df["seq_len"] == focus_length(df, ["method", "heads_per_stage"])]
+    df, labels = label_variants(df, keys)
     scale, unit = memory_unit(df["peak_device_bytes"])
     df = df.assign(mem=df["peak_device_bytes"] / scale)
-    panels = [("mem", _titled(f"peak device memory per rank ({unit})", df))]
+    panels = [("mem", mark_emulated(f"peak device memory per rank ({unit})", df))]
     if len(timed):
-        panels.append(("tps", _titled("tokens/s per GPU", df)))
+        panels.append(("tps", mark_emulated("tokens/s per GPU", df)))
     width = max(4.5 * len(panels), 0.8 * len(panels) * len(labels) + 2 * len(panels))
     with figure(path, ncols=len(panels), width=width) as (fig, axes):
         for ax, (col, name) in zip(axes, panels, strict=True):
@@ -134,14 +134,15 @@ def plot_heads_per_stage(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -
                              sort=False)[col].median().reset_index()
             agg = agg.assign(ratio=vs_ulysses(agg, col, keys)).set_index("label").loc[labels]
             sns.barplot(agg.reset_index(), x="label", y=col, hue="label", order=labels,
-                        hue_order=labels, palette=_palette(labels), legend=False, ax=ax)
+                        hue_order=labels, palette=palette_for(labels), legend=False, ax=ax)
             for i, (v, r) in enumerate(zip(agg[col], agg["ratio"], strict=True)):
-                text = _number(v) + ("" if pd.isna(r) else f"\n{r:.2f}× Ulysses")
+                text = format_number(v) + ("" if pd.isna(r) else f"\n{r:.2f}× Ulysses")
                 ax.annotate(text, (i, 0 if pd.isna(v) else v), ha="center", va="bottom",
                             xytext=(0, 2), textcoords="offset points", fontsize=8)
             ax.set(xlabel="variant", ylabel=name, ylim=(0, 1.25 * max(agg[col].max(), 1e-9)))
             ax.tick_params(axis="x", rotation=20 if len(labels) > 4 else 0)
-        fig.suptitle(f"{_titled('Heads per stage', df)} · {_context(df, (*keys, 'device'))}")
+        fig.suptitle(f"{mark_emulated('Heads per stage', df)} · "
+                     f"{shared_settings(df, (*keys, 'device'))}")
     return True
 
 
@@ -190,7 +191,7 @@ def plot_memory_wall(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bo
     with figure(path, width=max(7.5, 1.3 * len(df) + 2)) as (fig, (ax,)):
         bottom, pbottom = np.zeros(len(df)), np.zeros(len(df))
         papers = [paper.get(paper_x.get(r)) for r in df["rung"]]
-        ours_kind = "emulated" if _emulated(df) else "measured"
+        ours_kind = "emulated" if is_emulated(df) else "measured"
         colors = sns.color_palette("muted", 3)
         for (col, name, key), color in zip(parts, colors, strict=True):
             h = df[col].fillna(0).to_numpy() / scale
@@ -211,19 +212,19 @@ def plot_memory_wall(rows: pd.DataFrame, maxctx: pd.DataFrame, path: Path) -> bo
         heights = [v for v in (budget, *fits, *pbottom) if np.isfinite(v)] or list(bottom)
         top = 1.35 * max(heights)
         for i, (status, total) in enumerate(zip(df["status"], bottom, strict=True)):
-            text = f"{_number(total)} {unit}" + (" OOM" if status == Status.OOM else "")
+            text = f"{format_number(total)} {unit}" + (" OOM" if status == Status.OOM else "")
             ax.annotate(text, (i - 0.18, min(total, top * 0.93)), ha="center", va="bottom",
                         fontsize=8, xytext=(0, 2), textcoords="offset points",
                         color="firebrick" if status == Status.OOM else "0.1",
                         bbox={"facecolor": "white", "alpha": 0.85, "linewidth": 0})
             if pbottom[i]:
-                ax.annotate(_number(pbottom[i]), (i + 0.18, pbottom[i]), ha="center",
+                ax.annotate(format_number(pbottom[i]), (i + 0.18, pbottom[i]), ha="center",
                             va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
-        _memory_line(ax, df, scale, unit)
+        draw_memory_line(ax, df, scale, unit)
         ax.set_ylim(0, top)
         ax.set_xticks(x, df["rung"])
-        ax.set(ylabel=_titled(f"peak device memory per rank ({unit})", df),
-               title=_titled(f"Memory wall at {format_tokens(df['seq_len'].iloc[0])} tokens "
-                             "(hatched: over the budget; bars cut at the top)", df))
+        ax.set(ylabel=mark_emulated(f"peak device memory per rank ({unit})", df),
+               title=mark_emulated(f"Memory wall at {format_tokens(df['seq_len'].iloc[0])} tokens "
+                                   "(hatched: over the budget; bars cut at the top)", df))
         ax.legend(fontsize=8, loc="upper right", ncol=2)
     return True

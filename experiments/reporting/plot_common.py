@@ -19,12 +19,12 @@ from experiments.config.stack import paper_stack
 from experiments.config.status import Status
 from experiments.reporting.paper_tables import paper_row
 from experiments.reporting.plot_labels import (
-    _column,
-    _context,
-    _emulated,
-    _given,
-    _titled,
+    column_of,
     format_tokens,
+    is_emulated,
+    is_given,
+    mark_emulated,
+    shared_settings,
 )
 from experiments.reporting.reproduction import PAPER_KERNEL, VERSUS, mesh, overlapped
 
@@ -36,7 +36,7 @@ PAPER_MARK = {"marker": "D", "s": 55, "linewidths": 2, "facecolors": "none", "zo
 # -- figures and axes ------------------------------------------------------------------------
 
 
-def _palette(labels: list[str]) -> dict[str, tuple]:
+def palette_for(labels: list[str]) -> dict[str, tuple]:
     """A colour per label; colorblind-safe up to its 10 colours, then evenly spaced hues."""
     name = "colorblind" if len(labels) <= 10 else "husl"
     return dict(zip(labels, sns.color_palette(name, len(labels)), strict=True))
@@ -58,7 +58,7 @@ def figure(path: Path, ncols: int = 1, width: float = 9.5, height: float = 4.8):
         fig.savefig(path, dpi=DPI, bbox_inches="tight")  # keeps outside legends
 
 
-def _legend(ax, df: pd.DataFrame, **kw) -> None:
+def draw_legend(ax, df: pd.DataFrame, **kw) -> None:
     """The legend outside the axes, right of them, each variant named by its detail."""
     detail = dict(zip(df["label"], df["detail"], strict=True))
     handles, names = ax.get_legend_handles_labels()
@@ -69,7 +69,7 @@ def _legend(ax, df: pd.DataFrame, **kw) -> None:
 def _length_ticks(df: pd.DataFrame) -> list[int]:
     """The sweep's lengths (its timed cells', not a max-context search's probes, when it has
     timed cells), thinned left to right to ticks at least TICK_GAP of the log2 axis apart."""
-    timed = df[_column(df, "iters") != 0]
+    timed = df[column_of(df, "iters") != 0]
     lengths = sorted({int(s) for s in (timed if len(timed) else df)["seq_len"]})
     span = np.log2(df["seq_len"].max() / df["seq_len"].min()) or 1.0
     ticks = lengths[:1]
@@ -79,7 +79,7 @@ def _length_ticks(df: pd.DataFrame) -> list[int]:
     return ticks
 
 
-def _finish_lines(ax, df: pd.DataFrame, ylabel: str, title: str) -> None:
+def finish_line_plot(ax, df: pd.DataFrame, ylabel: str, title: str) -> None:
     """log2 length axis with a tick at each length of the sweep (2K, 4K, 1M; ``_length_ticks``),
     y from 0, and the legend outside the axes, clear of the lines."""
     ticks = _length_ticks(df)
@@ -87,11 +87,11 @@ def _finish_lines(ax, df: pd.DataFrame, ylabel: str, title: str) -> None:
     ax.set_xticks(ticks, [format_tokens(t) for t in ticks])
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set(xlabel="sequence length (global tokens, log2 scale)", ylabel=ylabel, ylim=(0, None),
-           title=f"{_titled(title, df)} · {_context(df)}")
-    _legend(ax, df)
+           title=f"{mark_emulated(title, df)} · {shared_settings(df)}")
+    draw_legend(ax, df)
 
 
-def _memory_line(ax, df: pd.DataFrame, scale: int, unit: str) -> None:
+def draw_memory_line(ax, df: pd.DataFrame, scale: int, unit: str) -> None:
     """Dashed line at the device memory (GPU), the per-rank budget (CPU) or the emulated
     device's budget (its memory less the reserve), when rows name it."""
     mem = pd.to_numeric(df["device_memory_bytes"], errors="coerce").dropna()
@@ -99,8 +99,8 @@ def _memory_line(ax, df: pd.DataFrame, scale: int, unit: str) -> None:
         return
     devices = df["device"].dropna().astype(str)
     name = "budget" if len(devices) and devices.iloc[0].startswith("cpu") else "device memory"
-    if _emulated(df):
-        gpu, reserve = (pd.to_numeric(_column(df, c), errors="coerce").dropna()
+    if is_emulated(df):
+        gpu, reserve = (pd.to_numeric(column_of(df, c), errors="coerce").dropna()
                         for c in ("hw_gpu_mem_gib", "hw_reserve_gib"))
         name = "emulated device budget" + (
             f": {gpu.iloc[0]:g} GiB - {reserve.iloc[0]:g} GiB reserve"
@@ -112,7 +112,7 @@ def _memory_line(ax, df: pd.DataFrame, scale: int, unit: str) -> None:
 # -- the cells a plot compares ---------------------------------------------------------------
 
 
-def _focus_length(df: pd.DataFrame, cols: list[str]) -> int:
+def focus_length(df: pd.DataFrame, cols: list[str]) -> int:
     """The length with the most distinct `cols` values (ties: the longest): bar plots compare
     variants at one length, and a sweep may hold several."""
     counts = df.drop_duplicates(["seq_len", *cols]).groupby("seq_len").size()
@@ -149,7 +149,7 @@ def vs_ulysses(df: pd.DataFrame, value: str, keys: list[str],
     return out.to_numpy()
 
 
-def _throughput(rows: pd.DataFrame) -> pd.DataFrame:
+def throughput_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """ok rows with `tps` (tokens/s per GPU) and its p20/p80 bounds `lo`/`hi`, the median of
     repetitions; tokens/s per GPU = seq_len / nproc / step time. Max-context probes (``iters``
     0) are left out: they are the search's, not the sweep's cells (emulated ones have times)."""
@@ -165,11 +165,11 @@ def _throughput(rows: pd.DataFrame) -> pd.DataFrame:
 # -- the paper's values beside ours ----------------------------------------------------------
 
 
-def _paper(df: pd.DataFrame) -> dict[str, dict]:
+def paper_rows_by_label(df: pd.DataFrame) -> dict[str, dict]:
     """label -> the row of the paper's Table 3 or 4 that the variant runs (``paper_tables.
-    paper_row``): its model on as many GPUs, its method on the table's mesh (``_paper_runs``).
+    paper_row``): its model on as many GPUs, its method on the table's mesh (``paper_runs``).
     Variants of other sweeps (another model, CPU scale) have none."""
-    out = {label: paper_row(*run[:4]) for label, run in _paper_runs(df).items()}
+    out = {label: paper_row(*run[:4]) for label, run in paper_runs(df).items()}
     return {label: row for label, row in out.items() if row}
 
 
@@ -178,18 +178,18 @@ def _paper_run(r: pd.Series) -> tuple[str, int, str, str, str] | None:
     paper's kernel (or none named) and stack for the method (``paper_stack``), blocking stages
     of the Ulysses degree's heads (UPipe's default U), no packed documents; else None."""
     kernel, u = r.get("kernel"), r.get("heads_per_stage")
-    if (overlapped(r.get("overlap")) or _given(r.get("doc_len"))
-            or (_given(kernel) and kernel != PAPER_KERNEL) or not _given(r["nproc"])
+    if (overlapped(r.get("overlap")) or is_given(r.get("doc_len"))
+            or (is_given(kernel) and kernel != PAPER_KERNEL) or not is_given(r["nproc"])
             or str(r["stack"]) != paper_stack(str(r["method"]))):
         return None
-    ring = int(r["ring_degree"]) if _given(r["ring_degree"]) else 1
-    if _given(u) and int(u) != int(r["nproc"]) // ring:
+    ring = int(r["ring_degree"]) if is_given(r["ring_degree"]) else 1
+    if is_given(u) and int(u) != int(r["nproc"]) // ring:
         return None
     return (str(r["model"]), int(r["nproc"]), str(r["method"]),
             mesh(str(r["method"]), int(r["nproc"]), ring), str(r["stack"]))
 
 
-def _paper_runs(df: pd.DataFrame) -> dict[str, tuple[str, int, str, str, str]]:
+def paper_runs(df: pd.DataFrame) -> dict[str, tuple[str, int, str, str, str]]:
     """label -> (model, GPUs, method, mesh, stack) of each variant that runs as the paper's
     runs do (``_paper_run`` of its first row)."""
     runs = {label: _paper_run(g.iloc[0]) for label, g in df.groupby("label", sort=False)}
@@ -220,6 +220,6 @@ def reference_name(key: tuple[str, str] | None) -> str:
     return "Ulysses" if key is None else f"{' '.join(key)} (the paper's Ulysses)"
 
 
-def _paper_name(paper: dict[str, dict]) -> str:
+def paper_name(paper: dict[str, dict]) -> str:
     """'paper (Table 3)': the legend entry of the paper's values."""
     return f"paper ({', '.join(sorted({p['name'] for p in paper.values()}))})"

@@ -30,7 +30,7 @@ def format_tokens(n: float) -> str:
     return str(n)
 
 
-def _given(v) -> bool:
+def is_given(v) -> bool:
     return v is not None and not pd.isna(v)
 
 
@@ -55,16 +55,16 @@ def variant_label(method: str, heads_per_stage: float | None = None,
     descriptions) and ``chunk``, a short name for an axis: 'fpdt'.
     """
     parts = [METHOD_NAMES.get(str(method), str(method)) if names else str(method)]
-    if _given(ring_degree) and ring_degree > 1:
+    if is_given(ring_degree) and ring_degree > 1:
         ring = int(ring_degree)
-        parts.append(f"{int(nproc) // ring}x{ring}" if _given(nproc) else f"ring={ring}")
-    if _given(heads_per_stage):
+        parts.append(f"{int(nproc) // ring}x{ring}" if is_given(nproc) else f"ring={ring}")
+    if is_given(heads_per_stage):
         parts.append(f"U={int(heads_per_stage)}")
-    if _given(chunk_size) and chunk:
+    if is_given(chunk_size) and chunk:
         parts.append(f"c={format_tokens(chunk_size)}")
-    if _given(doc_len):
+    if is_given(doc_len):
         parts.append(f"doc={format_tokens(doc_len)}")
-    if _given(overlap):
+    if is_given(overlap):
         parts.append("overlap" if bool(overlap) else "no-overlap")
     return " ".join(parts)
 
@@ -74,19 +74,19 @@ VARIANT = ("method", "heads_per_stage", "ring_degree", "chunk_size")
 VARIANT_LAST = ("nproc", "doc_len", "overlap")
 
 
-def _column(df: pd.DataFrame, col: str) -> pd.Series:
+def column_of(df: pd.DataFrame, col: str) -> pd.Series:
     """``df[col]``, or NaN where the table has no such column (the ``hw_*`` columns exist in
     emulated tables only)."""
     return df[col] if col in df.columns else pd.Series(np.nan, index=df.index)
 
 
-def _plain(col: str, v) -> str:
+def plain_value(col: str, v) -> str:
     if col in ("seq_len", "max_seq_len"):
         return format_tokens(v)
     return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
 
 
-def _number(v: float) -> str:
+def format_number(v: float) -> str:
     """3 significant digits without exponents: 0.123, 12.3, 1,234."""
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
@@ -97,32 +97,32 @@ def memory_unit(values: pd.Series) -> tuple[int, str]:
     return (GiB, "GiB") if top >= GiB else (MiB, "MiB")
 
 
-def _emulated(df: pd.DataFrame) -> bool:
+def is_emulated(df: pd.DataFrame) -> bool:
     """Every row says ``mode`` emulated (an emulated sweep's tables)."""
     return set(df["mode"].dropna()) == {"emulated"}
 
 
-def _titled(title: str, df: pd.DataFrame) -> str:
+def mark_emulated(title: str, df: pd.DataFrame) -> str:
     """'Peak memory' -> 'Peak memory (emulated)' for emulated rows."""
-    return f"{title} (emulated)" if _emulated(df) else title
+    return f"{title} (emulated)" if is_emulated(df) else title
 
 
-def _context(df: pd.DataFrame, cols: Iterable[str] = (*SETTINGS, "device")) -> str:
+def shared_settings(df: pd.DataFrame, cols: Iterable[str] = (*SETTINGS, "device")) -> str:
     """The settings every row shares, for a title: 'llama3-8b · nproc 8 · stack alst · H100'."""
     parts = []
     for col in cols:
         vals = df[col].dropna().unique()
         if len(vals) == 1:
-            parts.append(_plain(col, vals[0]) if col in ("model", "device")
-                         else f"{col} {_plain(col, vals[0])}")
+            parts.append(plain_value(col, vals[0]) if col in ("model", "device")
+                         else f"{col} {plain_value(col, vals[0])}")
     return " · ".join(parts)
 
 
 # -- labels and their order ------------------------------------------------------------------
 
 
-def _labelled(df: pd.DataFrame, vary: Sequence[str] = SETTINGS
-              ) -> tuple[pd.DataFrame, list[str]]:
+def label_variants(df: pd.DataFrame, vary: Sequence[str] = SETTINGS
+                   ) -> tuple[pd.DataFrame, list[str]]:
     """`df` with a `detail` column (the variant, plus each `vary` column that takes several
     values) and a `label` column, a short name for an axis: the variant without METHOD_NAMES'
     descriptions and the chunk, with the chunk where that names two variants, the detail where
@@ -130,7 +130,7 @@ def _labelled(df: pd.DataFrame, vary: Sequence[str] = SETTINGS
 
     A `vary` column that is one value per variant (torch-cp on the ``native`` stack, the rest on
     ``alst``) is named only on the variants that differ from the most common value."""
-    cols = [_column(df, c) for c in (*VARIANT, *VARIANT_LAST)]
+    cols = [column_of(df, c) for c in (*VARIANT, *VARIANT_LAST)]
     shorter = [pd.Series([variant_label(*v, names=False, chunk=chunk)
                           for v in zip(*cols, strict=True)], index=df.index)
                for chunk in (False, True)]
@@ -142,7 +142,7 @@ def _labelled(df: pd.DataFrame, vary: Sequence[str] = SETTINGS
         marked = pd.Series(True, index=df.index)
         if (df.groupby(variant)[col].nunique(dropna=False) == 1).all():
             marked = df[col] != df[col].mode().iloc[0]
-        df.loc[marked, "label"] += [f", {col} {_plain(col, v)}" for v in df.loc[marked, col]]
+        df.loc[marked, "label"] += [f", {col} {plain_value(col, v)}" for v in df.loc[marked, col]]
     short = shorter[0]
     for longer in (shorter[1], df["label"]):  # where a short label names several variants
         shared = df.groupby(short)["label"].transform("nunique") > 1
@@ -150,18 +150,18 @@ def _labelled(df: pd.DataFrame, vary: Sequence[str] = SETTINGS
     df = df.assign(detail=df["label"], label=short)
     keys = df.assign(_first=df["method"] != "ulysses", _u=df["heads_per_stage"].fillna(-1),
                      _r=df["ring_degree"].fillna(1), _c=df["chunk_size"].fillna(-1),
-                     _d=_column(df, "doc_len").fillna(-1),
-                     stack=df["stack"].map(_stack_rank))
+                     _d=column_of(df, "doc_len").fillna(-1),
+                     stack=df["stack"].map(stack_rank))
     df = df.loc[keys.sort_values(["_first", "method", "_u", "_r", "_c", "_d", *vary],
                                  kind="stable").index]
     return df.reset_index(drop=True), list(dict.fromkeys(df["label"]))
 
 
 def _details(df: pd.DataFrame, labels: list[str]) -> list[str]:
-    """The detail (``_labelled``) of each label, for a legend."""
+    """The detail (``label_variants``) of each label, for a legend."""
     detail = df.drop_duplicates("label").set_index("label")["detail"]
     return [detail[lb] for lb in labels]
 
 
-def _stack_rank(stack: str) -> int:
+def stack_rank(stack: str) -> int:
     return STACK_ORDER.index(stack) if stack in STACK_ORDER else len(STACK_ORDER)

@@ -43,8 +43,8 @@ from experiments.config import Cell, Hardware, Status, resolve_model
 from experiments.config.hardware import RESERVE_SOURCE
 from experiments.emulation.fit import sequence_chunk
 from experiments.harness.launch import unrun
-from experiments.runner.plan_keep import _partial_rows
-from experiments.runner.plan_ladder import _over_device, plan_configuration
+from experiments.runner.plan_keep import partial_rows
+from experiments.runner.plan_ladder import over_device, plan_configuration
 from experiments.runner.plan_rank import rank
 from experiments.runner.plan_spec import KEEP_ON_DEVICE, PlanSpec, configurations
 from experiments.timing.profile import profile_for
@@ -118,7 +118,7 @@ def _record_over(cell: Cell, rows: list[dict], over_at: dict[tuple, int]) -> Non
         # (``partial_candidates``), so a larger U still needs its own, not an inference
         if row["stack"] in KEEP_ON_DEVICE:
             continue
-        if _over_device(row) and "plan_inferred_from" not in row:
+        if over_device(row) and "plan_inferred_from" not in row:
             key = (_family(cell), row["stack"])
             over_at[key] = min(over_at.get(key, u), u)
 
@@ -171,7 +171,7 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int | None = None, exact: boo
     ``KEEP_ON_HOST`` (``KEEP_ON_DEVICE``), fastest estimate first (``partial_candidates``): one
     is emulated exactly (17 s to 8 minutes each at paper scale: its mix of blocks is beyond
     the fit) when no candidate of its method and level has fitted yet and it is above every
-    row that fits so far (``_partial_rows``); the others are rows saying their estimate."""
+    row that fits so far (``partial_rows``); the others are rows saying their estimate."""
     hw.validate(world=spec.gpus)
     workers = default_workers() if workers is None else workers
     cells, rows = configurations(spec)
@@ -210,7 +210,7 @@ def plan(spec: PlanSpec, hw: Hardware, *, workers: int | None = None, exact: boo
                 rows += got
                 if on_rows is not None:
                     on_rows(got)
-        rows += _partial_rows(configs, hw, exact, submit, on_rows)
+        rows += partial_rows(configs, hw, exact, submit, on_rows)
     return rank(rows)
 
 

@@ -2,7 +2,7 @@
 (``KEEP_ON_DEVICE``) in their last blocks only: how many blocks the host or the device holds
 (``host_keep_blocks``, ``device_keep_blocks``), each candidate's estimated speed
 (``partial_candidates``), and which of them ``runner.plan`` emulates exactly
-(``_partial_rows``)."""
+(``partial_rows``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from experiments.config import STACKS, Cell, Hardware, Status
 from experiments.emulation.emulate import emulate_cell, kernel_column
 from experiments.harness.launch import unrun
 from experiments.harness.model import block_offloads, kept_blocks
-from experiments.runner.plan_ladder import _over_device_emulated, _over_host_only
-from experiments.runner.plan_rank import _best_fitting, _identity
+from experiments.runner.plan_ladder import over_device_emulated, over_host_only
+from experiments.runner.plan_rank import best_fitting, row_identity
 from experiments.runner.plan_spec import KEEP_ON_DEVICE, KEEP_ON_HOST
 
 
@@ -58,7 +58,7 @@ def device_keep_blocks(light: dict, full: dict, cell: Cell, hw: Hardware) -> int
     selective sweeps, tests/test_selective_table.py): the last block keeps its tensors only
     until its own backward, the first of the step's, so it adds least, and each further
     middle block adds the same bytes. Unlike the host's rule this is an estimate: the plan
-    emulates the configuration it picks exactly (``_partial_rows``), so a k that does not fit
+    emulates the configuration it picks exactly (``partial_rows``), so a k that does not fit
     is a row over the budget, not a wrong one."""
     n = cell.validate().n_layers
     room = hw.device_budget(cell) - light["peak_device_bytes"]
@@ -107,7 +107,7 @@ def _candidates(configs: list[tuple[Cell, list[dict]]], hw: Hardware) -> list[_C
             full, light = by_stack.get(stack), by_stack.get(lighter)
             on_host = stack in KEEP_ON_HOST
             if (full is None or light is None or light["status"] != Status.OK
-                    or not (_over_host_only(full) if on_host else _over_device_emulated(full))
+                    or not (over_host_only(full) if on_host else over_device_emulated(full))
                     or not full.get("step_time_s")):
                 continue
             cell = Cell.from_dict(config.to_dict() | {"stack": stack})
@@ -138,7 +138,7 @@ def _fewer_blocks(cand: _Candidate, row: dict, hw: Hardware) -> _Candidate | Non
     at most k - 1; over the host (whose rule is exact: not expected), k - 1."""
     k = cand.cell.keep_blocks
     fewer = k - 1
-    on_device = _over_device_emulated(row)
+    on_device = over_device_emulated(row)
     light_peak = cand.light.get("peak_device_bytes")
     if on_device and row.get("peak_device_bytes") and light_peak is not None:
         per_block = (row["peak_device_bytes"] - light_peak) / k
@@ -159,8 +159,8 @@ def _configuration_name(row: dict) -> str:
     return f"{row['method']} on {row['stack']}{keep}{u}, ring degree {row.get('ring_degree', 1)}"
 
 
-def _partial_rows(configs: list[tuple[Cell, list[dict]]], hw: Hardware, exact: bool, submit,
-                  on_rows: Callable[[list[dict]], None] | None) -> list[dict]:
+def partial_rows(configs: list[tuple[Cell, list[dict]]], hw: Hardware, exact: bool, submit,
+                 on_rows: Callable[[list[dict]], None] | None) -> list[dict]:
     """The configurations keeping the attention, or whole blocks, in some blocks
     (``partial_candidates``), fastest estimate first, one at a time: a candidate is emulated
     (exactly: 17 s to 8 minutes at paper scale) when its estimate is above every row that fits
@@ -178,12 +178,12 @@ def _partial_rows(configs: list[tuple[Cell, list[dict]]], hw: Hardware, exact: b
     ``submit``'s workers (the table is the same for any number); the plan of Llama3-8B on 8
     GPUs at 4M emulates one of its ten (docs/emulation.md#the-planner)."""
     pending = _candidates(configs, hw)
-    best = _best_fitting([r for _, rows in configs for r in rows])
+    best = best_fitting([r for _, rows in configs for r in rows])
     leaders: dict[tuple, Cell] = {}  # (method, level) -> its candidate that fits
     emulate = functools.partial(emulate_cell, exact=exact)  # keyword-only; pickles for a pool
     out = []
     while pending:
-        pending.sort(key=lambda c: (-c.tokens, _identity(c.cell.to_dict())))
+        pending.sort(key=lambda c: (-c.tokens, row_identity(c.cell.to_dict())))
         cand = pending.pop(0)
         cell, key = cand.cell, (cand.cell.method, cand.cell.stack)
         if key in leaders:
@@ -199,7 +199,7 @@ def _partial_rows(configs: list[tuple[Cell, list[dict]]], hw: Hardware, exact: b
                 on_rows([row])
             if row["status"] == Status.OK:
                 leaders[key] = cell
-                best = _best_fitting([r for r in (best, row) if r is not None])
+                best = best_fitting([r for r in (best, row) if r is not None])
             elif row["status"] == Status.OOM and (fewer := _fewer_blocks(cand, row, hw)):
                 pending.append(fewer)
             continue

@@ -11,20 +11,20 @@ from experiments.harness.launch import unrun
 from experiments.runner.plan_spec import KEEP_ON_DEVICE, KEEP_ON_HOST, LADDER, LONG
 
 
-def _over_device(row: dict) -> bool:
+def over_device(row: dict) -> bool:
     """Whether a row is over the device budget: emulated so (not: over the host budget only,
     or not emulated for another reason), or left out because a lighter level was."""
     return ("plan_inferred_from" in row
             or row["status"] == Status.OOM and "device peak" in row.get("error", ""))
 
 
-def _over_device_emulated(row: dict) -> bool:
+def over_device_emulated(row: dict) -> bool:
     """Whether a row was emulated (with its time) and is over the device budget."""
     return (row["status"] == Status.OOM and "device peak" in (row.get("error") or "")
             and "plan_inferred_from" not in row)
 
 
-def _over_host_only(row: dict) -> bool:
+def over_host_only(row: dict) -> bool:
     """Whether an emulated row is over the host budget and not over the device's."""
     error = row.get("error") or ""
     return row["status"] == Status.OOM and "host peak" in error and "device peak" not in error
@@ -35,7 +35,7 @@ def _keep_row(cell: Cell, light: dict, hw: Hardware, exact: bool) -> dict:
     timed even when it is over the host budget only (``partial_candidates`` interpolates its
     time). Not emulated when ``light`` (the level without keeping) is over the device: keeping
     holds more on it."""
-    if _over_device(light):
+    if over_device(light):
         row = unrun(cell, None, Status.SKIPPED, f"not emulated: the {light['stack']} stack keeps "
                     "less on the device and does not fit it either", "emulated")
         row["plan_inferred_from"] = light["stack"]
@@ -63,7 +63,7 @@ def plan_configuration(alst: Cell, hw: Hardware, stacks: tuple[str, ...],
         if stack not in stacks:
             continue
         cell = Cell.from_dict(alst.to_dict() | {"stack": stack})
-        blocking = [s for s in LADDER[stack] if s in rows and _over_device(rows[s])]
+        blocking = [s for s in LADDER[stack] if s in rows and over_device(rows[s])]
         if stack in (over or {}):
             also = ", as overlapped stages do" if alst.option("overlap") else ""
             rows[stack] = unrun(cell, None, Status.SKIPPED,

@@ -114,6 +114,35 @@ def test_without_a_sampler_an_uncertified_prediction_is_named():
     assert fit.summary()["fit_nonaffine_phases"] == []
 
 
+def test_below_the_shortest_sample_the_length_itself_is_sampled():
+    """Below the fit's shortest length the line through its two shortest samples is no bound
+    (another code path: measured 522,240 B above the exact peak for the tiny model's UPipe at
+    1K tokens), yet rows had said certified and named nothing. The length is sampled now (as
+    off the lattice); without a sampler the prediction is named uncertified."""
+    def shallow(s, n):  # a step whose short lengths run another path: 5000 B more below 2Q
+        m = _measurement(s, n)
+        extra = 5000 if s < 2 * Q else 0
+        key = ("backward",)
+        peak = m.peak_device_bytes + extra
+        return Measurement(peak, m.peak_host_bytes, {"attention": peak}, {key: peak},
+                           {key: {"attention": peak}}, None, None, block_state_bytes=1000)
+
+    asked = []
+
+    def sample(n, x):
+        asked.append((n, x))
+        return shallow(x, n)
+
+    window = (2 * Q, 3 * Q, 4 * Q)
+    samples = {4: {x: shallow(x, 4) for x in window}, 5: {x: shallow(x, 5) for x in window[:2]}}
+    fit = Fit(window, samples, Q, 2 * Q, sample)
+    assert fit.predict(Q, 8).peak_device_bytes == shallow(Q, 8).peak_device_bytes
+    assert {(4, Q), (5, Q)} <= set(asked) and not fit.summary()["fit_nonaffine_phases"]
+    blind = Fit(window, samples, Q, 2 * Q)
+    blind.predict(Q, 8)
+    assert "backward (no sampler of 1024)" in blind.summary()["fit_nonaffine_phases"]
+
+
 @pytest.mark.parametrize("s", [2 * Q, 3 * Q + 1, 4 * Q])
 def test_inside_the_window_at_most_the_third_five_layer_sample_is_added(s):
     window = (2 * Q, 3 * Q, 4 * Q)

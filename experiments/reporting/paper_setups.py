@@ -146,10 +146,18 @@ FINDINGS: tuple[Finding, ...] = (
         "traced, not modelled: the paper's UPipe holds one (L, dim) tensor more than ours"),
     Finding(
         "UPipe / USP at 128K on Qwen3-32B (the ratio above; 0.886 in the paper)",
-        "What a UPipe stage costs beyond its FLOPs and bytes (launches, small memory-bound "
-        "ops, per-stage synchronisation): the time model's open question.",
-        "results/kernels_gpu/ (per-head cuDNN rates by GQA ratio)",
-        "open: issue 30, which needs a GPU"),
+        "On the 8 x 2 mesh every UPipe stage runs its own ring over the two ring ranks, where "
+        "USP runs one per layer, and the ring's backward (upipe/ring.py) waits for the "
+        "previous rank's fp32 dK/dV before its next kernel, so that exchange runs beside no "
+        "kernel: UPipe exposes it once per stage, on blocks a stage's heads wide. The time "
+        "model had hidden it behind the attention; priced as blocking, the ratio at 128K is "
+        "the one above (0.969 before), nearing 1 with length as attention grows. That the "
+        "paper's UPipe waits the same way is not checked; what a stage costs beyond this "
+        "(launches, small memory-bound ops) is still open.",
+        "upipe/ring.py (_pass_on_gradients); experiments/timing/op_costs.py (the exchange as "
+        "blocking); results/kernels_gpu/ (per-head cuDNN rates by GQA ratio)",
+        "modelled since issue 32 for this suite's schedule; per-stage costs beyond it: issue "
+        "30, which needs a GPU"),
 )
 
 

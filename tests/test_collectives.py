@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments.instruments.collectives import CollectiveCounter
 from upipe import build_method
@@ -134,3 +135,42 @@ def test_an_uneven_all_to_all_counts_what_leaves_the_rank(dist_pool):
     and 1 KiB."""
     sent = dist_pool(2).run(_uneven_all_to_alls)
     assert sent == [[3072] * 2, [1024] * 2]
+
+
+def _shares_on_a_fake_world() -> dict[str, tuple]:
+    """What ``describe_collective`` says rank 0 of 4 (fake process group) sends and the bytes
+    of its input for each rank: an even all-to-all of 4 rows of 1 KiB, an uneven one (rows 1,
+    0, 2, 1; c10d and functional) and the list form."""
+    import torch.distributed._functional_collectives as funcol
+
+    from experiments.emulation.fake_step import fake_world
+    from experiments.instruments.collectives import describe_collective
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.got = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            call = describe_collective(func, args, kwargs or {})
+            if call is not None:
+                self.got[call.op] = (call.sent, call.shares)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.zeros(4, 256)
+    with fake_world(4), Calls() as calls:
+        dist.all_to_all_single(torch.empty_like(x), x)
+        funcol.wait_tensor(funcol.all_to_all_single(x, [1, 1, 1, 1], [1, 0, 2, 1],
+                                                    dist.group.WORLD))
+        rows = (2, 1, 1, 3)  # the fake group copies each input to its output: same shapes
+        dist.all_to_all([torch.empty(n, 256) for n in rows], [torch.zeros(n, 256) for n in rows])
+    return calls.got
+
+
+def test_an_uneven_all_to_all_says_its_bytes_for_each_rank():
+    """Split sizes give each destination's bytes (the time model cannot split such a call
+    across nodes by the group's layout); even splits give none, the payload's P-th each."""
+    got = _shares_on_a_fake_world()
+    assert got["alltoall_base_"] == (3072, None)
+    assert got["all_to_all_single"] == (3072, (1024, 0, 2048, 1024))
+    assert got["alltoall_"] == (5120, (2048, 1024, 1024, 3072))

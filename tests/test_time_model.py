@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -295,6 +296,61 @@ def test_a_ring_step_waits_for_its_slowest_hop():
         m = measure_fake(cell, cell.validate(), Hardware(device="cpu", gpus_per_node=2))
     scopes = {k[3] for _, w in m.work for k in w if k[:2] == ("comm", "p2p")}
     assert scopes == {"inter"}
+
+
+def _all_to_all_bytes(cell: Cell, hw: Hardware) -> Counter:
+    """The step's all-to-all bytes by scope (rank 0)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("experiments.emulation.fake_step.critical_rank", lambda c: 0)
+        m = measure_fake(cell, cell.validate(), hw)
+    return Counter({k[3]: v for _, w in m.work for k, v in w.items()
+                    if k[0] == "comm" and k[2] == "all_to_all"})
+
+
+def test_an_all_to_all_across_nodes_sends_only_its_bytes_for_other_nodes_over_the_nic():
+    """Ulysses over 4 ranks on nodes of 2: of the bytes rank 0 sends in one node, those for
+    ranks 2 and 3 (2 of its 3 peers) leave the node, those for rank 1 stay on it."""
+    cell = Cell("ulysses", "tiny", seq_len=2048, nproc=4, stack="ac")
+    one_node = _all_to_all_bytes(cell, Hardware(device="cpu"))
+    two_nodes = _all_to_all_bytes(cell, Hardware(device="cpu", gpus_per_node=2))
+    assert set(one_node) == {"intra"} and set(two_nodes) == {"inter", "node"}
+    assert two_nodes["inter"] == 2 * two_nodes["node"]
+    assert two_nodes["inter"] + two_nodes["node"] == one_node["intra"]
+
+
+def test_an_all_to_all_over_an_unevenly_spread_group_is_priced_on_its_slowest_rank():
+    """12 ranks on nodes of 8, an even all-to-all of 12 chunks of 1 KiB: the ranks of the
+    second node send 8 chunks through their NICs (rank 0: 4), those of the first 7 over NVLink;
+    the call ends with its slowest rank, whichever rank is emulated. With split sizes the
+    other ranks' splits are unknown: every sent byte is priced on the NIC."""
+    def all_to_all(*splits):
+        return _op_work(lambda: (torch.zeros(12, 256),), lambda x: dist.all_to_all_single(
+            torch.empty_like(x), x, *(splits and (splits, splits))))
+
+    def comm(work):
+        return {k[3]: v for k, v in work.items() if k[0] == "comm"}
+
+    with fake_world(12):
+        assert comm(all_to_all()) == {"inter": 8 * 1024, "node": 7 * 1024}
+        assert comm(all_to_all(*[1] * 12)) == {"inter": 11 * 1024}
+
+
+def test_a_cross_node_all_to_all_takes_the_longer_of_its_nic_and_nvlink_shares(cuda):
+    """Its bytes for other nodes at the inter rate (1e10 B/s, 20 us a call in the fixture)
+    beside its bytes for this node at the intra rate (1e11 B/s): the longer counts, not the
+    sum; the same for torch's ring's numbered collectives."""
+    def blocking(remote: float, local: float, mechanism: str = "blocking") -> WindowTime:
+        n = (3,) if mechanism == "async" else ()
+        return price(Counter({("comm", mechanism, "all_to_all", "inter", *n): remote,
+                              ("comm_calls", mechanism, "all_to_all", "inter", *n): 10,
+                              ("comm", mechanism, "all_to_all", "node", *n): local}),
+                     cuda, pinned=True)
+    # the NIC's 1.0 s + 200 us hide NVLink's 0.07 s
+    assert blocking(1e10, 7e9).blocking == pytest.approx(1.0 + 2e-4)
+    # most peers on the node: NVLink's 0.7 s is longer than the NIC's 0.1 s + 200 us
+    assert blocking(1e9, 7e10).blocking == pytest.approx(0.7)
+    assert blocking(1e9, 7e10, "overlap").overlap == pytest.approx(0.7)
+    assert blocking(1e9, 7e10, "async").ring_async == pytest.approx(0.7)
 
 
 def test_the_rings_dk_dv_exchange_is_blocking_and_its_k_v_rotation_hidden():

@@ -57,9 +57,10 @@ def _sent(rule: str, payload: int, p: int, is_root: bool, kept: int | None = Non
     github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md): each rank sends (P-1)/P of the
     gathered output (all-gather), of its input (reduce-scatter), and 2(P-1)/P of the tensor for
     an all-reduce (a reduce-scatter, then an all-gather). An all-to-all sends its input but the
-    chunk it keeps (``kept`` bytes, ``_kept``): 1/P of it with even splits. Broadcast: the root
-    sends the tensor once, the others are counted as sending nothing (a ring or tree relays it,
-    but only the root's bytes are new on the wire). Integer arithmetic, floored per call.
+    chunk it keeps (``kept`` bytes, its own of ``_shares``): 1/P of it with even splits.
+    Broadcast: the root sends the tensor once, the others are counted as sending nothing (a
+    ring or tree relays it, but only the root's bytes are new on the wire). Integer
+    arithmetic, floored per call.
     """
     if rule == "all_to_all":
         return payload - kept if kept is not None else payload * (p - 1) // p
@@ -72,17 +73,17 @@ def _sent(rule: str, payload: int, p: int, is_root: bool, kept: int | None = Non
     return payload if rule == "all" else 0
 
 
-def _kept(bound: dict, payload_arg: str, rank: int) -> int | None:
-    """Bytes of its own input an all-to-all keeps on this rank: the ``input_split_sizes[rank]``
-    rows of an uneven split, the rank's own tensor of the list form; None for even splits
-    (no sizes given: ``_sent`` keeps 1/P)."""
+def _shares(bound: dict, payload_arg: str) -> list[int] | None:
+    """Bytes of an all-to-all's input bound for each rank of its group: the
+    ``input_split_sizes`` rows of an uneven split, each tensor of the list form; None for even
+    splits (no sizes given: 1/P each)."""
     x = bound[payload_arg]
     if isinstance(x, (list, tuple)):
-        return _nbytes(x[rank])
+        return [_nbytes(y) for y in x]
     splits = bound.get("input_split_sizes")
     if not splits:
         return None
-    return int(splits[rank]) * (_nbytes(x) // x.shape[0])
+    return [int(n) * (_nbytes(x) // x.shape[0]) for n in splits]
 
 
 def _nbytes(x) -> int:
@@ -108,6 +109,9 @@ class CollectiveCall:
     sent: int  # bytes this rank sends (``_sent``)
     group: ProcessGroup
     peer: int | None  # send / recv: the peer's rank in ``group``; else None
+    # an all-to-all with split sizes: its input's bytes for each rank of ``group`` (``_shares``);
+    # None for even splits (the payload's P-th each) and other ops
+    shares: tuple[int, ...] | None = None
 
 
 def _describe_functional(name: str, bound: dict) -> CollectiveCall | None:
@@ -119,9 +123,16 @@ def _describe_functional(name: str, bound: dict) -> CollectiveCall | None:
     group = _resolve_process_group(bound["group_name"])
     payload_kind, rule = _FUNCTIONAL_BYTES[name]
     payload = _nbytes(bound["input"]) * (group.size() if payload_kind == "gathered" else 1)
-    kept = _kept(bound, "input", group.rank()) if rule == "all_to_all" else None
-    return CollectiveCall(name, payload, _sent(rule, payload, group.size(), False, kept), group,
-                          None)
+    shares = _shares(bound, "input") if rule == "all_to_all" else None
+    return _call(name, rule, payload, group, False, None, shares)
+
+
+def _call(name: str, rule: str, payload: int, group: ProcessGroup, is_root: bool,
+          peer: int | None, shares: list[int] | None) -> CollectiveCall:
+    """A ``CollectiveCall`` from its parts (``shares``: an uneven all-to-all's, ``_shares``)."""
+    kept = None if shares is None else shares[group.rank()]
+    return CollectiveCall(name, payload, _sent(rule, payload, group.size(), is_root, kept), group,
+                          peer, None if shares is None else tuple(shares))
 
 
 def describe_collective(func, args, kwargs) -> CollectiveCall | None:
@@ -141,10 +152,9 @@ def describe_collective(func, args, kwargs) -> CollectiveCall | None:
     is_root = bound.get("root_rank") == group.rank()
     payload_arg, rule = _BYTES[name]
     payload = _nbytes(bound[payload_arg])
-    kept = _kept(bound, payload_arg, group.rank()) if rule == "all_to_all" else None
     peer = bound.get("dst", bound.get("src"))
-    return CollectiveCall(name, payload, _sent(rule, payload, group.size(), is_root, kept), group,
-                          None if peer is None else int(peer))
+    shares = _shares(bound, payload_arg) if rule == "all_to_all" else None
+    return _call(name, rule, payload, group, is_root, None if peer is None else int(peer), shares)
 
 
 class CollectiveCounter(TorchDispatchMode):

@@ -24,7 +24,12 @@ window's ``Counter``:
                                                   update at U = 1 is bound by it; the product's
                                                   own bytes are its roofline's, ``time_model``)
     ("kernels",)                                  kernel launches
-    ("comm", mechanism, op, scope)                bytes this rank sends (bus bytes)
+    ("comm", mechanism, op, scope)                bytes this rank sends (bus bytes); scope
+                                                  intra (a group inside the node) or inter
+                                                  (across nodes; an all-to-all's bytes for
+                                                  other nodes only)
+    ("comm", mechanism, "all_to_all", "node")     an all-to-all across nodes: its bytes for
+                                                  peers on this rank's node
     ("comm_calls", mechanism, op, scope)          calls
     ("comm" | "comm_calls", "async", op, scope, n) the same, of torch's ring's n-th collective
     ("cover", n, *key)                            the work (a key above, kernels only) run on
@@ -229,6 +234,16 @@ class StepWork(TorchDispatchMode):
         node = me // self.gpus_per_node
         return "intra" if all(r // self.gpus_per_node == node for r in peers) else "inter"
 
+    def _across_and_within(self, call) -> tuple[int, int]:
+        """(bytes for other nodes, bytes for this node's peers) of an even all-to-all across
+        nodes, on its slowest rank: the one with the fewest of the group on its node sends the
+        most through its NIC. That of a rank with the most of the group on its node is taken
+        for NVLink's share; both are this rank's on a group spread evenly over its nodes."""
+        ranks = dist.get_process_group_ranks(call.group)
+        on_node = Counter(r // self.gpus_per_node for r in ranks).values()
+        chunk = call.payload // len(ranks)
+        return chunk * (len(ranks) - min(on_node)), chunk * (max(on_node) - 1)
+
     # -- a replayed call's share (``replay``): the work it added to the current window ---------
 
     def mark(self) -> tuple[list[Window], dict[Window, Counter]]:
@@ -320,7 +335,15 @@ class StepWork(TorchDispatchMode):
             key += (self._issued,)
             self._in_flight.append([self._issued, self._window_key(), 0])
             self._issued += 1
-        w[("comm", *key)] += call.sent
+        sent = call.sent
+        if scope == "inter" and op == "all_to_all" and call.shares is None:
+            # an all-to-all across nodes: each GPU has its own NIC, so only the bytes for
+            # other nodes cross it; those for its node's peers cross NVLink at the same time
+            # (``time_model``: the longer of the two). One with split sizes stays all on the
+            # NIC: its other ranks' splits are not known here, and it ends with its slowest
+            sent, local = self._across_and_within(call)
+            w[("comm", mechanism, op, "node", *key[3:])] += local
+        w[("comm", *key)] += sent
         if call.sent or op != "p2p":  # a ring step's send and receive are one transfer
             w[("comm_calls", *key)] += 1
 

@@ -50,7 +50,10 @@ Schema (``value`` of each constant)::
     collectives.<scope>.<op>           {"bus_bandwidth": bytes/s, "latency_s": s}; scope intra
                                        (ranks in one node) or inter (across nodes); op in
                                        all_to_all, all_gather, reduce_scatter, all_reduce, p2p;
-                                       bus bandwidth as nccl-tests defines it (PERFORMANCE.md)
+                                       bus bandwidth as nccl-tests defines it (PERFORMANCE.md);
+                                       inter all_to_all: the rate of one GPU's bytes for other
+                                       nodes (one NIC's: an all-to-all cannot aggregate NICs),
+                                       its bytes for its own node priced by intra all_to_all
     host_copy.<direction>_<memory>     bytes/s; direction h2d or d2h, memory pinned or pageable
 
 Tables are interpolated linearly in log2(x) and held flat beyond their ends; tables by heads are

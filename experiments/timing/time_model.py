@@ -7,7 +7,10 @@ bandwidth where that is longer, and an accumulating one (C += A @ B) also reads 
 memory-bound work; an attention kernel FLOPs / rate(kernel, dtype, pass, head dim,
 key length, heads in the call); a memory-bound kernel bytes / memory bandwidth; every kernel also
 occupies its stream for the launch overhead; a collective latency x calls + bus bytes / bus
-bandwidth of its op within or across nodes; a host copy bytes / the PCIe rate of its direction,
+bandwidth of its op within or across nodes (an all-to-all across nodes: its bytes for other
+nodes at the NIC's rate, beside its bytes for this node at NVLink's, the longer of the two:
+each GPU has a NIC of its own, and an all-to-all cannot use another's, NVIDIA/nccl-tests
+issue #267); a host copy bytes / the PCIe rate of its direction,
 pinned or pageable. The host issues a window's ops at ``host_op_s`` each while the GPU runs: a
 window takes at least that long (the GPU waits on the host), which the step's overhead
 includes. The model assumes no host-device synchronisation inside the step (none in the
@@ -100,6 +103,19 @@ class StepTime:
     # the host's issue time, host_wait: what of it the GPU waited for)
 
 
+def _add_comm(t: Counter, ring_async: Counter, call: tuple, seconds: float) -> None:
+    """Add a collective's ``seconds`` to its slot of ``t`` (``call``: its mechanism, op and,
+    for torch's ring's, its number n, whose seconds go to ``ring_async[n]``)."""
+    mechanism, op = call[:2]
+    if mechanism == "async":
+        ring_async[call[2]] += seconds
+        return
+    slot = {"p2p": "p2p", "blocking": "blocking", "overlap": "overlap"}.get(mechanism)
+    if slot is None:  # fsdp
+        slot = "fsdp_gather" if op == "all_gather" else "fsdp_reduce"
+    t[slot] += seconds
+
+
 def price(work: Counter, profile: Profile, pinned: bool) -> WindowTime:
     """The seconds of a window's work (keys of ``op_costs``) on ``profile``; ``pinned``: host
     buffers are pinned (the harness pins up to ``PIN_MAX_TOKENS`` tokens:
@@ -107,6 +123,9 @@ def price(work: Counter, profile: Profile, pinned: bool) -> WindowTime:
     t: Counter = Counter()
     ring_async: Counter = Counter()  # torch's ring's n-th collective: its seconds, its cover's
     cover: Counter = Counter()
+    # cross-node all-to-alls by (mechanism, op[, n]): seconds on NVLink, seconds on the NIC
+    node: Counter = Counter()
+    nic: Counter = Counter()
     for key, amount in work.items():
         kind = key[0]
         if kind == "matmul":
@@ -128,15 +147,15 @@ def price(work: Counter, profile: Profile, pinned: bool) -> WindowTime:
             t["host"] += amount * profile.host_op_s
         elif kind in ("comm", "comm_calls"):
             mechanism, op, scope = key[1:4]
+            call = key[1:3] + key[4:]
+            if scope == "node":  # a cross-node all-to-all's bytes for this node, over NVLink
+                node[call] += amount / profile.collective(op, "intra")[0]
+                continue
             bandwidth, latency = profile.collective(op, scope)
             seconds = amount / bandwidth if kind == "comm" else amount * latency
-            if mechanism == "async":
-                ring_async[key[4]] += seconds
-                continue
-            slot = {"p2p": "p2p", "blocking": "blocking", "overlap": "overlap"}.get(mechanism)
-            if slot is None:  # fsdp
-                slot = "fsdp_gather" if op == "all_gather" else "fsdp_reduce"
-            t[slot] += seconds
+            if scope == "inter" and op == "all_to_all":
+                nic[call] += seconds
+            _add_comm(t, ring_async, call, seconds)
         elif kind == "cover":  # the GPU time of the kernels an async collective ran beside
             w = price(Counter({key[2:]: amount}), profile, pinned)
             cover[key[1]] += w.compute + w.overhead
@@ -146,6 +165,10 @@ def price(work: Counter, profile: Profile, pinned: bool) -> WindowTime:
             t[f"copy_{mechanism}"] += amount / rate
         else:
             raise ValueError(f"unknown work key {key!r}")
+    # a cross-node all-to-all's bytes for this node's peers cross NVLink while the rest cross
+    # the NIC: the call takes the longer of the two, so only NVLink's excess adds
+    for call, seconds in node.items():
+        _add_comm(t, ring_async, call, max(0.0, seconds - nic[call]))
     t["ring_async"] = sum(ring_async.values())
     t["ring_async_exposed"] = sum(max(0.0, s - cover[n]) for n, s in ring_async.items())
     return WindowTime(**t)

@@ -131,8 +131,10 @@ class Row(_Identity, total=False):
     fit_nonaffine_phases: list
     fit_time_approximate: list
     fit_certified: bool
-    """the fit's peaks certified by samples around the length (``emulation.certify``), or its
-    window's lines (the CI guard's check)"""
+    """the fit's peaks certified by samples around the length (``emulation.certify``), nothing
+    in ``fit_nonaffine_phases``; False: its window's lines (the CI guard's check), or a series
+    named there (older rows said True for a certifying run whatever they named:
+    docs/emulation.md)"""
     fit_checked_lens: list
     """the fit's samples besides its window's: those before it (the window moved past them) and
     those its predictions sampled to certify their peaks"""

@@ -110,8 +110,12 @@ def test_without_a_sampler_an_uncertified_prediction_is_named():
                        5: {s: _measurement(s, 5) for s in window[:2]}}, Q, 2 * Q)
     fit.predict(30 * Q, 32)
     assert "backward (no sampler of 30720)" in fit.summary()["fit_nonaffine_phases"]
+    # the row says so: a certifying prediction that could not certify is not certified
+    assert fit.summary()["fit_certified"] is False
     fit.predict(3 * Q, 32)  # inside the window: certified, and the flag was that prediction's
     assert fit.summary()["fit_nonaffine_phases"] == []
+    assert fit.summary()["fit_certified"] is True
+    assert fit.summary(certify=False)["fit_certified"] is False
 
 
 def test_below_the_shortest_sample_the_length_itself_is_sampled():

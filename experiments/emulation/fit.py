@@ -334,15 +334,18 @@ class Fit:
 
     def summary(self, certify: bool = True) -> dict:
         """The fit's provenance for a row: its window, depths, what it could not certify,
-        whether the prediction was certified (``predict``) and the lengths of its samples
+        whether the prediction was certified (``predict`` asked to certify, and nothing named
+        uncertified or not affine) and the lengths of its samples
         besides the window's (before it, and those sampled to certify predictions so far)."""
         checked = sorted(({x for n in N_SAMPLE for x in self.samples[n]}
                           | {x for _, x in self._off}) - set(self.seq_lens))
+        flagged = sorted(set(self.nonaffine + self._uncertified))
+        # certified: asked for, and every series the prediction took certified and affine (a
+        # row said certified while naming what was not)
         return {"emulation": "fit", "fit_seq_lens": list(self.seq_lens),
-                "fit_layers": list(N_SAMPLE),
-                "fit_nonaffine_phases": sorted(set(self.nonaffine + self._uncertified)),
+                "fit_layers": list(N_SAMPLE), "fit_nonaffine_phases": flagged,
                 "fit_time_approximate": list(self.time_approximate),
-                "fit_certified": certify, "fit_checked_lens": checked}
+                "fit_certified": certify and not flagged, "fit_checked_lens": checked}
 
 
 def _phases(m: Measurement, n_layers: int) -> dict[tuple[str, ...], tuple[int, dict]]:

@@ -27,7 +27,7 @@ from experiments.instruments.memory import MemoryTracker, tensor_leaves
 from experiments.timing.op_costs import StepWork, launches_kernel
 from experiments.timing.profile import ProfileError, attention_flops, load_profile
 from experiments.timing.time_model import WindowTime, price, step_time
-from experiments.timing.work_fit import _predict_window, quadratic_at
+from experiments.timing.work_fit import _predict_window, predict_work, quadratic_at
 from upipe.staging import make_stage_plan
 
 DATA = Path(__file__).parent / "data"
@@ -417,6 +417,35 @@ def test_the_work_fit_extrapolates_a_quadratic_exactly():
     xs = (65536, 98304, 131072)
     for x in (1024, 131072 * 40):
         assert quadratic_at(xs, [f(v) for v in xs], x) == f(x)
+
+
+def test_the_work_fit_grows_the_windows_outside_the_blocks_per_layer():
+    """The optimizer's and the root's windows hold per-layer work (AdamW over every layer's
+    shards, FSDP2's per-unit copies): a step of N layers has N times a layer's there, not the
+    4-layer samples' amount. Predicted from the samples one layer deeper at the first two
+    lengths; block windows are per block already, and a sized key (the loss head's matmul) is
+    the same at every depth."""
+    xs = (2048, 3072, 4096)
+    head = ("matmul", "bf16", (1024, 256, 64))
+
+    def step(n_layers: int, x: int) -> list:
+        return [(("forward", None), Counter({("kernels",): 10 + n_layers, head: 1e6})),
+                *((("forward", b), Counter({("memory",): 8.0 * x})) for b in range(n_layers)),
+                (("optimizer", None), Counter({("memory",): 1000.0 * n_layers,
+                                               ("kernels",): 3 * n_layers + 1}))]
+
+    def window(work, key):
+        return next(c for w, c in work if w == key)
+
+    work, approximate = predict_work([step(4, x) for x in xs], xs, 4, 1 << 20, 32,
+                                     [step(5, x) for x in xs[:2]])
+    assert window(work, ("optimizer", None)) == {("memory",): 32000.0, ("kernels",): 97}
+    assert window(work, ("forward", None)) == {("kernels",): 42, head: 1e6}
+    assert window(work, ("forward", 17)) == {("memory",): 8.0 * (1 << 20)}
+    assert approximate == []
+    # without the deeper samples the 4-layer windows stand (what the fit did before)
+    work, _ = predict_work([step(4, x) for x in xs], xs, 4, 1 << 20, 32)
+    assert window(work, ("optimizer", None)) == {("memory",): 4000.0, ("kernels",): 13}
 
 
 def test_the_work_fit_sizes_a_cover_key_as_its_kernels_key():

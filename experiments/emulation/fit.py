@@ -22,8 +22,8 @@ of the same phase takes over. The fit therefore works phase by phase:
 - predict every phase at (S, N) by its value at S with 4 and 5 layers, then the line in N, the
   peak as their maximum; host bytes likewise; communication bytes (sums, not peaks) by the
   window's lines; FLOPs as A(S) + N B(S) with A linear and B quadratic in S (attention); the
-  work per window that the time model prices window by window from the 4-layer samples
-  (``work_fit``).
+  work per window that the time model prices window by window from the 4-layer samples, the
+  windows outside the blocks grown per layer by what the 5-layer ones add (``work_fit``).
 - certify each peak at S (``certify``): a phase's peak is the largest of its moments' lines,
   so a moment the window does not show may overtake beyond it (FPDT's steps do, from 1M to
   3M tokens on Qwen3-32B). Where the samples around S do not pin its value, the fit samples
@@ -327,7 +327,8 @@ class Fit:
         if self.counted and self._window(N_SAMPLE[0])[0].work is not None:
             work, self.time_approximate = predict_work(
                 [m.work for m in self._window(N_SAMPLE[0])], self.seq_lens, N_SAMPLE[0],
-                seq_len, n_layers)
+                seq_len, n_layers, [m.work for m in self._window(N_SAMPLE[1])
+                                    if m.work is not None] or None)
         self.nonaffine = sorted(set(self.nonaffine))
         return Measurement(peaks[top], host, breakdown, {top: peaks[top]}, {top: breakdown},
                            flops, comm, work)
@@ -400,12 +401,11 @@ def _cached(cache: dict, cell: Cell, hw: Hardware, count: bool, make):
 
 
 def _sampler(cell: Cell, hw: Hardware, count: bool, n_layers: int):
-    """``S -> measure_fake`` of ``cell`` at length S with ``n_layers`` layers. The time model
-    prices the 4-layer samples' work (``work_fit``): the 5-layer ones count FLOPs and bytes sent
-    only."""
+    """``S -> measure_fake`` of ``cell`` at length S with ``n_layers`` layers, with the work
+    the time model prices when ``count`` (``work_fit``: the 4-layer samples' per window, and
+    what the 5-layer ones add outside the blocks)."""
     cfg = dataclasses.replace(cell.validate(), n_layers=n_layers)
-    return lambda s: measure_fake(dataclasses.replace(cell, seq_len=s), cfg, hw, count,
-                                  work=n_layers == N_SAMPLE[0])
+    return lambda s: measure_fake(dataclasses.replace(cell, seq_len=s), cfg, hw, count)
 
 
 def _memory_sampler(cell: Cell, hw: Hardware):

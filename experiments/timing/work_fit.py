@@ -15,7 +15,8 @@ shapes. A family of keys that matches neither way is predicted by its total at t
 sample's sizes and listed as approximate.
 
 The target's windows: forward (root, then blocks 0..N-1), backward (root, then blocks N-1..0),
-optimizer; middle blocks beyond the samples' two are copies of the last middle block.
+optimizer; middle blocks beyond the samples' two are copies of the last middle block, and the
+windows outside the blocks grow per layer by the difference between samples one layer apart.
 """
 
 from __future__ import annotations
@@ -132,12 +133,37 @@ def _matched(per_sample: list[dict[tuple, float]], seq_lens, seq_len: int,
     last = per_sample[-1]
     return [(max(last, key=last.get), [sum(d.values()) for d in per_sample])]
 
+def _per_layer(shallow: list[Counter], deep: list[Counter], seq_lens, seq_len: int,
+               approximate: list[str], label: str) -> Counter:
+    """What one more layer adds to a window outside the blocks at ``seq_len``: the difference
+    between the samples one layer apart at the first two lengths, a line in S (FSDP2's
+    per-unit copies and the optimizer's per-parameter kernels do not grow with S at all). A
+    sized key whose amount changes with the depth is left out and its window listed in
+    ``approximate`` (none does: the loss head's matmuls are the same at every depth)."""
+    out: Counter = Counter()
+    for k in set().union(*shallow, *deep):
+        diffs = [d.get(k, 0) - s.get(k, 0) for s, d in zip(shallow, deep, strict=True)]
+        if not any(diffs):
+            continue
+        if size_index(k) is not None:
+            approximate.append(label)
+            continue
+        (x0, x1), (y0, y1) = seq_lens[:2], (Fraction(d) for d in diffs)
+        out[k] = float(y0 + (y1 - y0) / (x1 - x0) * (seq_len - x0))
+    return out
+
+
 def predict_work(samples: list[list[tuple[Window, Counter]]], seq_lens: tuple[int, ...],
-                 n_sample_layers: int, seq_len: int, n_layers: int
+                 n_sample_layers: int, seq_len: int, n_layers: int,
+                 deeper: list[list[tuple[Window, Counter]]] | None = None,
                  ) -> tuple[list[tuple[Window, Counter]], list[str]]:
     """The target's windows in execution order with their predicted work, and the key families
     predicted only approximately. ``samples``: the work of the three ``n_sample_layers``-layer
-    samples at ``seq_lens``."""
+    samples at ``seq_lens``; ``deeper``: of the samples one layer deeper at the first two,
+    whose difference the windows outside the blocks (the root's forward and backward, the
+    optimizer) grow by per layer (FSDP2's per-unit copy-in and copy-out run in the root
+    unit's windows, AdamW runs over every layer's shards). Without them those windows keep
+    their ``n_sample_layers``-layer work."""
     if n_layers < n_sample_layers:
         raise ValueError(f"the work fit predicts models of at least {n_sample_layers} layers, "
                          f"got {n_layers}: emulate exactly")
@@ -147,6 +173,17 @@ def predict_work(samples: list[list[tuple[Window, Counter]]], seq_lens: tuple[in
     for key in sorted(set().union(*roles), key=str):
         predicted[key] = _predict_window([r.get(key, Counter()) for r in roles], seq_lens,
                                          seq_len, approximate, f"{key[0]}:{key[1]}")
+    if deeper and n_layers > n_sample_layers:
+        deep = [_by_role(w, n_sample_layers + 1) for w in deeper]
+        for key in sorted({k for r in roles + deep for k in r if k[1] is None}, key=str):
+            extra = _per_layer([r.get(key, Counter()) for r in roles[:2]],
+                               [r.get(key, Counter()) for r in deep], seq_lens, seq_len,
+                               approximate, f"{key[0]}:{key[1]} per layer")
+            work = predicted.setdefault(key, Counter())
+            for k, v in extra.items():
+                work[k] = work.get(k, 0.0) + (n_layers - n_sample_layers) * v
+                if work[k] <= 0:
+                    del work[k]
     blocks = list(range(n_layers))
     out = []
     for stage, order in (("forward", blocks), ("backward", blocks[::-1]), ("optimizer", [])):

@@ -128,6 +128,36 @@ def test_a_host_tensor_made_from_a_device_one_is_a_d2h_copy():
     assert copies == {("copy", "sync", "d2h"): 4 * 2**20, ("copy", "sync", "h2d"): 4 * 2**20}
 
 
+def test_a_copy_into_host_pages_written_before_is_priced_warm(cuda):
+    """A pageable device-to-host copy into a new host tensor maps its pages as it copies (1.84
+    GB/s on an H200); into pages written before, HostStore's zeroed accumulators and what it
+    stored, it runs at 18.18 GB/s (results/gpu_costs_h200/kernels/host_copy.csv). Both had
+    been priced at the first."""
+    from upipe.host import HostStore
+
+    with FakeTensorMode():
+        tracker = MemoryTracker()
+        work = StepWork(tracker, gpus_per_node=8)
+        tracker.observers.append(work)
+        with tracker, tracker.phase("forward"):
+            store = HostStore(torch.device("cpu"), host_context=tracker.host)
+            x = torch.randn(1024, 1024)  # a device tensor, 4 MiB
+            acc = store.zeros(x.shape, x.dtype)  # zeroed on the host: its pages written
+            store.write(acc, x)
+            kept = store.put(x)  # a new host tensor: the copy maps its pages
+            store.write(kept, x)  # overwritten: warm
+    copies = {k: v for k, v in work.windows["forward", None].items() if k[0] == "copy"}
+    assert copies == {("copy", "side", "d2h", "warm"): 8 * 2**20,
+                      ("copy", "side", "d2h"): 4 * 2**20}
+    h200 = load_profile("h200")
+    warm = Counter({("copy", "side", "d2h", "warm"): 18.18e9})
+    assert price(warm, h200, pinned=False).copy_side == pytest.approx(1.0)
+    assert price(warm, h200, pinned=True).copy_side == pytest.approx(18.18e9 / 52.77e9)
+    # a profile without the warm rate prices it as a new tensor's, the slower
+    assert price(warm, cuda, pinned=False).copy_side == price(
+        Counter({("copy", "side", "d2h"): 18.18e9}), cuda, pinned=False).copy_side
+
+
 def test_an_unknown_work_key_is_refused(cuda):
     with pytest.raises(ValueError, match="unknown work key"):
         price(Counter({("teleport",): 1}), cuda, True)

@@ -51,6 +51,7 @@ from experiments.timing.calibrate_comm import (
 )
 from experiments.timing.profile import (
     HOST_COPIES,
+    WARM_COPY,
     attention_flops,
     load_profile,
     shipped_profiles,
@@ -226,7 +227,7 @@ def _measure_compute(grid: Grid, device: torch.device, dtypes, kernels, barrier)
         timed(("launch_overhead_s",), graph.replay, None)
         out["launch_overhead_s",] /= n_kernels
     if device.type == "cpu":  # no device: a memcpy, the memory-bandwidth copy (bytes copied)
-        for copy in HOST_COPIES:
+        for copy in (*HOST_COPIES, WARM_COPY):
             out["host_copy", copy] = out["memory_bandwidth",] / 2
     for memory in ("pinned", "pageable") if device.type == "cuda" else ():
         # what the offload's saved-tensor hooks do (upipe.stack.offload): device to host into a
@@ -241,6 +242,10 @@ def _measure_compute(grid: Grid, device: torch.device, dtypes, kernels, barrier)
         timed(("host_copy", f"h2d_{memory}"), partial(x.copy_, host, non_blocking=pin),
               grid.stream_bytes)
         timed(("host_copy", f"d2h_{memory}"), partial(copy_to_host, x, pin), grid.stream_bytes)
+    if device.type == "cuda":  # into pageable pages already written, as HostStore copies
+        # into the accumulators it zeroed (``op_costs._was_written``)
+        host = torch.zeros(x.shape)
+        timed(("host_copy", WARM_COPY), partial(host.copy_, x), grid.stream_bytes)
     return out
 
 
@@ -454,12 +459,16 @@ def _compute_fields(rates: dict, src: _Sources, grid: Grid, device: str, dtypes)
         copy = {c: _c(rates["host_copy", c], src.measured(
             f"no device on CPU: a memcpy between two CPU tensors ({size}, the memory-bandwidth "
             "copy), bytes copied / time, for every direction and host memory"))
-            for c in HOST_COPIES}
+            for c in (*HOST_COPIES, WARM_COPY)}
     else:
         copy = {c: _c(rates["host_copy", c], src.measured(
             f"{c}: a {size} copy between a {c.split('_')[1]} host tensor and the GPU as the "
             "offload's hooks make it (device to host into a host tensor allocated for it, host "
             "to device from it), bytes / time")) for c in HOST_COPIES}
+        copy[WARM_COPY] = _c(rates["host_copy", WARM_COPY], src.measured(
+            f"{WARM_COPY}: a {size} copy from the GPU into a pageable host tensor zeroed "
+            "before (its pages written), as upipe.host.HostStore copies into its accumulators, "
+            "bytes / time"))
     narrow = {}
     for name in dtypes:
         sides = {side: [[w, rates["narrow", side, name, w]] for w in grid.narrow_widths]

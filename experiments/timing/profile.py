@@ -55,6 +55,11 @@ Schema (``value`` of each constant)::
                                        nodes (one NIC's: an all-to-all cannot aggregate NICs),
                                        its bytes for its own node priced by intra all_to_all
     host_copy.<direction>_<memory>     bytes/s; direction h2d or d2h, memory pinned or pageable
+                                       (pageable d2h: into pages the copy maps, as a new host
+                                       tensor's are)
+    host_copy.d2h_pageable_warm        bytes/s (optional): d2h into pageable host pages
+                                       already written (a zeroed accumulator); without it
+                                       such a copy is priced at d2h_pageable, the slower
 
 Tables are interpolated linearly in log2(x) and held flat beyond their ends; tables by heads are
 interpolated in log2(heads) between the two nearest, held flat beyond the ends; rates by GQA group
@@ -78,6 +83,7 @@ COLLECTIVE_OPS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "p
 SCOPES = ("intra", "inter")
 PASSES = ("fwd", "bwd", "fwd_causal", "bwd_causal")
 HOST_COPIES = ("h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable")
+WARM_COPY = "d2h_pageable_warm"  # optional (``Profile.host_copy``)
 REQUIRED = ("device", "gpu_mem_gib", "side_streams", "peak_flops", "matmul", "attention",
             "memory_bandwidth", "launch_overhead_s", "collectives", "host_copy")
 
@@ -261,9 +267,13 @@ class Profile:
         c = self.values["collectives"][scope][op]
         return float(c["bus_bandwidth"]), float(c["latency_s"])
 
-    def host_copy(self, direction: str, pinned: bool) -> float:
-        """Bytes/s of a host<->device copy (``direction`` h2d or d2h)."""
-        return float(self.values["host_copy"][f"{direction}_{'pinned' if pinned else 'pageable'}"])
+    def host_copy(self, direction: str, pinned: bool, warm: bool = False) -> float:
+        """Bytes/s of a host<->device copy (``direction`` h2d or d2h); ``warm``: into pageable
+        host pages already written (``d2h_pageable_warm`` where the profile has it)."""
+        copies = self.values["host_copy"]
+        if warm and not pinned and direction == "d2h" and WARM_COPY in copies:
+            return float(copies[WARM_COPY])
+        return float(copies[f"{direction}_{'pinned' if pinned else 'pageable'}"])
 
     # --- validation -------------------------------------------------------------------------
 
@@ -318,6 +328,8 @@ class Profile:
                                        f"{lat!r}")
         for name in HOST_COPIES:
             _positive(v["host_copy"].get(name), f"host_copy.{name}")
+        if WARM_COPY in v["host_copy"]:
+            _positive(v["host_copy"][WARM_COPY], f"host_copy.{WARM_COPY}")
         _parsed_tables(self)  # the tables' own rules
 
 

@@ -160,8 +160,8 @@ def price(work: Counter, profile: Profile, pinned: bool) -> WindowTime:
             w = price(Counter({key[2:]: amount}), profile, pinned)
             cover[key[1]] += w.compute + w.overhead
         elif kind == "copy":
-            _, mechanism, direction, *always_pinned = key
-            rate = profile.host_copy(direction, pinned or bool(always_pinned))
+            _, mechanism, direction, *flags = key
+            rate = profile.host_copy(direction, pinned or "pinned" in flags, "warm" in flags)
             t[f"copy_{mechanism}"] += amount / rate
         else:
             raise ValueError(f"unknown work key {key!r}")

@@ -325,10 +325,10 @@ class Fit:
             flops = self._flops(seq_len, n_layers)
         work = None
         if self.counted and self._window(N_SAMPLE[0])[0].work is not None:
+            deeper = [m.work for m in self._window(N_SAMPLE[1])]  # both or neither recorded
             work, self.time_approximate = predict_work(
                 [m.work for m in self._window(N_SAMPLE[0])], self.seq_lens, N_SAMPLE[0],
-                seq_len, n_layers, [m.work for m in self._window(N_SAMPLE[1])
-                                    if m.work is not None] or None)
+                seq_len, n_layers, None if None in deeper else deeper)
         self.nonaffine = sorted(set(self.nonaffine))
         return Measurement(peaks[top], host, breakdown, {top: peaks[top]}, {top: breakdown},
                            flops, comm, work)

@@ -133,6 +133,7 @@ def _matched(per_sample: list[dict[tuple, float]], seq_lens, seq_len: int,
     last = per_sample[-1]
     return [(max(last, key=last.get), [sum(d.values()) for d in per_sample])]
 
+
 def _per_layer(shallow: list[Counter], deep: list[Counter], seq_lens, seq_len: int,
                approximate: list[str], label: str) -> Counter:
     """What one more layer adds to a window outside the blocks at ``seq_len``: the difference

@@ -109,3 +109,20 @@ def test_missing_readme_or_markers(tmp_path):
     assert "no" in stale(tmp_path)[0]  # no README at all
     main(["--results", str(tmp_path)])  # creates it
     assert stale(tmp_path) == []
+
+
+def test_the_fit_audit_row_counts_matches_and_names_the_audited_sweeps(tmp_path):
+    d = tmp_path / "fit_audit"
+    d.mkdir()
+    rows = [{"sweep": "b-emulated", "match": "yes", "git_rev": "89abcdef01", "torch_version": "2.9",
+             "date_utc": "2030-01-02T03:04:05+00:00", "cpu_model": "Toy CPU"},
+            {"sweep": "a-emulated", "match": "no", "git_rev": "89abcdef01", "torch_version": "2.9",
+             "date_utc": "2030-01-02T03:04:05+00:00", "cpu_model": "Toy CPU"}]
+    with open(d / "rows.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    line = next(x for x in render(tmp_path).splitlines() if x.startswith("| [`fit_audit`]"))
+    assert "fitted rows of `a-emulated`, `b-emulated`" in line
+    assert "[2 rows](fit_audit/rows.csv) (match: 1 yes, 1 no)" in line
+    assert "89abcdef" in line and "2030-01-02" in line and "Toy CPU" in line

@@ -13,8 +13,8 @@ machine (Llama3-8B, 32 layers, to 3M tokens), so a sweep's worth of rows takes m
     python -m experiments.emulation.audit results/table3_llama3_8b_h100x8-emulated \\
         --kernel fa3 --method zigzag-ring --method fpdt
 
-writes (or updates, row by row) ``results/fit_audit/rows.csv``, each row with the code and
-machine that audited it, and exits 1 when a peak or a status differs.
+writes (or updates, row by row, as each is audited) ``results/fit_audit/rows.csv``, each row
+with the code and machine that audited it, and exits 1 when a peak or a status differs.
 """
 
 from __future__ import annotations
@@ -107,15 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     paths = [r for s in a.sweeps for r in fitted_runs(s, a.kernel, a.method)]
     if not paths:
         p.error("no fitted row matches (--kernel, --method)")
-    rows = []
+    rows, csv = [], a.out / "rows.csv"
     for path in paths:
-        rows.append(audit_run(path))
-        r = rows[-1]
+        rows.append(r := audit_run(path))
+        # written row by row: an audit stopped part way keeps what it measured
+        write_text(csv, merge(pd.read_csv(csv) if csv.exists() else None, [r]).to_csv(index=False))
         print(f"{r['sweep']} {r['cell_id']}: {r['match']} (device {r['device_diff_bytes']:+} B, "
               f"status {r['row_status']} / {r['exact_status']}, {r['audit_s']} s)", flush=True)
-    csv = a.out / "rows.csv"
-    old = pd.read_csv(csv) if csv.exists() else None
-    write_text(csv, merge(old, rows).to_csv(index=False))
     bad = [r for r in rows if r["match"] != "yes"]
     print(f"{len(rows) - len(bad)} of {len(rows)} fitted rows equal their exact emulation "
           f"-> {csv}")

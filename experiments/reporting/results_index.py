@@ -32,6 +32,7 @@ GUARD_COMMAND = "python -m experiments.runner.max_context_guard --update"
 GPU_CHECK_COMMAND = "python -m experiments.gpu allocator"
 PAPER_GRID_COMMAND = "python -m experiments.reporting.paper_grid"
 LADDER_COMMAND = "python -m experiments.runner.long_ladder"
+AUDIT_COMMAND = "python -m experiments.emulation.audit results/<sweep> [--kernel K] [--method M]"
 # GPU checks: (folder, what it shows, mode of every row, the command that regenerates it[,
 # its table inside the folder, env.json beside it: default rows.csv])
 GPU_FOLDERS = (
@@ -220,6 +221,15 @@ def other_lines(results: Path) -> list[str]:
                 _tally("rungs", f"{name}/{path.name}", rows), "",
                 f"`{LADDER_COMMAND} --model {rows[0]['model']} --gpus {rows[0]['nproc']} "
                 f"--seq-len {format_size(int(rows[0]['seq_len']))}`"))
+    if rows := _csv(results / "fit_audit" / "rows.csv"):
+        # each row names the code and machine that audited it, and the sweep it audited
+        match = _counts((r.get("match", "?") for r in rows), ("yes", "no"))
+        sweeps = ", ".join(sorted({f"`{r['sweep']}`" for r in rows}))
+        lines.append(_line(
+            "fit_audit", f"fitted rows of {sweeps} against the exact emulation of their cells "
+            "(no paper table)", [{"mode": "emulated"}], "emulated", _provenance(rows, {}),
+            f"[{len(rows)} rows](fit_audit/rows.csv) (match: {match})", "",
+            f"`{AUDIT_COMMAND}`"))
     if rows := _csv(results / "paper_grid" / "grid_vs_paper.csv"):
         # derived from the emulated Table 3/4 rows, whose provenance is their sweeps'
         agree = _counts((r.get("agree", "?") for r in rows), ("yes", "no", "—"))

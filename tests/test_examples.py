@@ -71,7 +71,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 # memory stack) and ``shard_batch`` hands it the full batch; with packed documents, the targets
 # that would cross into the next document are dropped (as shard_batch drops them) and
 # transformers' own packed-sequence mask, which it builds from position_ids when there is no
-# attention mask and no cache, keeps attention inside each document.
+# attention mask and no cache (since transformers 4.54; the hf extra asks for 4.56), keeps
+# attention inside each document.
 _REFERENCE = """
 import runpy, sys
 from upipe.integrations import hf

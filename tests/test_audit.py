@@ -90,3 +90,21 @@ def test_the_cli_writes_updates_and_fails_on_a_difference(tmp_path, exact_row, m
     with pytest.raises(SystemExit):  # nothing to audit
         audit.main([str(sweep), "--method", "upipe", "--out", str(out)])
     assert "no fitted row matches" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # one exact emulation of a tiny step (the fixture's)
+def test_a_row_that_does_not_name_its_hardware_is_refused(tmp_path, exact_row):
+    row = {k: v for k, v in exact_row.items() if k != "hw_gpu_mem_gib"} | {"emulation": "fit"}
+    path = _write(tmp_path / "s-emulated", row)
+    with pytest.raises(ValueError, match="no hw_gpu_mem_gib: it does not say which hardware"):
+        audit.audit_run(path, lambda *a, **k: pytest.fail("emulated a row it cannot reproduce"))
+
+
+@pytest.mark.slow  # one exact emulation of a tiny step (the fixture's)
+def test_the_cli_reports_a_cell_that_did_not_run(tmp_path, exact_row, monkeypatch, capsys):
+    sweep = tmp_path / "s-emulated"
+    _write(sweep, exact_row | {"emulation": "fit"})
+    monkeypatch.setattr(audit, "emulate_cell", lambda *a, **k: exact_row | {
+        "status": "error", "peak_device_bytes": None, "peak_host_bytes": None})
+    assert audit.main([str(sweep), "--out", str(tmp_path / "out")]) == 1
+    assert "no (device ? B, status ok / error" in capsys.readouterr().out

@@ -7,8 +7,9 @@ size to blocks the lattice does not hold (FA3's 80- and 96-row blocks, docs/emul
 errors), it can be wrong. An audit settles it for committed rows: it emulates each selected
 fitted row's cell exactly (every layer at the row's length, memory only: no FLOP or byte
 counters) on the row's hardware and records both peaks, device and host, and the status each
-gives. An exact memory-only step costs seconds to a minute and a half at paper scale on this
-machine (Llama3-8B, 32 layers, to 3M tokens), so a sweep's worth of rows takes minutes.
+gives. An exact memory-only step of a paper cell takes 9 s to a minute on one core here
+(Llama3-8B's 32 layers, Qwen3-32B's 64, to 8M tokens) and minutes for the FPDTs at millions of
+tokens (docs/emulation.md#how-exact-it-is), so most sweeps' fitted rows take an hour or two.
 
     python -m experiments.emulation.audit results/table3_llama3_8b_h100x8-emulated \\
         --kernel fa3 --method zigzag-ring --method fpdt
@@ -61,6 +62,9 @@ def audit_run(path: Path, measure=None) -> dict:
     ``emulate_cell``."""
     measure = measure or emulate_cell
     row = read_row(path)
+    if missing := [f"hw_{k}" for k in HW_FIELDS if f"hw_{k}" not in row]:
+        raise ValueError(f"{path}: the row has no {', '.join(missing)}: it does not say which "
+                         "hardware it was emulated on, so it cannot be emulated again")
     cell = Cell.from_dict(read_json(path.with_name(CELL_FILE)))
     hw = Hardware(**{k: row[f"hw_{k}"] for k in HW_FIELDS})
     t0 = time.monotonic()
@@ -112,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(r := audit_run(path))
         # written row by row: an audit stopped part way keeps what it measured
         write_text(csv, merge(pd.read_csv(csv) if csv.exists() else None, [r]).to_csv(index=False))
-        print(f"{r['sweep']} {r['cell_id']}: {r['match']} (device {r['device_diff_bytes']:+} B, "
-              f"status {r['row_status']} / {r['exact_status']}, {r['audit_s']} s)", flush=True)
+        diff = r["device_diff_bytes"]  # None where a peak is missing (an unrun cell)
+        print(f"{r['sweep']} {r['cell_id']}: {r['match']} (device "
+              f"{'?' if diff is None else f'{diff:+}'} B, status {r['row_status']} / "
+              f"{r['exact_status']}, {r['audit_s']} s)", flush=True)
     bad = [r for r in rows if r["match"] != "yes"]
     print(f"{len(rows) - len(bad)} of {len(rows)} fitted rows equal their exact emulation "
           f"-> {csv}")
